@@ -1,0 +1,58 @@
+"""StepPlan / StepResult: the plain-data contract between the scheduler and the model runner.
+
+New requests (and requests resumed after preemption) travel in full; requests the runner
+already holds travel as diffs (only their newly allocated blocks). The order of
+`num_scheduled_tokens` is the batch order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from asyncserve.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    request_id: str
+    prompt_token_ids: list[int]
+    # Output tokens so far: non-empty only when resumed after preemption (recompute).
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    # Tokens already in the cache (a prefix hit), so computing starts here.
+    num_computed_tokens: int
+
+
+@dataclass
+class RunningRequestData:
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class StepPlan:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    running_requests: list[RunningRequestData] = field(default_factory=list)
+    # request id -> tokens to compute this step, in batch order.
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    # Requests the runner must forget (finished, aborted or preempted since the last step).
+    freed_request_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class StepResult:
+    # request id -> sampled token ids this step (empty for a partial prefill chunk).
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # request id -> per sampled token: (token id -> logprob) of the top-k plus the sampled one,
+    # and the sampled token's 1-based rank.
+    logprobs: dict[str, list[tuple[dict[int, float], int]]] = field(default_factory=dict)
+    # request id -> per prompt position (the first has none): top-k logprobs and the rank of
+    # the actual next prompt token; filled chunk by chunk.
+    prompt_logprobs: dict[str, list[tuple[dict[int, float], int]]] = field(default_factory=dict)

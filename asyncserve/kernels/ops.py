@@ -1,0 +1,42 @@
+"""The kernel set a model runs with: the torch references on CPU, Triton kernels on CUDA."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from asyncserve.kernels import reference
+
+
+@dataclass(frozen=True)
+class KernelOps:
+    """Functions with the signatures of kernels/reference.py."""
+
+    name: str
+    store_kv: Callable[..., None]
+    unified_attention: Callable[..., torch.Tensor]
+    rms_norm: Callable[..., torch.Tensor]
+    fused_add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    silu_and_mul: Callable[..., torch.Tensor]
+
+
+REFERENCE_OPS = KernelOps(
+    name="reference",
+    store_kv=reference.store_kv,
+    unified_attention=reference.unified_attention,
+    rms_norm=reference.rms_norm,
+    fused_add_rms_norm=reference.fused_add_rms_norm,
+    rotary_embedding=reference.rotary_embedding,
+    silu_and_mul=reference.silu_and_mul,
+)
+
+
+def select_ops(device: torch.device) -> KernelOps:
+    if device.type == "cuda":
+        from asyncserve.kernels.triton_ops import TRITON_OPS
+
+        return TRITON_OPS
+    return REFERENCE_OPS

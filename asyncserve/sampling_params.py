@@ -1,0 +1,180 @@
+"""SamplingParams: how one request is decoded. Validated on construction (ValueError names the field)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class RequestOutputKind(enum.Enum):
+    CUMULATIVE = 0  # every output carries the whole text so far
+    DELTA = 1  # every output carries only what is new
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
+@dataclass
+class StructuredOutputsParams:
+    """One constraint on the output; exactly one field is set."""
+
+    json: str | dict[str, Any] | None = None  # a JSON schema
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # a Lark grammar, as llguidance takes it
+    json_object: bool | None = None  # any JSON object
+
+    def __post_init__(self) -> None:
+        count = sum(
+            x is not None and x is not False
+            for x in (self.json, self.regex, self.choice, self.grammar, self.json_object)
+        )
+        if count != 1:
+            raise ValueError(
+                "structured_outputs: exactly one of json, regex, choice, grammar, json_object "
+                f"must be set, got {count}"
+            )
+        if self.choice is not None and (
+            not self.choice or not all(isinstance(c, str) for c in self.choice)
+        ):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+
+
+def _check(cond: bool, field_name: str, message: str) -> None:
+    if not cond:
+        raise ValueError(f"{field_name} {message}")
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    best_of: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
+    # Filled by the engine from the model's generation config; never set by users.
+    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+        self.all_stop_token_ids = set(self.stop_token_ids)
+
+    def _validate(self) -> None:
+        _check(isinstance(self.n, int) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n}")
+        if self.best_of is not None:
+            _check(
+                isinstance(self.best_of, int) and self.best_of >= self.n,
+                "best_of",
+                f"must be an integer >= n ({self.n}), got {self.best_of}",
+            )
+        _check(
+            self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}"
+        )
+        _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(
+            isinstance(self.top_k, int) and self.top_k >= 0,
+            "top_k",
+            f"must be 0 or -1 (disabled) or a positive integer, got {self.top_k}",
+        )
+        _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.seed is not None:
+            _check(isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
+        if self.max_tokens is not None:
+            _check(
+                isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+                "max_tokens",
+                f"must be an integer >= 1, got {self.max_tokens}",
+            )
+        _check(
+            isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+            "min_tokens",
+            f"must be an integer >= 0, got {self.min_tokens}",
+        )
+        if self.max_tokens is not None:
+            _check(
+                self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}",
+            )
+        assert isinstance(self.stop, list)
+        _check(
+            all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            "must be a list of non-empty strings",
+        )
+        assert self.stop_token_ids is not None
+        _check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "must be a list of non-negative integers",
+        )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check(
+                    isinstance(value, int) and 0 <= value <= 20,
+                    name,
+                    f"must be an integer in [0, 20], got {value}",
+                )
+        _check(
+            -2.0 <= self.presence_penalty <= 2.0,
+            "presence_penalty",
+            f"must be in [-2, 2], got {self.presence_penalty}",
+        )
+        _check(
+            -2.0 <= self.frequency_penalty <= 2.0,
+            "frequency_penalty",
+            f"must be in [-2, 2], got {self.frequency_penalty}",
+        )
+        _check(
+            self.repetition_penalty > 0.0,
+            "repetition_penalty",
+            f"must be > 0, got {self.repetition_penalty}",
+        )
+        _check(
+            isinstance(self.output_kind, RequestOutputKind),
+            "output_kind",
+            "must be a RequestOutputKind",
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    @property
+    def max_stop_len(self) -> int:
+        assert isinstance(self.stop, list)
+        return max((len(s) for s in self.stop), default=0)
