@@ -39,3 +39,5 @@ class RequestOutput:
     prompt_logprobs: list[LogprobsDict | None] | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    # Set when the request failed (finish_reason "error"): why.
+    error: str | None = None

@@ -1,0 +1,326 @@
+"""AsyncEngine: add / abort / generate(), and the one asyncio step loop.
+
+Each iteration schedules a step, hands it to a worker thread (the forward pass), and while
+the device works, detokenizes and publishes the previous step's tokens on the event loop.
+The event loop never blocks on the device: it awaits the worker's future.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import logging
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from asyncserve.config import EngineConfig
+from asyncserve.engine.model_runner import ModelRunner
+from asyncserve.engine.output_processor import OutputProcessor, ParentState
+from asyncserve.engine.request import Request, RequestStatus
+from asyncserve.engine.request_stream import RequestStream
+from asyncserve.engine.scheduler import Scheduler
+from asyncserve.engine.step import StepResult
+from asyncserve.metrics import EngineMetrics
+from asyncserve.models.loader import LoadedModel, load_model
+from asyncserve.outputs import RequestOutput
+from asyncserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class AsyncEngine:
+    def __init__(
+        self, config: EngineConfig, loaded: LoadedModel, metrics: EngineMetrics | None = None
+    ) -> None:
+        self.config = config
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.model_path = loaded.model_path
+        self.generation_config = loaded.generation_config
+        self.metrics = metrics
+        self.device = next(loaded.model.parameters()).device
+        self.max_model_len = min(
+            config.model.max_model_len or loaded.arch.max_position_embeddings,
+            loaded.arch.max_position_embeddings,
+        )
+        self.runner = ModelRunner(loaded, config, self.device)
+        num_blocks = self.runner.determine_num_blocks(self.max_model_len)
+        self.runner.allocate_kv_cache(num_blocks)
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer, config.stream_interval, metrics)
+        eos_ids = list(loaded.generation_config.get("eos_token_id") or loaded.arch.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos_ids:
+            eos_ids.insert(0, self.tokenizer.eos_token_id)
+        self.eos_token_ids: list[int] = eos_ids
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncserve-step")
+        self._loop_task: asyncio.Task[None] | None = None
+        self._wakeup: asyncio.Event | None = None
+        self._stopping = False
+        self._dead_reason: str | None = None
+        # Scheduler counters already reported to metrics.
+        self._seen_preemptions = 0
+        self._seen_queries = 0
+        self._seen_hits = 0
+        logger.info(
+            "engine ready: %s on %s, %d KV blocks of %d tokens, max_model_len %d",
+            self.model_path,
+            self.device,
+            num_blocks,
+            config.cache.block_size,
+            self.max_model_len,
+        )
+
+    @classmethod
+    def from_config(
+        cls, config: EngineConfig, metrics: EngineMetrics | None = None
+    ) -> AsyncEngine:
+        device = resolve_device(config.model.device)
+        torch.manual_seed(config.model.seed)
+        loaded = load_model(config.model, device)
+        return cls(config, loaded, metrics)
+
+    # ---- state for the server ------------------------------------------------------------
+
+    @property
+    def is_running(self) -> bool:
+        return (
+            self._loop_task is not None and not self._loop_task.done() and self._dead_reason is None
+        )
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.scheduler.kv_cache_usage
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.runner.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.scheduler.kv_cache_manager.block_pool.num_free_blocks
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self.is_running:
+            return
+        self._wakeup = asyncio.Event()
+        self._stopping = False
+        self._loop_task = asyncio.create_task(self._step_loop(), name="asyncserve-step-loop")
+
+    async def shutdown(self, timeout: float | None = None) -> None:
+        """Let running requests finish for up to `timeout` seconds, abort the rest, stop."""
+        if self._loop_task is None:
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.output_processor.parents and self.is_running:
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.01)
+        for request_id in list(self.output_processor.parents):
+            await self.abort(request_id)
+        self._stopping = True
+        if self._wakeup is not None:
+            self._wakeup.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._loop_task
+        self._loop_task = None
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def validate_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, strict_max_tokens: bool = True
+    ) -> None:
+        """Raise ValueError when a request cannot run; the message names what is wrong."""
+        n_prompt = len(prompt_token_ids)
+        if n_prompt == 0:
+            raise ValueError("prompt must not be empty")
+        vocab = self.loaded.arch.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt contains token id {bad} outside the vocabulary [0, {vocab})")
+        if n_prompt >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {n_prompt} tokens but max_model_len is {self.max_model_len}: "
+                "the prompt must be shorter than max_model_len"
+            )
+        if strict_max_tokens and params.max_tokens is not None:
+            total = n_prompt + params.max_tokens
+            if total > self.max_model_len:
+                raise ValueError(
+                    f"max_tokens: this model's maximum context length is {self.max_model_len} "
+                    f"tokens, but {total} were requested ({n_prompt} in the prompt, "
+                    f"{params.max_tokens} in the completion)"
+                )
+
+    def _child_params(self, params: SamplingParams, index: int) -> SamplingParams:
+        child = copy.copy(params)
+        child.n = 1
+        if params.seed is not None:
+            child.seed = params.seed + index
+        stop_ids = set(params.stop_token_ids or [])
+        if not params.ignore_eos:
+            # Every EOS id of the model stops; min_tokens masks them all.
+            child.all_stop_token_ids = stop_ids | set(self.eos_token_ids)
+        else:
+            child.all_stop_token_ids = stop_ids
+        child.stop_token_ids = sorted(
+            stop_ids | (set(self.eos_token_ids[1:]) if not params.ignore_eos else set())
+        )
+        return child
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+    ) -> RequestStream:
+        if request_id in self.output_processor.parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if self._dead_reason is not None:
+            raise RuntimeError(f"engine is not running: {self._dead_reason}")
+        if isinstance(prompt, str):
+            prompt_text: str | None = prompt
+            prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            prompt_text = None
+            prompt_ids = list(prompt)
+        self.validate_request(prompt_ids, params, strict_max_tokens=False)
+        room = self.max_model_len - len(prompt_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        stream = RequestStream(request_id, params.output_kind)
+        parent = ParentState(
+            request_id=request_id,
+            prompt=prompt_text,
+            prompt_token_ids=prompt_ids,
+            params=params,
+            stream=stream,
+        )
+        requests = []
+        for index in range(params.n):
+            child_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            requests.append(
+                Request(
+                    request_id=child_id,
+                    prompt_token_ids=prompt_ids,
+                    sampling_params=self._child_params(params, index),
+                    eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
+                    priority=priority,
+                    arrival_time=parent.arrival_time,
+                    max_tokens=max_tokens,
+                )
+            )
+        self.output_processor.add(parent, requests)
+        for request in requests:
+            self.scheduler.add_request(request)
+        if self._wakeup is not None:
+            self._wakeup.set()
+        return stream
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        if not self.is_running:
+            await self.start()
+        stream = self.add_request(prompt, sampling_params, request_id, priority)
+        try:
+            while True:
+                output = await stream.get()
+                yield output
+                if output.finished:
+                    return
+        finally:
+            if not stream.finished:
+                await self.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        child_ids = self.output_processor.child_ids(request_id)
+        if not child_ids:
+            return
+        self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+        self.output_processor.finish_aborted(request_id)
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    # ---- the step loop -------------------------------------------------------------------
+
+    async def _step_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        pending: tuple[list[Request], StepResult] | None = None
+        assert self._wakeup is not None
+        try:
+            while not self._stopping:
+                if not self.scheduler.has_unfinished_requests() and pending is None:
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                plan = self.scheduler.schedule()
+                for request in self.scheduler.take_errored():
+                    self.output_processor.fail_request(request.request_id, request.error or "")
+                future = None
+                if not plan.is_empty or plan.freed_request_ids:
+                    future = loop.run_in_executor(self._executor, self.runner.execute, plan)
+                # Overlap: publish the previous step's tokens while this one computes.
+                if pending is not None:
+                    self._publish(*pending)
+                    pending = None
+                if future is not None:
+                    result = await future
+                    updated = self.scheduler.update(plan, result)
+                    pending = (updated, result)
+                    self._record_step()
+                else:
+                    await asyncio.sleep(0.001)
+            if pending is not None:
+                self._publish(*pending)
+        except Exception as exc:  # a failed step: fail every request, report unhealthy
+            logger.exception("step loop failed")
+            self._dead_reason = f"{type(exc).__name__}: {exc}"
+            for request_id in list(self.output_processor.parents):
+                self.output_processor.finish_aborted(
+                    request_id, reason="error", error=self._dead_reason
+                )
+
+    def _publish(self, updated: list[Request], result: StepResult) -> None:
+        stopped = self.output_processor.process(updated, result)
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+
+    def _record_step(self) -> None:
+        if self.metrics is None:
+            return
+        s = self.scheduler
+        self.metrics.on_step(s.num_running, s.num_waiting, s.kv_cache_usage)
+        preemptions = s.num_preemptions_total - self._seen_preemptions
+        if preemptions:
+            self.metrics.on_preemptions(preemptions)
+        self._seen_preemptions = s.num_preemptions_total
+        queries = s.prefix_cache_queries - self._seen_queries
+        hits = s.prefix_cache_hits - self._seen_hits
+        if queries:
+            self.metrics.on_prefix_cache(queries, hits)
+        self._seen_queries = s.prefix_cache_queries
+        self._seen_hits = s.prefix_cache_hits

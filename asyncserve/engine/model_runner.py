@@ -1,0 +1,259 @@
+"""Model runner: StepPlan -> tensors -> forward -> sampled tokens (StepResult).
+
+It keeps each scheduled request's state (tokens, block table) between steps, so the plan
+carries only diffs for running requests. `execute` is synchronous; the async engine runs it
+on a worker thread so the event loop never waits on the device.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from asyncserve.config import EngineConfig
+from asyncserve.engine.input_batch import CachedRequestState, StepInputs, build_step_inputs
+from asyncserve.engine.sampler import Sampler, SamplerOutput
+from asyncserve.engine.sampling_metadata import SamplingMetadata, SamplingRow
+from asyncserve.engine.step import StepPlan, StepResult
+from asyncserve.models.attention import AttentionMetadata
+from asyncserve.models.loader import LoadedModel
+
+logger = logging.getLogger(__name__)
+
+# KV pool on CPU when no byte budget is given.
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def step_seed(seed: int, num_output_tokens: int) -> int:
+    """Seed for one sampling step of a seeded request.
+
+    Derived from the request's seed and how many tokens it has produced, so its random
+    stream does not depend on the batch, its row, or a preemption in between.
+    """
+    return (seed * 1_000_003 + num_output_tokens * _GOLDEN) & ((1 << 63) - 1)
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, device: torch.device) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.arch = loaded.arch
+        self.config = config
+        self.device = device
+        self.dtype = loaded.dtype
+        self.block_size = config.cache.block_size
+        self.vocab_size = loaded.arch.vocab_size
+        self.sampler = Sampler()
+        self.states: dict[str, CachedRequestState] = {}
+        self.generators: dict[str, torch.Generator] = {}
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.num_blocks = 0
+
+    # ---- KV pool -------------------------------------------------------------------------
+
+    def kv_block_bytes(self) -> int:
+        arch = self.arch
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        per_layer = 2 * self.block_size * arch.num_key_value_heads * arch.head_dim * element
+        return per_layer * arch.num_hidden_layers
+
+    def determine_num_blocks(self, max_model_len: int) -> int:
+        cache = self.config.cache
+        if cache.num_blocks_override is not None:
+            return cache.num_blocks_override
+        block_bytes = self.kv_block_bytes()
+        if cache.kv_cache_memory is not None:
+            budget = cache.kv_cache_memory
+        elif self.device.type == "cuda":
+            budget = self._free_gpu_bytes_after_profile()
+        else:
+            budget = DEFAULT_CPU_KV_CACHE_BYTES
+        num_blocks = budget // block_bytes
+        # No point holding more than every seat filled to the longest sequence.
+        blocks_per_seq = -(-max_model_len // self.block_size)
+        num_blocks = min(num_blocks, self.config.scheduler.max_num_seqs * blocks_per_seq + 1)
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv cache budget of {budget} bytes holds no block of {block_bytes} bytes; "
+                "raise kv_cache_memory or gpu_memory_utilization"
+            )
+        return int(num_blocks)
+
+    def _free_gpu_bytes_after_profile(self) -> int:
+        """Run the largest step once, then give the KV pool what the utilization target leaves."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._profile_run()
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        # Memory used by other processes / non-torch allocations counts against the target.
+        non_torch = total - free - torch.cuda.memory_reserved(self.device)
+        budget = int(total * self.config.cache.gpu_memory_utilization) - peak - max(non_torch, 0)
+        logger.info(
+            "GPU memory: total %.1f GiB, peak step %.1f GiB, KV budget %.1f GiB",
+            total / 2**30,
+            peak / 2**30,
+            budget / 2**30,
+        )
+        return max(budget, 0)
+
+    def _profile_run(self) -> None:
+        num_tokens = self.config.scheduler.max_num_batched_tokens
+        num_blocks = -(-num_tokens // self.block_size)
+        caches = self._make_caches(num_blocks)
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(num_tokens, device=self.device, dtype=torch.int64),
+            cu_seqlens_q=torch.tensor([0, num_tokens], device=self.device, dtype=torch.int32),
+            seq_lens=torch.tensor([num_tokens], device=self.device, dtype=torch.int32),
+            block_tables=torch.arange(num_blocks, device=self.device, dtype=torch.int32)[None],
+            max_seqlen_q=num_tokens,
+            max_seqlen_k=num_tokens,
+        )
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        pos = torch.arange(num_tokens, dtype=torch.int64, device=self.device)
+        with torch.inference_mode():
+            hidden = self.model(ids, pos, caches, meta)
+            rows = min(self.config.scheduler.max_num_seqs, num_tokens)
+            self.model.compute_logits(hidden[:rows])
+        del caches, hidden
+
+    def _make_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        arch = self.arch
+        shape = (num_blocks, self.block_size, arch.num_key_value_heads, arch.head_dim)
+        return [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(arch.num_hidden_layers)
+        ]
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = self._make_caches(num_blocks)
+        self.num_blocks = num_blocks
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def _apply_plan(self, plan: StepPlan) -> None:
+        for rid in plan.freed_request_ids:
+            self.states.pop(rid, None)
+            self.generators.pop(rid, None)
+        for new in plan.new_requests:
+            params = new.sampling_params
+            self.states[new.request_id] = CachedRequestState(
+                request_id=new.request_id,
+                prompt_token_ids=new.prompt_token_ids,
+                output_token_ids=list(new.output_token_ids),
+                sampling_params=params,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                stop_token_ids=set(params.all_stop_token_ids),
+            )
+        for running in plan.running_requests:
+            state = self.states[running.request_id]
+            state.block_ids.extend(running.new_block_ids)
+            state.num_computed_tokens = running.num_computed_tokens
+
+    def _generator(self, state: CachedRequestState) -> torch.Generator | None:
+        seed = state.sampling_params.seed
+        if seed is None or state.sampling_params.greedy:
+            return None
+        gen = self.generators.get(state.request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device)
+            self.generators[state.request_id] = gen
+        gen.manual_seed(step_seed(seed, len(state.output_token_ids)))
+        return gen
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        self._apply_plan(plan)
+        result = StepResult()
+        if plan.is_empty:
+            return result
+        inputs = build_step_inputs(plan, self.states, self.block_size, self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        self._prompt_logprobs(inputs, hidden, result)
+
+        sampler_out: SamplerOutput | None = None
+        if inputs.sample_request_ids:
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            rows = [self._sampling_row(self.states[rid]) for rid in inputs.sample_request_ids]
+            meta = SamplingMetadata.build(rows, self.vocab_size, self.device)
+            sampler_out = self.sampler(logits, meta)
+
+        for rid, count in zip(inputs.request_ids, inputs.counts, strict=True):
+            self.states[rid].num_computed_tokens += count
+        if sampler_out is not None:
+            self._collect_samples(inputs, sampler_out, result)
+        return result
+
+    def _sampling_row(self, state: CachedRequestState) -> SamplingRow:
+        return SamplingRow(
+            params=state.sampling_params,
+            prompt_token_ids=state.prompt_token_ids,
+            output_token_ids=state.output_token_ids,
+            generator=self._generator(state),
+            stop_token_ids=state.stop_token_ids,
+        )
+
+    def _collect_samples(
+        self, inputs: StepInputs, out: SamplerOutput, result: StepResult
+    ) -> None:
+        # The one device->host transfer of the step.
+        sampled = out.sampled_token_ids.tolist()
+        lp_ids = out.logprob_token_ids.tolist() if out.logprob_token_ids is not None else None
+        lp_vals = out.logprobs.tolist() if out.logprobs is not None else None
+        ranks = out.sampled_ranks.tolist() if out.sampled_ranks is not None else None
+        for row, rid in enumerate(inputs.sample_request_ids):
+            token = int(sampled[row])
+            state = self.states[rid]
+            state.output_token_ids.append(token)
+            result.sampled_token_ids[rid] = [token]
+            num_logprobs = state.sampling_params.logprobs
+            if num_logprobs is not None and lp_ids is not None and lp_vals is not None:
+                # Column 0 is the sampled token, then the top-k.
+                entry = {
+                    int(t): float(v)
+                    for t, v in zip(
+                        lp_ids[row][1 : 1 + num_logprobs],
+                        lp_vals[row][1 : 1 + num_logprobs],
+                        strict=True,
+                    )
+                }
+                entry[token] = float(lp_vals[row][0])
+                rank = int(ranks[row]) if ranks is not None else 0
+                result.logprobs[rid] = [(entry, rank)]
+
+    def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor, result: StepResult) -> None:
+        """Logprobs of each prompt token given the tokens before it, chunk by chunk."""
+        offset = 0
+        for rid, start, count in zip(inputs.request_ids, inputs.starts, inputs.counts, strict=True):
+            state = self.states[rid]
+            k = state.sampling_params.prompt_logprobs
+            num_prompt = len(state.prompt_token_ids)
+            # Position j predicts prompt token j + 1.
+            last = min(start + count, num_prompt - 1)
+            if k is None or start >= last:
+                offset += count
+                continue
+            rows = hidden[offset : offset + (last - start)]
+            logprobs = torch.log_softmax(self.model.compute_logits(rows), dim=-1)
+            targets = torch.tensor(
+                state.prompt_token_ids[start + 1 : last + 1], device=logprobs.device
+            )
+            target_lp = logprobs.gather(1, targets[:, None])
+            ranks = (logprobs > target_lp).sum(dim=-1) + 1
+            top_vals, top_ids = (
+                logprobs.topk(k, dim=-1) if k > 0 else (logprobs[:, :0], targets[:, None][:, :0])
+            )
+            entries: list[tuple[dict[int, float], int]] = []
+            for i, (ids, vals) in enumerate(zip(top_ids.tolist(), top_vals.tolist(), strict=True)):
+                entry = dict(zip(ids, vals, strict=True))
+                entry[int(targets[i])] = float(target_lp[i, 0])
+                entries.append((entry, int(ranks[i])))
+            result.prompt_logprobs[rid] = entries
+            offset += count

@@ -1,0 +1,257 @@
+"""Turns sampled tokens into RequestOutputs: detokenize, stop strings, logprobs, n > 1 fan-in.
+
+Runs on the event-loop thread while the device computes the next step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from asyncserve.engine.detokenizer import IncrementalDetokenizer, decode_token
+from asyncserve.engine.request import Request, RequestStatus
+from asyncserve.engine.request_stream import RequestStream
+from asyncserve.engine.step import StepResult
+from asyncserve.metrics import EngineMetrics
+from asyncserve.outputs import CompletionOutput, Logprob, LogprobsDict, RequestOutput
+from asyncserve.sampling_params import RequestOutputKind, SamplingParams
+from asyncserve.tokenizer import Tokenizer
+
+
+@dataclass
+class ChildState:
+    """One sample (of n) of a request."""
+
+    index: int
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[LogprobsDict] | None
+    cumulative_logprob: float | None
+    num_sent_tokens: int = 0
+    num_sent_logprobs: int = 0
+    # Output tokens accepted into the text (a stop string may end it early).
+    num_accepted_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    last_token_time: float | None = None
+
+
+@dataclass
+class ParentState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: RequestStream
+    children: list[ChildState] = field(default_factory=list)
+    prompt_logprobs: list[LogprobsDict | None] | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.children)
+
+
+class OutputProcessor:
+    def __init__(
+        self, tokenizer: Tokenizer, stream_interval: int, metrics: EngineMetrics | None
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.stream_interval = max(1, stream_interval)
+        self.metrics = metrics
+        self.parents: dict[str, ParentState] = {}
+        # child request id -> (parent, child)
+        self.children: dict[str, tuple[ParentState, ChildState]] = {}
+
+    def add(self, parent: ParentState, requests: list[Request]) -> None:
+        self.parents[parent.request_id] = parent
+        for index, request in enumerate(requests):
+            params = request.sampling_params
+            child = ChildState(
+                index=index,
+                request=request,
+                detokenizer=IncrementalDetokenizer(
+                    self.tokenizer.backend,
+                    request.prompt_token_ids,
+                    params,
+                    self.tokenizer.special_token_ids,
+                ),
+                logprobs=[] if params.logprobs is not None else None,
+                cumulative_logprob=0.0 if params.logprobs is not None else None,
+            )
+            parent.children.append(child)
+            self.children[request.request_id] = (parent, child)
+
+    def child_ids(self, request_id: str) -> list[str]:
+        parent = self.parents.get(request_id)
+        return [c.request.request_id for c in parent.children] if parent else []
+
+    def process(self, updated: list[Request], result: StepResult) -> list[str]:
+        """Publish outputs for the requests that got tokens. Returns ids stopped by a stop string."""
+        now = time.monotonic()
+        stopped: list[str] = []
+        touched: dict[str, ParentState] = {}
+        num_generated = 0
+        for request in updated:
+            entry = self.children.get(request.request_id)
+            if entry is None:
+                continue
+            parent, child = entry
+            if child.finish_reason is not None:
+                continue  # already ended by a stop string; later tokens are discarded
+            new_tokens = request.output_token_ids[child.num_accepted_tokens :]
+            num_generated += len(new_tokens)
+            self._record_timing(parent, child, now, len(new_tokens))
+            self._append_logprobs(child, result, request.request_id)
+            stop_terminated = request.status == RequestStatus.FINISHED_STOPPED
+            stop_str = child.detokenizer.update(new_tokens, stop_terminated)
+            child.num_accepted_tokens += len(new_tokens)
+            if request.request_id in result.prompt_logprobs:
+                self._append_prompt_logprobs(parent, result.prompt_logprobs[request.request_id])
+            if stop_str is not None:
+                child.finish_reason = "stop"
+                child.stop_reason = stop_str
+                stopped.append(request.request_id)
+            elif request.is_finished:
+                child.finish_reason = request.status.finish_reason
+                child.stop_reason = request.stop_reason
+            touched[parent.request_id] = parent
+        if self.metrics is not None and num_generated:
+            self.metrics.on_tokens(0, num_generated)
+        for parent in touched.values():
+            self._publish(parent, now)
+        return stopped
+
+    def finish_aborted(self, request_id: str, reason: str = "abort", error: str | None = None) -> None:
+        """End a request from outside the step (abort or error) and tell its reader."""
+        parent = self.parents.get(request_id)
+        if parent is None:
+            return
+        for child in parent.children:
+            if child.finish_reason is None:
+                child.finish_reason = reason
+        parent.error = error
+        self._publish(parent, time.monotonic(), force=True)
+
+    def fail_request(self, child_request_id: str, error: str) -> None:
+        entry = self.children.get(child_request_id)
+        if entry is not None:
+            self.finish_aborted(entry[0].request_id, reason="error", error=error)
+
+    # ---- internals -----------------------------------------------------------------------
+
+    def _record_timing(self, parent: ParentState, child: ChildState, now: float, n: int) -> None:
+        if n == 0:
+            return
+        if parent.first_token_time is None:
+            parent.first_token_time = now
+            if self.metrics is not None:
+                self.metrics.on_first_token(now - parent.arrival_time)
+                self.metrics.on_tokens(len(parent.prompt_token_ids), 0)
+        elif child.last_token_time is not None and self.metrics is not None:
+            self.metrics.on_inter_token((now - child.last_token_time) / n)
+        child.last_token_time = now
+
+    def _append_logprobs(self, child: ChildState, result: StepResult, rid: str) -> None:
+        if child.logprobs is None or rid not in result.logprobs:
+            return
+        for (entry, rank), token in zip(
+            result.logprobs[rid],
+            child.request.output_token_ids[child.num_accepted_tokens :],
+            strict=False,
+        ):
+            child.logprobs.append(self._to_logprobs(entry, token, rank))
+            if child.cumulative_logprob is not None:
+                child.cumulative_logprob += entry.get(token, 0.0)
+
+    def _append_prompt_logprobs(
+        self, parent: ParentState, entries: list[tuple[dict[int, float], int]]
+    ) -> None:
+        if parent.prompt_logprobs is None:
+            parent.prompt_logprobs = [None]
+        offset = len(parent.prompt_logprobs)
+        for i, (entry, rank) in enumerate(entries):
+            token = parent.prompt_token_ids[offset + i]
+            parent.prompt_logprobs.append(self._to_logprobs(entry, token, rank))
+
+    def _to_logprobs(self, entry: dict[int, float], token: int, rank: int) -> LogprobsDict:
+        ranked = sorted(entry.items(), key=lambda kv: -kv[1])
+        out: LogprobsDict = {}
+        for position, (tid, value) in enumerate(ranked, start=1):
+            out[tid] = Logprob(
+                logprob=value,
+                rank=rank if tid == token else position,
+                decoded_token=decode_token(self.tokenizer.backend, tid),
+            )
+        return out
+
+    def _publish(self, parent: ParentState, now: float, force: bool = False) -> None:
+        kind = parent.params.output_kind
+        finished = parent.finished
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return
+        delta = kind == RequestOutputKind.DELTA
+        completions: list[CompletionOutput] = []
+        for child in parent.children:
+            done = child.finish_reason is not None
+            pending = child.num_accepted_tokens - child.num_sent_tokens
+            if delta and not done and not force and pending < self.stream_interval:
+                continue
+            text = child.detokenizer.get_next_output_text(done, delta)
+            token_ids = child.request.output_token_ids[: child.num_accepted_tokens]
+            logprobs = child.logprobs
+            if delta:
+                token_ids = token_ids[child.num_sent_tokens :]
+                if logprobs is not None:
+                    logprobs = logprobs[child.num_sent_logprobs :]
+                if not text and not token_ids and not done:
+                    continue
+            child.num_sent_tokens = child.num_accepted_tokens
+            child.num_sent_logprobs = len(child.logprobs or [])
+            completions.append(
+                CompletionOutput(
+                    index=child.index,
+                    text=text,
+                    token_ids=list(token_ids),
+                    cumulative_logprob=child.cumulative_logprob,
+                    logprobs=list(logprobs) if logprobs is not None else None,
+                    finish_reason=child.finish_reason,
+                    stop_reason=child.stop_reason,
+                )
+            )
+        if not completions and not finished:
+            return
+        first = parent.children[0].request
+        output = RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            prompt_logprobs=parent.prompt_logprobs,
+            num_cached_tokens=max(first.num_cached_tokens, 0),
+            error=parent.error,
+        )
+        if finished:
+            output.metrics = self._finish_metrics(parent, now)
+            self._forget(parent)
+        parent.stream.put(output)
+
+    def _finish_metrics(self, parent: ParentState, now: float) -> dict[str, float]:
+        first = parent.children[0].request
+        queue_s = (first.first_scheduled_time or now) - parent.arrival_time
+        e2e_s = now - parent.arrival_time
+        reason = parent.children[0].finish_reason or "abort"
+        if self.metrics is not None:
+            self.metrics.on_request_finished(reason, e2e_s, queue_s)
+        metrics = {"e2e_s": e2e_s, "queue_s": queue_s}
+        if parent.first_token_time is not None:
+            metrics["ttft_s"] = parent.first_token_time - parent.arrival_time
+        return metrics
+
+    def _forget(self, parent: ParentState) -> None:
+        self.parents.pop(parent.request_id, None)
+        for child in parent.children:
+            self.children.pop(child.request.request_id, None)

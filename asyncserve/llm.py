@@ -1,0 +1,219 @@
+"""The offline API: LLM(model=...).generate(prompts, SamplingParams(...))."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from asyncserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from asyncserve.engine.async_engine import AsyncEngine
+from asyncserve.outputs import CompletionOutput, RequestOutput
+from asyncserve.sampling_params import RequestOutputKind, SamplingParams
+from asyncserve.tokenizer import Tokenizer
+
+PromptType = str | list[int] | dict[str, Any]
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+class LLM:
+    """A model loaded for batch generation. Arguments are named as vLLM names them."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        load_format: str = "auto",
+        max_model_len: int | None = None,
+        seed: int = 0,
+        device: str = "auto",
+        block_size: int = 16,
+        gpu_memory_utilization: float = 0.9,
+        kv_cache_memory: int | None = None,
+        num_gpu_blocks_override: int | None = None,
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        scheduling_policy: str = "fcfs",
+        enforce_eager: bool = False,
+    ) -> None:
+        config = EngineConfig(
+            model=ModelConfig(
+                model=model,
+                tokenizer=tokenizer,
+                dtype=dtype,
+                load_format=load_format,  # type: ignore[arg-type]
+                max_model_len=max_model_len,
+                seed=seed,
+                device=device,
+            ),
+            cache=CacheConfig(
+                block_size=block_size,
+                gpu_memory_utilization=gpu_memory_utilization,
+                kv_cache_memory=kv_cache_memory,
+                num_blocks_override=num_gpu_blocks_override,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=max_num_seqs,
+                policy=scheduling_policy,  # type: ignore[arg-type]
+            ),
+            enable_cuda_graphs=not enforce_eager,
+        )
+        self.engine = AsyncEngine.from_config(config)
+        self._loop = asyncio.new_event_loop()
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config defaults, as vLLM applies them."""
+        gen = self.engine.generation_config
+        return SamplingParams(**{k: gen[k] for k in SAMPLING_DEFAULT_KEYS if k in gen})
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order.
+
+        A prompt is a string, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]}.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"sampling_params: got {len(params_list)} for {len(prompt_list)} prompts"
+                )
+        if priority is not None and len(priority) != len(prompt_list):
+            raise ValueError(f"priority: got {len(priority)} values for {len(prompt_list)} prompts")
+        priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        return self._loop.run_until_complete(
+            self._run_all(prompt_list, params_list, priorities, use_tqdm)
+        )
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation and generate."""
+        conversations: list[list[dict[str, Any]]]
+        if messages and isinstance(messages[0], dict):
+            conversations = [messages]  # type: ignore[list-item]
+        else:
+            conversations = messages  # type: ignore[assignment]
+        tokenizer = self.engine.tokenizer
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(
+                conversation,
+                add_generation_prompt=add_generation_prompt,
+                **(chat_template_kwargs or {}),
+            )
+            # The template already holds BOS where the model wants one.
+            prompts.append(tokenizer.encode(text, add_special_tokens=False))
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    async def _run_all(
+        self,
+        prompts: list[PromptType],
+        params_list: list[SamplingParams],
+        priorities: list[int],
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        progress = tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm)
+
+        async def run_one(index: int) -> None:
+            prompt = prompts[index]
+            params = params_list[index]
+            final = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+            text, ids = _split_prompt(prompt)
+            request_id = str(next(self._ids))
+            try:
+                async for output in self.engine.generate(
+                    ids if ids is not None else text, final, request_id, priorities[index]
+                ):
+                    results[index] = output
+            except ValueError as exc:
+                results[index] = _error_output(request_id, text, ids or [], str(exc), params.n)
+            if results[index] is not None and text is not None:
+                results[index].prompt = text  # type: ignore[union-attr]
+            progress.update(1)
+
+        try:
+            await asyncio.gather(*(run_one(i) for i in range(len(prompts))))
+        finally:
+            progress.close()
+        return [r for r in results if r is not None]
+
+    def close(self) -> None:
+        if not self._loop.is_closed():
+            self._loop.run_until_complete(self.engine.shutdown(timeout=0))
+            self._loop.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, str | dict):
+        return [prompts]
+    prompt_list = list(prompts)
+    if prompt_list and all(isinstance(p, int) for p in prompt_list):
+        return [prompt_list]  # one token-id prompt
+    for i, p in enumerate(prompt_list):
+        if not isinstance(p, str | list | dict):
+            raise ValueError(f"prompts[{i}] must be a string, a list of token ids or a dict")
+    return prompt_list
+
+
+def _split_prompt(prompt: PromptType) -> tuple[str | None, list[int] | None]:
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return str(prompt["prompt"]), None
+        raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+    return None, list(prompt)
+
+
+def _error_output(
+    request_id: str, prompt: str | None, ids: list[int], error: str, n: int
+) -> RequestOutput:
+    return RequestOutput(
+        request_id=request_id,
+        prompt=prompt,
+        prompt_token_ids=ids,
+        outputs=[
+            CompletionOutput(index=i, text="", token_ids=[], finish_reason="error")
+            for i in range(n)
+        ],
+        finished=True,
+        error=error,
+    )
