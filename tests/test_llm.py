@@ -1,0 +1,151 @@
+"""The offline API: input forms, order, sampling features, errors, and block accounting."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from asyncserve import RequestOutputKind, SamplingParams
+from asyncserve.llm import LLM
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(device="cpu", max_model_len=256, kv_cache_memory=64 << 20)
+
+
+def assert_pool_whole(llm: LLM) -> None:
+    assert llm.engine.num_free_blocks == llm.engine.num_total_blocks
+
+
+def test_generate_outputs_in_input_order(llm: LLM) -> None:
+    prompts = ["Hello, my name is", "The sky is", "1, 2, 3,"]
+    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=8, seed=1)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.prompt for o in outputs] == prompts
+    for o in outputs:
+        assert o.finished and o.outputs[0].text and len(o.outputs[0].token_ids) <= 8
+    assert_pool_whole(llm)
+
+
+def test_token_id_prompts_and_dicts(llm: LLM) -> None:
+    ids = llm.get_tokenizer().encode("The sky is")
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    a = llm.generate([ids], params, use_tqdm=False)[0]
+    b = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+    c = llm.generate(ids, params, use_tqdm=False)[0]
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
+
+
+def test_seed_is_reproducible_whatever_the_batch(llm: LLM) -> None:
+    seeded = SamplingParams(temperature=1.0, max_tokens=12, seed=1234)
+    other = SamplingParams(temperature=1.0, max_tokens=12)
+    alone = llm.generate(["Tell me a story"], seeded, use_tqdm=False)[0]
+    batch = llm.generate(
+        ["Some other text", "Tell me a story", "More"], [other, seeded, other], use_tqdm=False
+    )
+    assert batch[1].outputs[0].token_ids == alone.outputs[0].token_ids
+
+
+def test_n_samples_and_logprobs(llm: LLM) -> None:
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=6, seed=7, logprobs=2)
+    out = llm.generate(["Once upon a time"], params, use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    for comp in out.outputs:
+        assert comp.logprobs is not None and len(comp.logprobs) == len(comp.token_ids)
+        for token, entry in zip(comp.token_ids, comp.logprobs, strict=True):
+            assert token in entry
+    assert_pool_whole(llm)
+
+
+def test_stop_string_never_in_text(llm: LLM) -> None:
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    full = llm.generate(["Count: 1, 2, 3,"], greedy, use_tqdm=False)[0].outputs[0].text
+    stop = full[5:8]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop])
+    out = llm.generate(["Count: 1, 2, 3,"], params, use_tqdm=False)[0].outputs[0]
+    assert stop not in out.text
+    assert out.text == full[: full.index(stop)]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+
+
+def test_max_tokens_and_min_tokens(llm: LLM) -> None:
+    out = llm.generate(
+        ["Hi"], SamplingParams(temperature=0.0, max_tokens=5, min_tokens=5), use_tqdm=False
+    )[0].outputs[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
+def test_prompt_logprobs(llm: LLM) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    out = llm.generate(["The capital of France is"], params, use_tqdm=False)[0]
+    assert out.prompt_logprobs is not None
+    assert out.prompt_logprobs[0] is None
+    assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
+    for token, entry in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:], strict=True):
+        assert entry is not None and token in entry
+
+
+def test_chat_uses_template(llm: LLM) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    out = llm.chat([{"role": "user", "content": "Say hello."}], params, use_tqdm=False)[0]
+    assert out.outputs[0].text
+    assert "<|im_start|>" in llm.get_tokenizer().decode(out.prompt_token_ids, False)
+
+
+def test_too_long_prompt_fails_alone(llm: LLM) -> None:
+    long_prompt = " ".join(["word"] * 400)
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    outputs = llm.generate(["Short prompt", long_prompt], params, use_tqdm=False)
+    assert outputs[0].outputs[0].finish_reason in ("length", "stop")
+    assert outputs[1].outputs[0].finish_reason == "error"
+    assert outputs[1].error is not None
+    assert "256" in outputs[1].error and str(len(outputs[1].prompt_token_ids)) in outputs[1].error
+    assert_pool_whole(llm)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": -5}, "top_k"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"n": 0}, "n"),
+        ({"logprobs": 50}, "logprobs"),
+        ({"min_p": 2.0}, "min_p"),
+        ({"presence_penalty": 3.0}, "presence_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"stop": [""]}, "stop"),
+        ({"min_tokens": 9, "max_tokens": 3}, "min_tokens"),
+    ],
+)
+def test_invalid_sampling_params_name_the_field(kwargs: dict, field: str) -> None:  # type: ignore[type-arg]
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_abort_frees_blocks(llm: LLM) -> None:
+    engine = llm.engine
+
+    async def scenario() -> None:
+        params = SamplingParams(
+            temperature=0.0, max_tokens=200, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+        )
+        keep = asyncio.create_task(_collect(engine.generate("Kept request", params, "keep")))
+        gen = engine.generate("Aborted request", params, "gone")
+        await gen.__anext__()
+        await gen.aclose()  # the reader goes away: the engine aborts the request
+        texts = await keep
+        assert texts
+
+    llm._loop.run_until_complete(scenario())
+    assert_pool_whole(llm)
+
+
+async def _collect(stream) -> str:  # type: ignore[no-untyped-def]
+    text = ""
+    async for out in stream:
+        text += out.outputs[0].text if out.outputs else ""
+    return text
