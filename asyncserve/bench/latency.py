@@ -1,0 +1,75 @@
+"""Latency of one batch end to end, as vLLM's `bench latency`: ms per output token."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+from asyncserve.bench.workload import random_prompts
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--num-iters", type=int, default=5)
+    parser.add_argument("--num-iters-warmup", type=int, default=2)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--output-json", default=None)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from asyncserve import SamplingParams
+    from asyncserve.llm import LLM
+
+    llm = LLM(
+        model=args.model,
+        load_format=args.load_format,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        enforce_eager=args.enforce_eager,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=False,
+    )
+    vocab = llm.engine.loaded.arch.vocab_size
+    prompts = random_prompts(args.batch_size, args.input_len, vocab)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    for _ in range(args.num_iters_warmup):
+        llm.generate(prompts, params, use_tqdm=False)
+    latencies = []
+    for _ in range(args.num_iters):
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        latencies.append(time.perf_counter() - start)
+    # Decode time per token: the whole run minus a prefill-only run, over the decode steps.
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    prefill = []
+    for _ in range(args.num_iters):
+        start = time.perf_counter()
+        llm.generate(prompts, one, use_tqdm=False)
+        prefill.append(time.perf_counter() - start)
+    mean = statistics.fmean(latencies)
+    per_token = (mean - statistics.fmean(prefill)) / max(1, args.output_len - 1)
+    report = {
+        "latency_mean_s": mean,
+        "latency_median_s": statistics.median(latencies),
+        "prefill_s": statistics.fmean(prefill),
+        "ms_per_output_token": per_token * 1e3,
+        "device": str(llm.engine.device),
+    }
+    print(
+        f"batch {args.batch_size}, {args.input_len} in / {args.output_len} out: "
+        f"{mean * 1e3:.1f} ms per request, {report['ms_per_output_token']:.2f} ms per output token"
+    )
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(report, f, indent=2)
+    return report

@@ -1,0 +1,133 @@
+"""Offline throughput: N random prompts through LLM.generate, as vLLM's `bench throughput`.
+
+With `--peer hf`, HF transformers' continuous-batching `generate_batch` (paged attention,
+sdpa) runs the same prompts on the same weights in the same process, and the ratio is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import torch
+
+from asyncserve.bench.workload import output_lengths, random_prompts
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="model path or config dir (dummy weights)")
+    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--num-prompts", type=int, default=1000)
+    parser.add_argument("--input-len", type=int, default=1024)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--input-len-max", type=int, default=None, help="uniform lengths up to this")
+    parser.add_argument("--output-len-max", type=int, default=None, help="uniform lengths up to this")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--peer", choices=["none", "hf"], default="none")
+    parser.add_argument("--output-json", default=None)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from asyncserve import SamplingParams
+    from asyncserve.llm import LLM
+
+    llm = LLM(
+        model=args.model,
+        load_format=args.load_format,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
+        seed=args.seed,
+    )
+    vocab = llm.engine.loaded.arch.vocab_size
+    prompts = random_prompts(args.num_prompts, args.input_len, vocab, args.seed, args.input_len_max)
+    out_lens = output_lengths(args.num_prompts, args.output_len, args.seed, args.output_len_max)
+    hf_model = _build_hf_peer(llm) if args.peer == "hf" else None
+
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in out_lens]
+    # Warm-up (kernels compile, graphs capture) outside the timed region.
+    llm.generate(prompts[:4], params[:4], use_tqdm=False)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    num_in = sum(len(p) for p in prompts)
+    num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    report: dict[str, Any] = {
+        "elapsed_s": elapsed,
+        "requests_per_s": len(prompts) / elapsed,
+        "total_tokens_per_s": (num_in + num_out) / elapsed,
+        "output_tokens_per_s": num_out / elapsed,
+        "num_prompts": len(prompts),
+        "device": str(llm.engine.device),
+    }
+    print(
+        f"asyncserve: {elapsed:.2f} s, {report['requests_per_s']:.2f} req/s, "
+        f"{report['total_tokens_per_s']:.0f} total tok/s, "
+        f"{report['output_tokens_per_s']:.0f} output tok/s"
+    )
+    if hf_model is not None:
+        del llm
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        report["hf"] = _run_hf_peer(hf_model, prompts, out_lens)
+        report["ratio_output_tokens"] = (
+            report["output_tokens_per_s"] / report["hf"]["output_tokens_per_s"]
+        )
+        print(f"ratio (output tok/s, asyncserve / HF): {report['ratio_output_tokens']:.2f}x")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(report, f, indent=2)
+    return report
+
+
+def _build_hf_peer(llm: Any) -> Any:
+    """HF model from the same config, then our model takes its weights: the same weights."""
+    import transformers
+
+    path = llm.engine.model_path
+    config = transformers.AutoConfig.from_pretrained(path)
+    dtype = llm.engine.loaded.dtype
+    hf = transformers.AutoModelForCausalLM.from_config(
+        config, dtype=dtype, attn_implementation="paged|sdpa"
+    ).to(llm.engine.device)
+    hf.eval()
+    llm.engine.runner.model.load_weights(
+        (name, param.detach()) for name, param in hf.named_parameters()
+    )
+    return hf
+
+
+def _run_hf_peer(hf: Any, prompts: list[list[int]], out_lens: list[int]) -> dict[str, Any]:
+    import transformers
+
+    max_new = max(out_lens)
+    config = transformers.GenerationConfig(
+        max_new_tokens=max_new, do_sample=False, eos_token_id=-1, pad_token_id=0
+    )
+    hf.generate_batch(prompts[:4], generation_config=config)
+    start = time.perf_counter()
+    results = hf.generate_batch(prompts, generation_config=config)
+    elapsed = time.perf_counter() - start
+    num_out = sum(len(r.generated_tokens) for r in results.values())
+    num_in = sum(len(p) for p in prompts)
+    report = {
+        "elapsed_s": elapsed,
+        "requests_per_s": len(prompts) / elapsed,
+        "total_tokens_per_s": (num_in + num_out) / elapsed,
+        "output_tokens_per_s": num_out / elapsed,
+    }
+    print(
+        f"HF generate_batch: {elapsed:.2f} s, {report['total_tokens_per_s']:.0f} total tok/s, "
+        f"{report['output_tokens_per_s']:.0f} output tok/s"
+    )
+    return report

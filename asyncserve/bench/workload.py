@@ -1,0 +1,48 @@
+"""Fixed benchmark inputs: random token-id prompts from a seed, and summary statistics."""
+
+from __future__ import annotations
+
+import random
+import statistics
+from dataclasses import dataclass
+
+
+def random_prompts(
+    num_prompts: int, input_len: int, vocab_size: int, seed: int = 0, input_len_max: int | None = None
+) -> list[list[int]]:
+    """Prompts of random token ids; lengths uniform in [input_len, input_len_max] when given."""
+    rng = random.Random(seed)
+    # Skip the low ids, where special tokens usually sit.
+    low = min(1000, vocab_size // 4)
+    prompts = []
+    for _ in range(num_prompts):
+        n = input_len if input_len_max is None else rng.randint(input_len, input_len_max)
+        prompts.append([rng.randrange(low, vocab_size) for _ in range(n)])
+    return prompts
+
+
+def output_lengths(
+    num_prompts: int, output_len: int, seed: int = 0, output_len_max: int | None = None
+) -> list[int]:
+    rng = random.Random(seed + 1)
+    if output_len_max is None:
+        return [output_len] * num_prompts
+    return [rng.randint(output_len, output_len_max) for _ in range(num_prompts)]
+
+
+@dataclass
+class Summary:
+    mean: float
+    median: float
+    p99: float
+
+    @classmethod
+    def of(cls, values: list[float]) -> Summary:
+        if not values:
+            return cls(float("nan"), float("nan"), float("nan"))
+        ordered = sorted(values)
+        p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
+        return cls(statistics.fmean(ordered), statistics.median(ordered), p99)
+
+    def ms(self) -> str:
+        return f"mean {self.mean * 1e3:.2f} ms, median {self.median * 1e3:.2f} ms, p99 {self.p99 * 1e3:.2f} ms"
