@@ -102,3 +102,42 @@ class Environment:
             default_model=os.environ.get("ASYNCSERVE_MODEL") or None,
             log_level=os.environ.get("ASYNCSERVE_LOG_LEVEL", "INFO"),
         )
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The OpenAI-compatible HTTP server: where it listens, who may call it, its limits."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Names the model answers to (the first is reported as the response's model); empty: the
+    # model path's name.
+    served_model_names: tuple[str, ...] = ()
+    api_key: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    # Seconds running requests get to finish after SIGTERM.
+    shutdown_timeout: float = 30.0
+    # Characters (or token ids) of a prompt written to the request log; None: all of it.
+    max_log_len: int | None = None
+    enable_log_requests: bool = False
+    disable_access_log: bool = False
+    disable_access_log_for_endpoints: tuple[str, ...] = ()
+    # 503 + Retry-After once this many requests wait to be scheduled; None: no limit.
+    max_waiting_requests: int | None = None
+    max_request_body_bytes: int = 16 * 1024 * 1024
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
+        if self.max_request_body_bytes < 1:
+            raise ValueError(
+                f"max_request_body_bytes must be >= 1, got {self.max_request_body_bytes}"
+            )
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("ssl_keyfile and ssl_certfile must be given together")
