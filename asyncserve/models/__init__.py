@@ -1,0 +1,1 @@
+"""Model definitions, weight loading and the architecture registry."""

@@ -1,0 +1,71 @@
+"""Paged attention layer: store this step's K/V into the cache, then attend over it.
+
+The same metadata serves every layer of a step; the runner builds it once per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from asyncserve.kernels.ops import KernelOps
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens go in the paged cache and which context each sequence sees.
+
+    slot_mapping   [T] int64: block_id * block_size + offset per token; -1 = padding, not stored
+    cu_seqlens_q   [B + 1] int32: sequence b's query tokens are rows cu[b]:cu[b+1]
+    seq_lens       [B] int32: context length of b including this step's tokens
+    block_tables   [B, max_blocks] int32
+    """
+
+    slot_mapping: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+class Attention(nn.Module):
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, ops: KernelOps
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+            )
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.ops = ops
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """q [T, H, D], k and v [T, Hkv, D] -> [T, H * D]."""
+        key_cache, value_cache = kv_cache
+        self.ops.store_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+        out = self.ops.unified_attention(
+            q,
+            key_cache,
+            value_cache,
+            meta.cu_seqlens_q,
+            meta.seq_lens,
+            meta.block_tables,
+            self.scale,
+            meta.max_seqlen_q,
+            meta.max_seqlen_k,
+        )
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -1,0 +1,170 @@
+"""Building blocks of decoder-only models: linear, RMSNorm, rotary, gated MLP, embedding.
+
+Parameters are created uninitialised (torch.empty) on the current default device and dtype:
+every weight is either loaded or filled by the dummy initialiser, so an init pass would be
+wasted work (seconds for an 8B model). Layer classes stay small so that tensor-parallel
+versions can replace them one by one.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, overload
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from asyncserve.kernels.ops import KernelOps
+
+
+class Linear(nn.Module):
+    """y = x @ W^T + b with W stored [out_features, in_features], as HF checkpoints store it."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm; with a residual it adds first and returns (normed, new residual), as vLLM's."""
+
+    def __init__(self, hidden_size: int, eps: float, ops: KernelOps) -> None:
+        super().__init__()
+        self.eps = eps
+        self.ops = ops
+        self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+
+    @overload
+    def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
+
+    @overload
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+def _inv_freq(head_dim: int, base: float) -> torch.Tensor:
+    # Same expression as HF, so the cache is bit-identical to its rotary embedding.
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    return 1.0 / (base**exponent)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1 frequency scaling: long wavelengths slowed by `factor`, short ones kept, a
+    smooth blend in between (HF's _compute_llama3_parameters)."""
+    factor = float(scaling["factor"])
+    low_freq_factor = float(scaling["low_freq_factor"])
+    high_freq_factor = float(scaling["high_freq_factor"])
+    old_context_len = float(scaling["original_max_position_embeddings"])
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def compute_cos_sin_cache(
+    head_dim: int,
+    max_position: int,
+    base: float,
+    rope_scaling: dict[str, Any] | None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """[max_position, head_dim]: cos(pos * f) in the first half, sin in the second."""
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even, got {head_dim}")
+    if max_position < 1:
+        raise ValueError(f"max_position must be >= 1, got {max_position}")
+    rope_type = None
+    if rope_scaling is not None:
+        rope_type = rope_scaling.get("rope_type") or rope_scaling.get("type")
+    inv_freq = _inv_freq(head_dim, base)
+    positions = torch.arange(max_position, dtype=torch.float32)
+    if rope_scaling is None or rope_type in (None, "default"):
+        pass
+    elif rope_type == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
+    elif rope_type == "linear":
+        inv_freq = inv_freq / float(rope_scaling["factor"])
+    else:
+        raise ValueError(f"rope_scaling type {rope_type!r} is not supported")
+    freqs = torch.outer(positions, inv_freq)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """NeoX-style rotary embedding over a precomputed fp32 cos/sin table."""
+
+    cos_sin_cache: torch.Tensor
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        base: float,
+        rope_scaling: dict[str, Any] | None,
+        ops: KernelOps,
+    ) -> None:
+        super().__init__()
+        self.ops = ops
+        cache = compute_cos_sin_cache(head_dim, max_position, base, rope_scaling)
+        # Not persistent: derived from the config, never part of a checkpoint.
+        self.register_buffer("cos_sin_cache", cache.to(torch.empty(0).device), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ops.rotary_embedding(positions, query, key, self.cos_sin_cache)
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one projection."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, ops: KernelOps) -> None:
+        super().__init__()
+        self.ops = ops
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size)
+        self.down_proj = Linear(intermediate_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class VocabEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
+class LMHead(nn.Module):
+    """Hidden states -> fp32 logits. Tied models point `weight` at the embedding's weight by
+    using the embedding module itself as the head (see LlamaForCausalLM)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+
+
+def compute_logits(hidden: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
+    return F.linear(hidden, head_weight).float()
