@@ -1,0 +1,430 @@
+"""Triton unified paged attention: prefill chunks and decodes of one step in one launch.
+
+Layout of the work. The query heads that share one KV head (the GQA group) are stacked
+with consecutive query tokens into the rows of one tile: row m of a program is query token
+``m // GROUP`` of its q-block and query head ``kv_head * GROUP + m % GROUP``. One program
+owns BLOCK_Q query tokens of one sequence for one KV head, so every K/V tile it loads
+from the paged cache serves all the query heads of that KV head at once.
+
+Programs find their sequence without a host sync: q-block ``i`` of sequence ``b`` has the
+global index ``cu_seqlens_q[b] // BLOCK_Q + b + i``, which is increasing in ``b``, so a
+binary search over ``cu_seqlens_q`` inside the kernel recovers ``b``. The grid is the upper
+bound ``num_tokens // BLOCK_Q + num_seqs`` (shapes only); extra programs return at once.
+
+Split-KV (flash-decoding): with few programs and long contexts, a third grid axis cuts
+each program's key range into NUM_SPLITS parts that write unnormalised partial results
+(accumulator, running max and sum, in fp32); a second kernel merges them.
+
+All cache offsets are computed in int64: ``block_id * stride`` overflows int32 on a pool
+of more than 2**31 elements.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+# A batch counts as decode-heavy (and may split its keys) when no sequence has more query
+# tokens than this in the step (plain decodes, or a few speculative tokens).
+_SPLIT_MAX_SEQLEN_Q = 8
+_MAX_SPLITS = 16
+# Fewest key tiles each split should get; below that the merge costs more than it saves.
+_MIN_TILES_PER_SPLIT = 4
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Tile shapes and launch parameters of one launch."""
+
+    block_m: int  # rows of a program's tile: block_q query tokens x GROUP heads (power of 2)
+    tile_n: int  # keys per iteration (power of 2, >= 16)
+    num_warps: int
+    num_stages: int
+
+
+@triton.jit
+def _find_seq_idx(cu_seqlens_q_ptr, q_block_idx, num_seqs, BLOCK_Q: tl.constexpr):
+    """Largest b with cu_seqlens_q[b] // BLOCK_Q + b <= q_block_idx."""
+    lo: tl.int32 = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        start = tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid
+        if start <= q_block_idx:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _unified_attention_kernel(
+    out_ptr,  # [T, H, D]
+    part_acc_ptr,  # [T, H, NUM_SPLITS, HEAD_DIM_PAD] fp32 (split-KV only)
+    part_max_ptr,  # [T, H, NUM_SPLITS] fp32, log2 domain (split-KV only)
+    part_sum_ptr,  # [T, H, NUM_SPLITS] fp32 (split-KV only)
+    query_ptr,  # [T, H, D]
+    key_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, D]
+    value_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, D]
+    cu_seqlens_q_ptr,  # [B + 1] int32
+    seq_lens_ptr,  # [B] int32
+    block_tables_ptr,  # [B, max_blocks_per_seq] int32
+    qk_scale,  # softmax scale * log2(e)
+    num_seqs,
+    num_heads,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_k_block,
+    stride_k_slot,
+    stride_k_head,
+    stride_v_block,
+    stride_v_slot,
+    stride_v_head,
+    stride_bt_seq,
+    GROUP: tl.constexpr,  # query heads per KV head
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,  # next power of 2 of HEAD_DIM
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    BLOCK_M: tl.constexpr,  # rows per program (BLOCK_Q tokens x GROUP heads, padded)
+    BLOCK_Q: tl.constexpr,  # query tokens per program
+    TILE_N: tl.constexpr,  # keys per iteration
+    NUM_SPLITS: tl.constexpr,  # 1: write the output; >1: write partials for the merge
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, "tf32" otherwise (unused then)
+    UPCAST: tl.constexpr,  # Triton's CPU interpreter: dot operands in fp32 (numpy has no bf16)
+):
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq = _find_seq_idx(cu_seqlens_q_ptr, q_block, num_seqs, BLOCK_Q)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    q_block_local = q_block - (q_start // BLOCK_Q + seq)
+    if q_block_local * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_len = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    q_local = q_block_local * BLOCK_Q + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_valid = (rows // GROUP < BLOCK_Q) & (q_local < q_len)
+    q_pos = ctx_len + q_local  # absolute position of each row's query token
+    tok = (q_start + q_local).to(tl.int64)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_valid = offs_d < HEAD_DIM
+
+    q = tl.load(
+        query_ptr + tok[:, None] * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :],
+        mask=row_valid[:, None] & d_valid[None, :],
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    # Keys this q-block can see: up to its last query token (causal), at most seq_len.
+    kv_end = tl.minimum(seq_len, ctx_len + (q_block_local + 1) * BLOCK_Q)
+    num_tiles = tl.cdiv(kv_end, TILE_N)
+    if NUM_SPLITS == 1:
+        tile_lo = 0
+        tile_hi = num_tiles
+    else:
+        per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+        tile_lo = split * per_split
+        tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+
+    block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+    k_head_off = kv_head.to(tl.int64) * stride_k_head
+    v_head_off = kv_head.to(tl.int64) * stride_v_head
+    offs_n = tl.arange(0, TILE_N)
+    for tile in range(tile_lo, tile_hi):
+        k_pos = tile * TILE_N + offs_n
+        k_valid = k_pos < kv_end
+        block_id = tl.load(block_table_row + k_pos // BLOCK_SIZE, mask=k_valid, other=0)
+        block_id = block_id.to(tl.int64)
+        slot = (k_pos % BLOCK_SIZE).to(tl.int64)
+        k_off = block_id * stride_k_block + slot * stride_k_slot + k_head_off
+        v_off = block_id * stride_v_block + slot * stride_v_slot + v_head_off
+        k = tl.load(
+            key_cache_ptr + k_off[None, :] + offs_d[:, None],
+            mask=k_valid[None, :] & d_valid[:, None],
+            other=0.0,
+        )  # [HEAD_DIM_PAD, TILE_N]
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
+        s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Rows that have seen no key yet keep -inf; shift them by 0 to avoid inf - inf.
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            value_cache_ptr + v_off[:, None] + offs_d[None, :],
+            mask=k_valid[:, None] & d_valid[None, :],
+            other=0.0,
+        )  # [TILE_N, HEAD_DIM_PAD]
+        p_dot = p.to(value_cache_ptr.dtype.element_ty)  # rounded like the compiled kernel
+        if UPCAST:
+            v = v.to(tl.float32)
+            p_dot = p_dot.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p_dot, v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        o = acc / l_safe[:, None]
+        tl.store(
+            out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=row_valid[:, None] & d_valid[None, :],
+        )
+    else:
+        part = (tok * num_heads + head) * NUM_SPLITS + split  # [BLOCK_M] int64
+        tl.store(
+            part_acc_ptr + part[:, None] * HEAD_DIM_PAD + offs_d[None, :],
+            acc,
+            mask=row_valid[:, None],
+        )
+        tl.store(part_max_ptr + part, m_i, mask=row_valid)
+        tl.store(part_sum_ptr + part, l_i, mask=row_valid)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr,  # [T, H, D]
+    part_acc_ptr,  # [T, H, NUM_SPLITS, HEAD_DIM_PAD] fp32
+    part_max_ptr,  # [T, H, NUM_SPLITS] fp32, log2 domain
+    part_sum_ptr,  # [T, H, NUM_SPLITS] fp32
+    num_heads,
+    stride_o_tok,
+    stride_o_head,
+    NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    base = (tok * num_heads + head) * NUM_SPLITS
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    m = tl.load(part_max_ptr + base + offs_s)
+    l_s = tl.load(part_sum_ptr + base + offs_s)
+    # Split 0 always holds key 0, which every query sees, so the max is finite; empty
+    # splits carry -inf and get weight 0.
+    m_max = tl.max(m, 0)
+    w = tl.exp2(m - m_max)
+    denom = tl.sum(w * l_s, 0)
+    acc = tl.load(part_acc_ptr + (base + offs_s)[:, None] * HEAD_DIM_PAD + offs_d[None, :])
+    o = tl.sum(acc * w[:, None], 0) / denom
+    tl.store(
+        out_ptr + tok * stride_o_tok + head * stride_o_head + offs_d,
+        o.to(out_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # interpreter runs on CPU: assume an H100-sized chip
+
+
+def default_config(group: int, max_seqlen_q: int) -> AttentionConfig:
+    """Tiles for decode-like launches (few rows) or prefill-carrying ones (many rows)."""
+    min_rows = 16 if max_seqlen_q <= _SPLIT_MAX_SEQLEN_Q else 64
+    block_m = max(min_rows, triton.next_power_of_2(group))
+    if max_seqlen_q <= _SPLIT_MAX_SEQLEN_Q:
+        return AttentionConfig(block_m=block_m, tile_n=64, num_warps=4, num_stages=3)
+    return AttentionConfig(block_m=block_m, tile_n=64, num_warps=4, num_stages=2)
+
+
+def choose_num_splits(
+    num_seqs: int,
+    num_kv_heads: int,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    config: AttentionConfig,
+    num_sms: int,
+) -> int:
+    """Split-KV factor: >1 only for decode-heavy batches that leave the chip under-filled."""
+    if max_seqlen_q > _SPLIT_MAX_SEQLEN_Q:
+        return 1
+    programs = num_seqs * num_kv_heads
+    target = 2 * num_sms  # about two programs per SM keeps the loads in flight
+    if programs >= target:
+        return 1
+    max_by_length = triton.cdiv(max_seqlen_k, config.tile_n) // _MIN_TILES_PER_SPLIT
+    splits = min(triton.cdiv(target, programs), max_by_length, _MAX_SPLITS)
+    if splits < 2:
+        return 1
+    return triton.next_power_of_2(splits)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    config: AttentionConfig,
+    num_splits: int,
+) -> torch.Tensor:
+    """unified_attention with explicit tiles and split-KV factor (tests and benchmarks)."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads, cache_head_dim = key_cache.shape
+    num_seqs = seq_lens.shape[0]
+    if cache_head_dim != head_dim or value_cache.shape != key_cache.shape:
+        raise ValueError(
+            f"cache shapes {tuple(key_cache.shape)} / {tuple(value_cache.shape)} do not match "
+            f"query head dim {head_dim}"
+        )
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
+        raise ValueError("key_cache and value_cache need a contiguous last dimension")
+    if num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+
+    group = num_heads // num_kv_heads
+    block_m = max(config.block_m, triton.next_power_of_2(group))
+    block_q = block_m // group
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    if num_splits > 1:
+        part_acc = torch.empty(
+            (num_tokens, num_heads, num_splits, head_dim_pad),
+            dtype=torch.float32,
+            device=query.device,
+        )
+        part_max = torch.empty(
+            (num_tokens, num_heads, num_splits), dtype=torch.float32, device=query.device
+        )
+        part_sum = torch.empty_like(part_max)
+    else:
+        part_acc = part_max = part_sum = out  # not touched by the kernel
+
+    grid = (
+        num_tokens // block_q + num_seqs,  # upper bound on q-blocks over all sequences
+        num_kv_heads,
+        num_splits,
+    )
+    _unified_attention_kernel[grid](
+        out,  # [T, H, D]
+        part_acc,  # [T, H, S, Dp] fp32
+        part_max,  # [T, H, S] fp32
+        part_sum,  # [T, H, S] fp32
+        query,  # [T, H, D]
+        key_cache,  # [num_blocks, block_size, Hkv, D]
+        value_cache,  # [num_blocks, block_size, Hkv, D]
+        cu_seqlens_q,  # [B + 1] int32
+        seq_lens,  # [B] int32
+        block_tables,  # [B, max_blocks_per_seq] int32
+        scale * _LOG2E,  # qk_scale
+        num_seqs,  # B
+        num_heads,  # H
+        query.stride(0),  # stride_q_tok
+        query.stride(1),  # stride_q_head
+        out.stride(0),  # stride_o_tok
+        out.stride(1),  # stride_o_head
+        key_cache.stride(0),  # stride_k_block (may exceed 2**31)
+        key_cache.stride(1),  # stride_k_slot
+        key_cache.stride(2),  # stride_k_head
+        value_cache.stride(0),  # stride_v_block
+        value_cache.stride(1),  # stride_v_slot
+        value_cache.stride(2),  # stride_v_head
+        block_tables.stride(0),  # stride_bt_seq
+        GROUP=group,  # H // Hkv
+        HEAD_DIM=head_dim,  # D
+        HEAD_DIM_PAD=head_dim_pad,  # pow2 >= D
+        BLOCK_SIZE=block_size,  # tokens per cache block
+        BLOCK_M=block_m,  # rows per program
+        BLOCK_Q=block_q,  # query tokens per program
+        TILE_N=config.tile_n,  # keys per iteration
+        NUM_SPLITS=num_splits,  # split-KV factor
+        DOT_PRECISION=precision,  # exact fp32 dots for fp32 inputs
+        UPCAST=query.device.type != "cuda",  # interpreter on CPU tensors
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            out,  # [T, H, D]
+            part_acc,  # [T, H, S, Dp] fp32
+            part_max,  # [T, H, S] fp32
+            part_sum,  # [T, H, S] fp32
+            num_heads,  # H
+            out.stride(0),  # stride_o_tok
+            out.stride(1),  # stride_o_head
+            NUM_SPLITS=num_splits,  # S
+            HEAD_DIM=head_dim,  # D
+            HEAD_DIM_PAD=head_dim_pad,  # pow2 >= D
+            num_warps=4,
+        )
+    return out
+
+
+def unified_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+) -> torch.Tensor:
+    """Causal paged attention over a batch mixing prefill chunks and decodes.
+
+    Same arguments and result as reference.unified_attention. max_seqlen_q / max_seqlen_k
+    pick the tiles and the split-KV factor; when absent, shape-derived upper bounds are used
+    (no device-to-host sync).
+    """
+    num_tokens, num_heads, _ = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    if max_seqlen_q is None:
+        max_seqlen_q = num_tokens
+    if max_seqlen_k is None:
+        max_seqlen_k = block_tables.shape[1] * block_size
+    config = default_config(num_heads // max(1, num_kv_heads), max_seqlen_q)
+    num_splits = choose_num_splits(
+        seq_lens.shape[0],
+        num_kv_heads,
+        max_seqlen_q,
+        max_seqlen_k,
+        config,
+        _num_sms(query.device),
+    )
+    return paged_attention(
+        query,
+        key_cache,
+        value_cache,
+        cu_seqlens_q,
+        seq_lens,
+        block_tables,
+        scale,
+        config,
+        num_splits,
+    )

@@ -1,0 +1,108 @@
+"""Triton RMSNorm and residual-add + RMSNorm, one row per program, fp32 statistics.
+
+Both match reference.rms_norm bit for bit in structure: the normalised row is rounded to
+x's dtype first and then multiplied by the weight (as HF's LlamaRMSNorm does), and the
+output takes the promoted dtype of weight and x.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    out_ptr,  # [N, hidden]
+    sum_out_ptr,  # [N, hidden] x + residual (HAS_RESIDUAL only)
+    x_ptr,  # [N, hidden]
+    residual_ptr,  # [N, hidden] (HAS_RESIDUAL only)
+    weight_ptr,  # [hidden]
+    eps,
+    hidden,
+    stride_x_row,
+    stride_r_row,
+    stride_out_row,
+    stride_sum_row,
+    BLOCK: tl.constexpr,  # pow2 >= hidden
+    HAS_RESIDUAL: tl.constexpr,  # fused residual add
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    x = tl.load(x_ptr + row * stride_x_row + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r_row + cols, mask=mask, other=0.0)
+        # The sum is rounded to x's dtype, as torch's x + residual is; the norm reads it back.
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(sum_out_ptr + row * stride_sum_row + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    mean_sq = tl.sum(xf * xf, 0) / hidden
+    normed = (xf * tl.rsqrt(mean_sq + eps)).to(x_ptr.dtype.element_ty)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    out = w.to(tl.float32) * normed.to(tl.float32)
+    tl.store(out_ptr + row * stride_out_row + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """A 2-D [rows, hidden] view with a unit last stride (copies only if it must)."""
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    return t.reshape(-1, t.shape[-1])
+
+
+def _launch(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    hidden = x.shape[-1]
+    if weight.shape != (hidden,):
+        raise ValueError(f"weight of shape {tuple(weight.shape)} for hidden size {hidden}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual {tuple(residual.shape)} differs from x {tuple(x.shape)}")
+    out_dtype = torch.promote_types(weight.dtype, x.dtype)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    summed = (
+        torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else None
+    )
+    if x.numel() == 0:
+        return out, summed
+    x2 = _rows(x)
+    r2 = _rows(residual) if residual is not None else x2
+    out2 = out.view(-1, hidden)
+    sum2 = summed.view(-1, hidden) if summed is not None else out2
+    block = triton.next_power_of_2(hidden)
+    _rms_norm_kernel[(x2.shape[0],)](
+        out2,  # [N, hidden]
+        sum2,  # [N, hidden]
+        x2,  # [N, hidden]
+        r2,  # [N, hidden]
+        weight.contiguous(),  # [hidden]
+        eps,  # epsilon
+        hidden,  # hidden size
+        x2.stride(0),  # stride_x_row
+        r2.stride(0),  # stride_r_row
+        out2.stride(0),  # stride_out_row
+        sum2.stride(0),  # stride_sum_row
+        BLOCK=block,  # pow2 >= hidden
+        HAS_RESIDUAL=residual is not None,  # fused add
+        num_warps=min(16, max(1, block // 256)),
+    )
+    return out, summed
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), statistics in fp32."""
+    out, _ = _launch(x, None, weight, eps)
+    return out
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual), reading x and residual once."""
+    if residual.dtype != x.dtype:
+        raise ValueError(f"residual dtype {residual.dtype} differs from x dtype {x.dtype}")
+    out, summed = _launch(x, residual, weight, eps)
+    assert summed is not None
+    return out, summed

@@ -1,0 +1,20 @@
+"""The Triton kernel set, selected by ops.select_ops on CUDA devices."""
+
+from __future__ import annotations
+
+from asyncserve.kernels.activation import silu_and_mul
+from asyncserve.kernels.attention import unified_attention
+from asyncserve.kernels.kv_store import store_kv
+from asyncserve.kernels.norm import fused_add_rms_norm, rms_norm
+from asyncserve.kernels.ops import KernelOps
+from asyncserve.kernels.rope import rotary_embedding
+
+TRITON_OPS = KernelOps(
+    name="triton",
+    store_kv=store_kv,
+    unified_attention=unified_attention,
+    rms_norm=rms_norm,
+    fused_add_rms_norm=fused_add_rms_norm,
+    rotary_embedding=rotary_embedding,
+    silu_and_mul=silu_and_mul,
+)

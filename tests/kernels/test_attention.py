@@ -1,0 +1,103 @@
+"""unified_attention (Triton) equals reference.unified_attention on mixed batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncserve.kernels import reference
+
+triton = pytest.importorskip("triton", reason="triton is not installed")
+
+from asyncserve.kernels import attention  # noqa: E402
+from tests.kernels.paged_batch import PagedBatch, make_batch, rel_err  # noqa: E402
+
+# 2 prefill chunks with cached prefixes (one a fresh prompt) and 3 decodes.
+Q_LENS = [19, 7, 1, 1, 1]
+CTX_LENS = [21, 0, 40, 16, 3]
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+def _check(batch: PagedBatch, out: torch.Tensor, dtype: torch.dtype, scale: float) -> None:
+    ref = reference.unified_attention(*batch.args(), scale)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"),
+    [(8, 2, 64), (2, 2, 32), (6, 2, 32)],  # GQA 4:1, MHA 1:1, a group of 3 (not a power of 2)
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_batch(
+    device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> None:
+    gen = torch.Generator().manual_seed(num_heads * 100 + head_dim)
+    batch = make_batch(
+        Q_LENS, CTX_LENS, num_heads, num_kv_heads, head_dim, 16, dtype, device, generator=gen
+    )
+    scale = head_dim**-0.5
+    out = attention.unified_attention(
+        *batch.args(), scale, max_seqlen_q=batch.max_seqlen_q, max_seqlen_k=batch.max_seqlen_k
+    )
+    _check(batch, out, dtype, scale)
+
+
+def test_split_kv_mixed_batch(device: torch.device) -> None:
+    """The split-KV path, forced, on a batch holding prefill chunks as well as decodes.
+
+    With 16-key tiles and 4 splits some splits of the short sequences get no tile at all.
+    """
+    gen = torch.Generator().manual_seed(4)
+    batch = make_batch(Q_LENS, CTX_LENS, 4, 2, 32, 16, torch.float32, device, generator=gen)
+    config = attention.AttentionConfig(block_m=16, tile_n=16, num_warps=4, num_stages=2)
+    out = attention.paged_attention(*batch.args(), 0.125, config, 4)
+    _check(batch, out, torch.float32, 0.125)
+
+
+def test_split_kv_decode_heuristic(device: torch.device) -> None:
+    """Few long decodes pick split-KV by themselves; the result still matches."""
+    gen = torch.Generator().manual_seed(7)
+    batch = make_batch([1, 1], [700, 170], 4, 1, 32, 16, torch.bfloat16, device, generator=gen)
+    config = attention.default_config(4, batch.max_seqlen_q)
+    splits = attention.choose_num_splits(2, 1, 1, batch.max_seqlen_k, config, 132)
+    assert splits > 1
+    out = attention.unified_attention(
+        *batch.args(), 32**-0.5, max_seqlen_q=1, max_seqlen_k=batch.max_seqlen_k
+    )
+    _check(batch, out, torch.bfloat16, 32**-0.5)
+
+
+def test_tiles_span_blocks_and_no_hints(device: torch.device) -> None:
+    """Key tiles larger than a cache block (block_size 8), hints left out, fp16."""
+    gen = torch.Generator().manual_seed(3)
+    batch = make_batch([5, 1, 12], [11, 30, 0], 4, 2, 32, 8, torch.float16, device, generator=gen)
+    out = attention.unified_attention(*batch.args(), 0.2)
+    _check(batch, out, torch.float16, 0.2)
+
+
+def test_empty_sequence_and_strided_query(device: torch.device) -> None:
+    """A sequence with no query tokens this step, and a query sliced out of a fused qkv."""
+    gen = torch.Generator().manual_seed(5)
+    batch = make_batch([3, 0, 1], [4, 9, 20], 4, 2, 32, 16, torch.float32, device, generator=gen)
+    qkv = torch.randn((batch.query.shape[0], 8, 32), generator=gen).to(device)
+    qkv[:, :4] = batch.query
+    batch.query = qkv[:, :4]
+    assert not batch.query.is_contiguous()
+    out = attention.unified_attention(*batch.args(), 0.3, max_seqlen_q=3, max_seqlen_k=20)
+    _check(batch, out, torch.float32, 0.3)
+
+
+def test_split_heuristic() -> None:
+    config = attention.default_config(4, 1)
+    # Many decodes fill the chip: no split.
+    assert attention.choose_num_splits(64, 8, 1, 2048, config, 132) == 1
+    # One long decode: split, a power of two, capped.
+    splits = attention.choose_num_splits(1, 8, 1, 32768, config, 132)
+    assert splits == 16
+    # Short contexts are not worth splitting.
+    assert attention.choose_num_splits(1, 8, 1, 200, config, 132) == 1
+    # Prefill chunks in the batch: no split.
+    prefill = attention.default_config(4, 512)
+    assert attention.choose_num_splits(1, 8, 512, 32768, prefill, 132) == 1
