@@ -1,0 +1,390 @@
+"""The token-budget scheduler: one loop for chunked prefill, decode, prefix hits and preemption.
+
+Every request has num_computed_tokens catching up to num_tokens. Each step hands out at most
+max_num_batched_tokens tokens to at most max_num_seqs requests: running requests first (a
+decode gets 1 token, a long prompt a chunk), then waiting ones in queue order. When the pool
+runs out of blocks, a running request is preempted by recompute (newest under fcfs, worst
+(priority, arrival) under priority) and nothing new is admitted in that step.
+
+A request that needs more blocks than the whole pool holds can never run: it is finished
+with FINISHED_ERROR instead of looping, and handed to the engine through take_errored().
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections import deque
+from collections.abc import Iterable
+
+from asyncserve.config import CacheConfig, SchedulerConfig
+from asyncserve.engine.block_pool import BlockPool
+from asyncserve.engine.kv_cache import KVCacheManager
+from asyncserve.engine.request import Request, RequestStatus
+from asyncserve.engine.step import NewRequestData, RunningRequestData, StepPlan, StepResult
+
+
+class _WaitingQueue:
+    """Waiting requests in admission order: fcfs (deque) or (priority, arrival) (heap).
+
+    Requests finished while waiting are dropped lazily when they reach the head, so an
+    abort is O(1); `len` counts only live requests.
+    """
+
+    def __init__(self, priority: bool) -> None:
+        self._priority = priority
+        self._fifo: deque[Request] = deque()
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._seq = itertools.count()
+        self._live = 0
+
+    def __len__(self) -> int:
+        return self._live
+
+    def push(self, request: Request) -> None:
+        self._live += 1
+        if self._priority:
+            entry = (request.priority, request.arrival_time, next(self._seq), request)
+            heapq.heappush(self._heap, entry)
+        else:
+            self._fifo.append(request)
+
+    def push_front(self, request: Request) -> None:
+        """A preempted request: first in line under fcfs, by its key under priority."""
+        if self._priority:
+            self.push(request)
+        else:
+            self._live += 1
+            self._fifo.appendleft(request)
+
+    def peek(self) -> Request | None:
+        if self._priority:
+            heap = self._heap
+            while heap and heap[0][3].is_finished:
+                heapq.heappop(heap)
+            return heap[0][3] if heap else None
+        fifo = self._fifo
+        while fifo and fifo[0].is_finished:
+            fifo.popleft()
+        return fifo[0] if fifo else None
+
+    def pop(self) -> Request:
+        """Remove the head; call right after peek() returned it."""
+        self._live -= 1
+        if self._priority:
+            return heapq.heappop(self._heap)[3]
+        return self._fifo.popleft()
+
+    def discard(self, request: Request) -> None:
+        """Account for a request finished while waiting; the caller sets its status."""
+        self._live -= 1
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        max_model_len: int,
+    ) -> None:
+        self.config = scheduler_config
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self._priority = scheduler_config.policy == "priority"
+        self.block_size = cache_config.block_size
+        self.num_blocks = num_blocks
+        self.max_model_len = max_model_len
+        self.block_pool = BlockPool(
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        self.kv_cache_manager = KVCacheManager(
+            self.block_pool, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        self._requests: dict[str, Request] = {}
+        self._waiting = _WaitingQueue(self._priority)
+        self._running: list[Request] = []
+        # Requests the runner must forget, gathered until the next plan.
+        self._freed_ids: set[str] = set()
+        self._errored: list[Request] = []
+        self.num_preemptions_total = 0
+
+    # ----------------------------------------------------------------- requests in and out
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self._requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        request.status = RequestStatus.WAITING
+        self._requests[request.request_id] = request
+        self._waiting.push(request)
+
+    def finish_requests(
+        self, request_ids: str | Iterable[str], status: RequestStatus
+    ) -> list[Request]:
+        """Finish waiting or running requests (abort, stop string); unknown ids are ignored."""
+        if not status.finished:
+            raise ValueError(f"finish_requests needs a finished status, got {status.name}")
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        finished: list[Request] = []
+        for rid in request_ids:
+            request = self._requests.get(rid)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self._running.remove(request)
+                self.kv_cache_manager.free(request)
+            else:
+                self._waiting.discard(request)
+            request.status = status
+            self._release(request)
+            finished.append(request)
+        return finished
+
+    def take_errored(self) -> list[Request]:
+        """Requests failed by schedule() (FINISHED_ERROR, with .error) since the last call."""
+        errored, self._errored = self._errored, []
+        return errored
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv_cache_manager.usage
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        return self.kv_cache_manager.prefix_cache_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return self.kv_cache_manager.prefix_cache_hits
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    # ------------------------------------------------------------------------- scheduling
+
+    def schedule(self) -> StepPlan:
+        kv = self.kv_cache_manager
+        budget = self.max_num_batched_tokens
+        running = self._running
+        num_scheduled: dict[str, int] = {}
+        scheduled_running: list[Request] = []
+        new_block_ids: dict[str, list[int]] = {}
+        preempted = False
+
+        # Running requests first, in order.
+        req_index = 0
+        while req_index < len(running) and budget > 0:
+            request = running[req_index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                req_index += 1
+                continue
+            if self._never_fits(request.num_computed_tokens + num_new):
+                running.pop(req_index)
+                kv.free(request)
+                self._fail(request)
+                continue
+            while True:
+                block_ids = kv.allocate_slots(request, num_new)
+                if block_ids is not None:
+                    break
+                if self._priority:
+                    victim = max(running, key=_priority_key)
+                    victim_index = running.index(victim)
+                    running.pop(victim_index)
+                    if victim_index < req_index:
+                        # Already scheduled this step: give its tokens back.
+                        req_index -= 1
+                        scheduled_running.remove(victim)
+                        budget += num_scheduled.pop(victim.request_id)
+                        del new_block_ids[victim.request_id]
+                else:
+                    victim = running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            if block_ids is None:
+                # It preempted itself; anything after it waits for the next step.
+                break
+            scheduled_running.append(request)
+            num_scheduled[request.request_id] = num_new
+            new_block_ids[request.request_id] = block_ids
+            budget -= num_new
+            req_index += 1
+
+        # Then waiting requests, in queue order, unless this step preempted anyone.
+        scheduled_new: list[Request] = []
+        waiting = self._waiting
+        while not preempted and budget > 0 and len(running) < self.max_num_seqs:
+            head = waiting.peek()
+            if head is None:
+                break
+            request = head
+            if self._never_fits(request.num_tokens):
+                waiting.pop()
+                self._fail(request)
+                continue
+            hit_blocks, num_hit = kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit, budget)
+            if kv.allocate_slots(request, num_new, hit_blocks) is None:
+                # fcfs: never admit past a request that does not fit.
+                break
+            waiting.pop()
+            kv.record_prefix_lookup(request, num_hit)
+            request.num_computed_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            running.append(request)
+            scheduled_new.append(request)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+
+        plan = StepPlan(
+            new_requests=[
+                NewRequestData(
+                    request_id=r.request_id,
+                    prompt_token_ids=r.prompt_token_ids,
+                    output_token_ids=list(r.output_token_ids),
+                    sampling_params=r.sampling_params,
+                    block_ids=kv.get_block_ids(r.request_id),
+                    num_computed_tokens=r.num_computed_tokens,
+                )
+                for r in scheduled_new
+            ],
+            running_requests=[
+                RunningRequestData(
+                    request_id=r.request_id,
+                    new_block_ids=new_block_ids[r.request_id],
+                    num_computed_tokens=r.num_computed_tokens,
+                )
+                for r in scheduled_running
+            ],
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            freed_request_ids=self._freed_ids,
+        )
+        self._freed_ids = set()
+        # The plan carries the start positions; from here on the tokens count as computed.
+        for r in scheduled_running:
+            r.num_computed_tokens += num_scheduled[r.request_id]
+        for r in scheduled_new:
+            r.num_computed_tokens += num_scheduled[r.request_id]
+        return plan
+
+    def update(self, plan: StepPlan, result: StepResult) -> list[Request]:
+        """Append sampled tokens, apply stop rules, release finished requests.
+
+        Returns the requests that got tokens this step, finished ones included. Requests
+        finished (e.g. aborted) since the plan was made are skipped.
+        """
+        sampled = result.sampled_token_ids
+        requests = self._requests
+        updated: list[Request] = []
+        any_finished = False
+        now: float | None = None
+        for rid in plan.num_scheduled_tokens:
+            token_ids = sampled.get(rid)
+            if not token_ids:
+                continue
+            request = requests.get(rid)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            for token_id in token_ids:
+                request.output_token_ids.append(token_id)
+                if self._check_stop(request, token_id):
+                    any_finished = True
+                    break
+            if request.first_token_time is None:
+                if now is None:
+                    now = time.monotonic()
+                request.first_token_time = now
+            updated.append(request)
+        if any_finished:
+            still_running: list[Request] = []
+            for request in self._running:
+                if request.is_finished:
+                    self.kv_cache_manager.free(request)
+                    self._release(request)
+                else:
+                    still_running.append(request)
+            self._running = still_running
+        return updated
+
+    # --------------------------------------------------------------------------- helpers
+
+    def _check_stop(self, request: Request, token_id: int) -> bool:
+        """vLLM's rules: stop tokens count once min_tokens are out; then length limits."""
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token_id == request.eos_token_id and not params.ignore_eos:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = None
+                return True
+            if params.stop_token_ids and token_id in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token_id
+                return True
+            # Extra EOS ids the engine adds from the generation config obey ignore_eos.
+            if not params.ignore_eos and token_id in params.all_stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token_id
+                return True
+        if (
+            request.num_output_tokens >= request.max_tokens
+            or request.num_tokens >= self.max_model_len
+        ):
+            request.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    def _never_fits(self, num_tokens: int) -> bool:
+        return -(-num_tokens // self.block_size) > self.num_blocks
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute-preemption: drop the request's K/V and put it back in line."""
+        self.kv_cache_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self._freed_ids.add(request.request_id)
+        self._waiting.push_front(request)
+
+    def _fail(self, request: Request) -> None:
+        """The request needs more blocks than the pool holds; its blocks are freed already."""
+        request.status = RequestStatus.FINISHED_ERROR
+        request.error = (
+            f"request {request.request_id} needs more KV cache blocks than the pool holds "
+            f"({self.num_blocks} blocks of {self.block_size} tokens) at "
+            f"{request.num_tokens} tokens"
+        )
+        self._release(request)
+        self._errored.append(request)
+
+    def _release(self, request: Request) -> None:
+        del self._requests[request.request_id]
+        self._freed_ids.add(request.request_id)
+
+
+def _priority_key(request: Request) -> tuple[int, float]:
+    return request.priority, request.arrival_time
