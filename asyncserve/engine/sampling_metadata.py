@@ -1,0 +1,195 @@
+"""One step's sampling parameters as batched device tensors.
+
+Built once per step from the host-side rows. Every feature that no row uses stays None, so a
+batch that does not use it pays nothing in the sampler. Each tensor crosses to the device in
+one transfer (from pinned memory, without blocking, on CUDA); nothing here reads a device
+value back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from asyncserve.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs to know of one request in this step."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    # Seeded from params.seed by the runner, on the runner's device; None for unseeded rows.
+    generator: torch.Generator | None
+    # EOS and params.stop_token_ids: masked out while the output is shorter than min_tokens.
+    stop_token_ids: set[int] = field(default_factory=set)
+
+
+@dataclass
+class SamplingMetadata:
+    """Batched sampling parameters for N rows over a vocabulary of V tokens."""
+
+    num_rows: int
+    vocab_size: int
+    all_greedy: bool
+    all_random: bool
+    # [N] float32; greedy rows hold 1.0 so dividing by it is harmless. None when all greedy.
+    temperature: torch.Tensor | None
+    # [N] bool, True for greedy rows. Only set when greedy and random rows are mixed.
+    greedy_mask: torch.Tensor | None
+    # [N] int64, 0 = no top-k; values are clamped to the vocabulary size.
+    top_k: torch.Tensor | None
+    # Host copy of max(top_k) so torch.topk needs no device read.
+    max_top_k: int
+    top_p: torch.Tensor | None  # [N] float32
+    min_p: torch.Tensor | None  # [N] float32
+    frequency_penalties: torch.Tensor | None  # [N] float32
+    presence_penalties: torch.Tensor | None  # [N] float32
+    repetition_penalties: torch.Tensor | None  # [N] float32
+    # [N, V] float32 count of each token in each row's output; set with any penalty.
+    output_token_counts: torch.Tensor | None
+    # [N, V] bool, token appears in the prompt; set with the repetition penalty.
+    prompt_token_mask: torch.Tensor | None
+    # [2, M] int64 (row, token) pairs to mask: stop tokens of rows still below min_tokens.
+    min_tokens_index: torch.Tensor | None
+    # Row index -> the row's own generator (seeded, non-greedy rows only).
+    generators: dict[int, torch.Generator]
+    # Top logprobs to return: the max over rows that asked; None when no row asked.
+    max_num_logprobs: int | None
+    # [N, V] bool from grammar constraints (rows without one all True); None when unused.
+    allowed_token_mask: torch.Tensor | None = None
+
+    @property
+    def no_top_k(self) -> bool:
+        return self.top_k is None
+
+    @property
+    def no_top_p(self) -> bool:
+        return self.top_p is None
+
+    @property
+    def no_min_p(self) -> bool:
+        return self.min_p is None
+
+    @property
+    def no_penalties(self) -> bool:
+        return self.output_token_counts is None
+
+    @classmethod
+    def build(
+        cls, rows: Sequence[SamplingRow], vocab_size: int, device: torch.device
+    ) -> SamplingMetadata:
+        params = [row.params for row in rows]
+        greedy = [p.greedy for p in params]
+        all_greedy = all(greedy)
+        all_random = not any(greedy)
+
+        # Per-row floats travel together in one [K, N] transfer.
+        columns: dict[str, list[float]] = {}
+        top_k: torch.Tensor | None = None
+        max_top_k = 0
+        generators: dict[int, torch.Generator] = {}
+        if not all_greedy:
+            columns["temperature"] = [
+                1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)
+            ]
+            if any(p.top_p < 1.0 for p in params):
+                columns["top_p"] = [p.top_p for p in params]
+            if any(p.min_p > 0.0 for p in params):
+                columns["min_p"] = [p.min_p for p in params]
+            ks = [min(p.top_k, vocab_size) for p in params]
+            max_top_k = max(ks, default=0)
+            if max_top_k > 0:
+                top_k = _to_device(ks, torch.int64, device)
+            generators = {
+                i: row.generator
+                for i, (row, g) in enumerate(zip(rows, greedy, strict=True))
+                if row.generator is not None and not g
+            }
+        use_freq_pres = any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params)
+        use_repetition = any(p.repetition_penalty != 1.0 for p in params)
+        if use_freq_pres:
+            columns["frequency"] = [p.frequency_penalty for p in params]
+            columns["presence"] = [p.presence_penalty for p in params]
+        if use_repetition:
+            columns["repetition"] = [p.repetition_penalty for p in params]
+        floats: dict[str, torch.Tensor] = {}
+        if columns:
+            packed = _to_device(list(columns.values()), torch.float32, device)
+            floats = dict(zip(columns, packed.unbind(0), strict=True))
+
+        output_counts = None
+        prompt_mask = None
+        if use_freq_pres or use_repetition:
+            penalized = [p.needs_penalties for p in params]
+            outputs = [
+                r.output_token_ids if on else [] for r, on in zip(rows, penalized, strict=True)
+            ]
+            ids = _padded(outputs, vocab_size, device)
+            output_counts = torch.zeros(len(rows), vocab_size + 1, device=device)
+            output_counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+            output_counts = output_counts[:, :vocab_size]
+            if use_repetition:
+                prompts = [
+                    r.prompt_token_ids if on else [] for r, on in zip(rows, penalized, strict=True)
+                ]
+                ids = _padded(prompts, vocab_size, device)
+                prompt_mask = torch.zeros(
+                    len(rows), vocab_size + 1, dtype=torch.bool, device=device
+                )
+                prompt_mask.scatter_(1, ids, True)
+                prompt_mask = prompt_mask[:, :vocab_size]
+
+        pairs = [
+            (i, t)
+            for i, row in enumerate(rows)
+            if len(row.output_token_ids) < row.params.min_tokens
+            for t in sorted(row.stop_token_ids)
+            if t < vocab_size
+        ]
+        min_tokens_index = (
+            _to_device([list(c) for c in zip(*pairs, strict=True)], torch.int64, device)
+            if pairs
+            else None
+        )
+
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            num_rows=len(rows),
+            vocab_size=vocab_size,
+            all_greedy=all_greedy,
+            all_random=all_random,
+            temperature=floats.get("temperature"),
+            greedy_mask=None
+            if all_greedy or all_random
+            else _to_device(greedy, torch.bool, device),
+            top_k=top_k,
+            max_top_k=max_top_k,
+            top_p=floats.get("top_p"),
+            min_p=floats.get("min_p"),
+            frequency_penalties=floats.get("frequency"),
+            presence_penalties=floats.get("presence"),
+            repetition_penalties=floats.get("repetition"),
+            output_token_counts=output_counts,
+            prompt_token_mask=prompt_mask,
+            min_tokens_index=min_tokens_index,
+            generators=generators,
+            max_num_logprobs=max(wanted) if wanted else None,
+        )
+
+
+def _to_device(data: object, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One host->device copy; from pinned memory and asynchronous on CUDA."""
+    if device.type == "cuda":
+        return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    return torch.tensor(data, dtype=dtype, device=device)
+
+
+def _padded(seqs: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    """[N, max_len] int64, padded with `pad` (a column the caller slices away)."""
+    width = max((len(s) for s in seqs), default=0)
+    return _to_device([s + [pad] * (width - len(s)) for s in seqs], torch.int64, device)
