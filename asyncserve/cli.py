@@ -1,0 +1,396 @@
+"""`python -m asyncserve serve|generate|bench`, flags named as vLLM names them.
+
+`build_parser()` returns the whole parser; other modules add subcommands to it the way
+asyncserve.bench.cli adds `bench` (a subparser whose defaults set `handler`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import re
+import sys
+from typing import Any
+
+from asyncserve.config import (
+    CacheConfig,
+    EngineConfig,
+    Environment,
+    ModelConfig,
+    SchedulerConfig,
+    ServerConfig,
+)
+
+DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(I?B?)\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """`1073741824`, `512M`, `2GiB`, `1.5G` -> bytes (K/M/G/T are powers of 1024)."""
+    match = _SIZE.match(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 536870912, 512M, 2GiB)")
+    number, unit = float(match.group(1)), match.group(2).upper()
+    value = int(number * 1024 ** "_KMGT".index(unit or "_"))
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"byte size must be positive, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model and engine")
+    group.add_argument(
+        "--model",
+        default=None,
+        help="HF directory, .gguf file, or a config directory with --load-format dummy "
+        "(default: $ASYNCSERVE_MODEL, else the installed SmolLM2-135M-Instruct GGUF)",
+    )
+    group.add_argument("--tokenizer", default=None, help="tokenizer path (default: the model's)")
+    group.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "float", "bfloat16", "float16", "half"],
+        help="weight and activation dtype; auto: the config's dtype on GPU, float32 on CPU",
+    )
+    group.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "dummy"],
+        help="auto: real weights; dummy: random weights from config.json (benchmarks)",
+    )
+    group.add_argument(
+        "--max-model-len",
+        type=_positive_int,
+        default=None,
+        help="longest prompt + output in tokens (default: the model's context length)",
+    )
+    group.add_argument("--seed", type=int, default=0, help="random seed")
+    group.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    group.add_argument(
+        "--block-size", type=_positive_int, default=16, help="tokens per KV cache block"
+    )
+    group.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="fraction of GPU memory for weights, activations and the KV pool",
+    )
+    group.add_argument(
+        "--kv-cache-memory",
+        type=parse_bytes,
+        default=None,
+        help="KV pool size in bytes (e.g. 512M, 2GiB); on CPU the pool's size, on GPU it "
+        "overrides --gpu-memory-utilization (CPU default: 1 GiB)",
+    )
+    group.add_argument(
+        "--num-gpu-blocks-override", type=_positive_int, default=None, help="KV blocks, exactly"
+    )
+    group.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse KV blocks of identical prompt prefixes across requests",
+    )
+    group.add_argument(
+        "--max-num-seqs", type=_positive_int, default=256, help="most sequences in one step"
+    )
+    group.add_argument(
+        "--max-num-batched-tokens",
+        type=_positive_int,
+        default=2048,
+        help="token budget of one step; long prompts are prefilled in chunks of it",
+    )
+    group.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=["fcfs", "priority"],
+        help="fcfs: arrival order; priority: lower `priority` values first, then arrival",
+    )
+    group.add_argument(
+        "--enforce-eager", action="store_true", help="no CUDA graphs (GPU only; always on CPU)"
+    )
+    group.add_argument(
+        "--stream-interval",
+        type=_positive_int,
+        default=1,
+        help="tokens per streamed chunk: larger values send fewer, bigger SSE events",
+    )
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    group.add_argument("--port", type=int, default=8000, help="port to listen on")
+    group.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="names the model answers to in `model` (several aliases allowed; the first is "
+        "reported); default: the model's name",
+    )
+    group.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer <key>` on every route but /health and /metrics "
+        "(default: $ASYNCSERVE_API_KEY)",
+    )
+    group.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM)")
+    group.add_argument("--ssl-certfile", default=None, help="TLS certificate chain (PEM)")
+    group.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds running requests get to finish after SIGTERM before they are aborted",
+    )
+    group.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=None,
+        help="answer 503 with Retry-After while this many requests wait to be scheduled",
+    )
+    group.add_argument(
+        "--max-request-body-bytes",
+        type=parse_bytes,
+        default=16 * 1024 * 1024,
+        help="larger request bodies get 413",
+    )
+    group.add_argument(
+        "--enable-log-requests", action="store_true", help="log every request's prompt and params"
+    )
+    group.add_argument(
+        "--max-log-len",
+        type=int,
+        default=None,
+        help="prompt characters (or token ids) written per logged request (default: all)",
+    )
+    group.add_argument(
+        "--disable-uvicorn-access-log", action="store_true", help="no access log at all"
+    )
+    group.add_argument(
+        "--disable-access-log-for-endpoints",
+        default="",
+        help="comma-separated paths left out of the access log, e.g. /health,/metrics",
+    )
+    group.add_argument(
+        "--uvicorn-log-level",
+        default=None,
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="server log level (default: $ASYNCSERVE_LOG_LEVEL, else info)",
+    )
+
+
+def engine_config_from_args(args: argparse.Namespace, env: Environment) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(
+            model=args.model or env.default_model,
+            tokenizer=args.tokenizer,
+            dtype=args.dtype,
+            load_format=args.load_format,
+            max_model_len=args.max_model_len,
+            seed=args.seed,
+            device=args.device,
+        ),
+        cache=CacheConfig(
+            block_size=args.block_size,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            kv_cache_memory=args.kv_cache_memory,
+            num_blocks_override=args.num_gpu_blocks_override,
+            enable_prefix_caching=args.enable_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            policy=args.scheduling_policy,
+            max_waiting_requests=getattr(args, "max_waiting_requests", None),
+        ),
+        enable_cuda_graphs=not args.enforce_eager,
+        stream_interval=args.stream_interval,
+    )
+
+
+def served_names(args: argparse.Namespace, env: Environment) -> tuple[str, ...]:
+    if args.served_model_name:
+        return tuple(args.served_model_name)
+    from asyncserve.http.app import default_model_name
+
+    model = args.model or env.default_model
+    return (default_model_name(model.rstrip("/")) if model else DEFAULT_SERVED_NAME,)
+
+
+def server_config_from_args(args: argparse.Namespace, env: Environment) -> ServerConfig:
+    endpoints = tuple(p.strip() for p in args.disable_access_log_for_endpoints.split(",") if p)
+    return ServerConfig(
+        host=args.host,
+        port=args.port,
+        served_model_names=served_names(args, env),
+        api_key=args.api_key or env.api_key,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        shutdown_timeout=args.shutdown_timeout,
+        max_log_len=args.max_log_len,
+        enable_log_requests=args.enable_log_requests,
+        disable_access_log=args.disable_uvicorn_access_log,
+        disable_access_log_for_endpoints=endpoints,
+        max_waiting_requests=args.max_waiting_requests,
+        max_request_body_bytes=args.max_request_body_bytes,
+        log_level=(args.uvicorn_log_level or env.log_level).lower(),
+    )
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s"
+    )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    env = Environment.read()
+    try:
+        server_config = server_config_from_args(args, env)
+        engine_config = engine_config_from_args(args, env)
+    except ValueError as exc:
+        print(f"asyncserve serve: error: {exc}", file=sys.stderr)
+        return 2
+    _configure_logging(server_config.log_level)
+    from asyncserve.engine.async_engine import AsyncEngine
+    from asyncserve.http.server import run_server
+    from asyncserve.metrics import EngineMetrics
+
+    metrics = EngineMetrics(server_config.served_model_names[0])
+    engine = AsyncEngine.from_config(engine_config, metrics=metrics)
+    return run_server(engine, server_config, metrics)
+
+
+def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", help="the prompt text")
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=_positive_int, default=128)
+    group.add_argument(
+        "--temperature", type=float, default=None, help="default: the model's, else 1.0"
+    )
+    group.add_argument("--top-p", type=float, default=None)
+    group.add_argument("--top-k", type=int, default=None)
+    group.add_argument("--min-p", type=float, default=None)
+    group.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    group.add_argument("--ignore-eos", action="store_true")
+    group.add_argument(
+        "--chat", action="store_true", help="send the prompt as a user message, chat-templated"
+    )
+
+
+def sampling_params_from_args(args: argparse.Namespace, generation_config: dict[str, Any]) -> Any:
+    from asyncserve.sampling_params import RequestOutputKind, SamplingParams
+
+    fields: dict[str, Any] = {}
+    for key in ("temperature", "top_p", "top_k", "min_p"):
+        value = getattr(args, key)
+        if value is None:
+            value = generation_config.get(key)
+        if value is not None:
+            fields[key] = value
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+        seed=args.seed,
+        output_kind=RequestOutputKind.DELTA,
+        **fields,
+    )
+
+
+async def _generate(engine: Any, args: argparse.Namespace) -> int:
+    await engine.start()
+    try:
+        tokenizer = engine.tokenizer
+        if args.chat:
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": args.prompt}], add_generation_prompt=True
+            )
+            prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+        else:
+            prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=True)
+        params = sampling_params_from_args(args, engine.generation_config)
+        engine.validate_request(prompt_ids, params)
+        async for out in engine.generate(prompt_ids, params, "generate-0"):
+            for completion in out.outputs:
+                sys.stdout.write(completion.text)
+            sys.stdout.flush()
+            if out.error is not None:
+                print(f"\nasyncserve generate: error: {out.error}", file=sys.stderr)
+                return 1
+        sys.stdout.write("\n")
+        return 0
+    finally:
+        await engine.shutdown(timeout=0)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    env = Environment.read()
+    _configure_logging("warning" if env.log_level.upper() == "INFO" else env.log_level)
+    from asyncserve.engine.async_engine import AsyncEngine
+
+    try:
+        engine = AsyncEngine.from_config(engine_config_from_args(args, env))
+        return asyncio.run(_generate(engine, args))
+    except ValueError as exc:
+        print(f"asyncserve generate: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="asyncserve",
+        description="An LLM inference and serving engine with an OpenAI-compatible server.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    formatter = argparse.ArgumentDefaultsHelpFormatter
+    serve = commands.add_parser(
+        "serve",
+        help="serve the OpenAI-compatible API over HTTP",
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /generate, "
+        "/health, /metrics, /version and /openapi.json.",
+        formatter_class=formatter,
+    )
+    serve.add_argument("model_tag", nargs="?", default=None, help="the model (same as --model)")
+    add_engine_arguments(serve)
+    add_server_arguments(serve)
+    serve.set_defaults(handler=run_serve)
+    generate = commands.add_parser(
+        "generate",
+        help="complete one prompt and stream it to the terminal",
+        description="Load the model, complete one prompt, print tokens as they come.",
+        formatter_class=formatter,
+    )
+    add_generate_arguments(generate)
+    add_engine_arguments(generate)
+    generate.set_defaults(handler=run_generate)
+    try:
+        from asyncserve.bench.cli import add_parser as add_bench_parser
+    except ImportError:
+        pass
+    else:
+        add_bench_parser(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "model_tag", None) is not None:
+        if args.model is not None and args.model != args.model_tag:
+            parser.error("give the model once: as the positional argument or as --model")
+        args.model = args.model_tag
+    result = args.handler(args)
+    return result if isinstance(result, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""build_app(engine, config) -> Starlette: routes, API-key check, errors in OpenAI's shape,
+and a lifespan that starts the engine's step loop on the server's event loop."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from asyncserve.config import ServerConfig
+from asyncserve.http import routes_openai, routes_ops
+from asyncserve.http.engine_client import EngineClient
+from asyncserve.http.errors import APIError, error_response
+from asyncserve.http.serving import ServerState
+from asyncserve.http.sse import ClientDisconnected
+from asyncserve.metrics import EngineMetrics
+
+logger = logging.getLogger(__name__)
+
+# Reachable without an API key: probes and scrapers.
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
+def default_model_name(model_path: str) -> str:
+    """The name a model answers to when --served-model-name is not given."""
+    path = Path(model_path)
+    return path.stem if path.suffix == ".gguf" else (path.name or model_path)
+
+
+class APIKeyMiddleware:
+    """401 unless `Authorization: Bearer <key>` matches (constant-time), except OPEN_PATHS."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        given = b""
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                given = value
+                break
+        if not hmac.compare_digest(given, self.expected):
+            response = APIError(
+                "Invalid or missing API key: send `Authorization: Bearer <key>`",
+                401,
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            ).response()
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        message = f"Not found: {request.method} {request.url.path}"
+    elif exc.status_code == 405:
+        message = f"Method {request.method} is not allowed on {request.url.path}"
+    else:
+        message = str(exc.detail)
+    return error_response(exc.status_code, message, headers=exc.headers)
+
+
+async def _disconnected(request: Request, exc: Exception) -> Response:
+    # Nobody is listening; the engine request was aborted already.
+    return Response(status_code=499)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(500, "Internal server error")
+
+
+def build_app(
+    engine: EngineClient,
+    config: ServerConfig | None = None,
+    metrics: EngineMetrics | None = None,
+) -> Starlette:
+    """The server around `engine`. The lifespan starts the engine loop and, on shutdown,
+    lets running requests finish for up to config.shutdown_timeout seconds."""
+    config = config or ServerConfig()
+    names = config.served_model_names or (default_model_name(engine.model_path),)
+    state = ServerState(
+        engine=engine, config=config, model_names=names, metrics=metrics or EngineMetrics(names[0])
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await engine.start()
+        logger.info("serving %s as %s", engine.model_path, ", ".join(names))
+        try:
+            yield
+        finally:
+            await engine.shutdown(timeout=config.shutdown_timeout)
+
+    app = Starlette(
+        routes=routes_openai.routes(state) + routes_ops.routes(state),
+        exception_handlers={
+            APIError: _api_error,
+            HTTPException: _http_error,
+            ClientDisconnected: _disconnected,
+            Exception: _internal_error,
+        },
+        lifespan=lifespan,
+    )
+    if config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    app.state.asyncserve = state
+    return app

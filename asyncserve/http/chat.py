@@ -1,0 +1,188 @@
+"""POST /v1/chat/completions: the model's chat template, n samples, streamed (SSE) or not."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from asyncserve.http.chat_prompt import render_chat_prompt
+from asyncserve.http.errors import APIError
+from asyncserve.http.logprobs import chat_logprobs
+from asyncserve.http.protocol import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    DeltaMessage,
+    UsageInfo,
+)
+from asyncserve.http.sampling import chat_params
+from asyncserve.http.serving import PromptInput, ServerState, engine_error, usage
+from asyncserve.http.sse import (
+    DONE,
+    EventStreamResponse,
+    cancel_on_disconnect,
+    closing,
+    sse_event,
+)
+from asyncserve.outputs import CompletionOutput, RequestOutput
+from asyncserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def _check_unsupported(body: ChatCompletionRequest) -> None:
+    if body.response_format is not None and body.response_format.type != "text":
+        raise APIError(
+            f"response_format of type {body.response_format.type!r} is not supported",
+            400,
+            "response_format",
+        )
+    choice = body.tool_choice
+    if choice is not None and choice not in ("none", "auto"):
+        raise APIError(
+            "tool_choice other than 'none' or 'auto' is not supported", 400, "tool_choice"
+        )
+
+
+class _Job:
+    def __init__(
+        self, state: ServerState, body: ChatCompletionRequest, prompt: PromptInput, model: str
+    ) -> None:
+        self.state = state
+        self.body = body
+        self.prompt = prompt
+        self.model = model
+        self.id = f"chatcmpl-{body.request_id or state.new_request_id()}"
+        self.created = int(time.time())
+        self.engine_id = state.new_request_id()
+
+    def stream(self, params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        self.state.log_request(self.engine_id, self.prompt, params)
+        return self.state.engine.generate(
+            self.prompt.token_ids, params, self.engine_id, priority=self.body.priority
+        )
+
+    def logprobs(self, comp: CompletionOutput) -> ChatLogprobs | None:
+        if not self.body.logprobs:
+            return None
+        entries = comp.logprobs or [None] * len(comp.token_ids)  # type: ignore[list-item]
+        return chat_logprobs(
+            comp.token_ids, entries, self.state.token_text, self.body.top_logprobs or 0
+        )
+
+    def chunk(self, choices: list[ChatStreamChoice], usage_info: UsageInfo | None = None) -> bytes:
+        return sse_event(
+            ChatCompletionStreamResponse(
+                id=self.id,
+                object="chat.completion.chunk",
+                created=self.created,
+                model=self.model,
+                choices=choices,
+                usage=usage_info,
+            )
+        )
+
+
+async def create_chat_completion(state: ServerState, request: Request) -> Response:
+    body = await state.read_json(request, ChatCompletionRequest)
+    model = state.response_model(body.model)
+    _check_unsupported(body)
+    params = chat_params(body, state.engine.generation_config)
+    text = render_chat_prompt(state.engine.tokenizer, body)
+    prompt = state.tokenize(text, body.add_special_tokens)
+    max_tokens_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    state.validate(prompt, params, "messages", max_tokens_param)
+    state.check_ready(body.priority)
+    job = _Job(state, body, prompt, model)
+    if body.stream:
+        return EventStreamResponse(_stream(job, params))
+    final = await cancel_on_disconnect(_final(job.stream(params)), request.receive)
+    if final.error is not None:
+        raise engine_error(final, state.engine)
+    choices = [
+        ChatChoice(
+            index=comp.index,
+            message=ChatResponseMessage(role="assistant", content=comp.text),
+            logprobs=job.logprobs(comp),
+            finish_reason=comp.finish_reason,
+            stop_reason=comp.stop_reason,
+        )
+        for comp in sorted(final.outputs, key=lambda c: c.index)
+    ]
+    completion_tokens = sum(len(c.token_ids) for c in final.outputs)
+    response = ChatCompletionResponse(
+        id=job.id,
+        object="chat.completion",
+        created=job.created,
+        model=model,
+        choices=choices,
+        usage=usage([final], [prompt], completion_tokens),
+    )
+    return Response(msgspec.json.encode(response), media_type="application/json")
+
+
+async def _final(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    final: RequestOutput | None = None
+    async with closing(stream) as outputs:
+        async for out in outputs:
+            final = out
+    if final is None:
+        raise RuntimeError("the engine ended the request without an output")
+    return final
+
+
+async def _stream(job: _Job, params: SamplingParams) -> AsyncIterator[bytes]:
+    options = job.body.stream_options
+    include_usage = options is not None and options.include_usage
+    continuous = options is not None and options.continuous_usage_stats
+    completion_tokens = 0
+    last: RequestOutput | None = None
+    wants_logprobs = job.body.logprobs
+    try:
+        # The role comes first, one chunk per choice, before any token is generated.
+        for index in range(job.body.n):
+            role = DeltaMessage(role="assistant", content="")
+            yield job.chunk([ChatStreamChoice(index=index, delta=role)])
+        failed = False
+        async with closing(job.stream(params)) as outputs:
+            async for out in outputs:
+                last = out
+                if out.error is not None:
+                    yield sse_event(engine_error(out, job.state.engine).to_body())
+                    failed = True
+                    break
+                for comp in out.outputs:
+                    completion_tokens += len(comp.token_ids)
+                    if (
+                        not comp.text
+                        and comp.finish_reason is None
+                        and not (comp.token_ids and wants_logprobs)
+                    ):
+                        continue
+                    choice = ChatStreamChoice(
+                        index=comp.index,
+                        delta=DeltaMessage(content=comp.text) if comp.text else DeltaMessage(),
+                        logprobs=job.logprobs(comp),
+                        finish_reason=comp.finish_reason,
+                        stop_reason=comp.stop_reason,
+                    )
+                    running = None
+                    if continuous:
+                        running = usage([out], [job.prompt], completion_tokens)
+                    yield job.chunk([choice], running)
+        if include_usage and not failed:
+            outputs_seen = [last] if last is not None else []
+            yield job.chunk([], usage(outputs_seen, [job.prompt], completion_tokens))
+    except Exception as exc:  # never a broken stream without a word: an error event, then DONE
+        logger.exception("chat stream %s failed", job.id)
+        yield sse_event(APIError(f"{type(exc).__name__}: {exc}", 500).to_body())
+    yield DONE

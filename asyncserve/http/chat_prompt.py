@@ -1,0 +1,116 @@
+"""Chat messages -> the prompt text, through the model's chat template.
+
+The template itself is the tokenizer's (`tokenizer.apply_chat_template`); this module checks
+the messages, flattens text content parts, and implements vLLM's `continue_final_message`
+(the final message stays open, so the model continues it instead of starting a new turn).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncserve.http.errors import APIError
+from asyncserve.http.protocol import ChatCompletionRequest, ChatMessage
+
+
+def _message_text(message: ChatMessage, index: int) -> str | None:
+    content = message.content
+    if content is None or isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        if part.type != "text":
+            raise APIError(
+                f"content parts of type {part.type!r} are not supported; only 'text' is",
+                400,
+                f"messages[{index}].content[{j}].type",
+            )
+        if part.text is None:
+            raise APIError(
+                "a text content part needs a 'text' field",
+                400,
+                f"messages[{index}].content[{j}].text",
+            )
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as the template sees them: role, content (a string) and tool fields."""
+    if not messages:
+        raise APIError("messages must contain at least one message", 400, "messages")
+    out: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        if not message.role:
+            raise APIError("role must be a non-empty string", 400, f"messages[{i}].role")
+        entry: dict[str, Any] = {"role": message.role, "content": _message_text(message, i)}
+        if message.name is not None:
+            entry["name"] = message.name
+        if message.tool_calls is not None:
+            entry["tool_calls"] = message.tool_calls
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
+        out.append(entry)
+    return out
+
+
+def _add_generation_prompt(body: ChatCompletionRequest) -> bool:
+    if body.continue_final_message:
+        if body.add_generation_prompt:
+            raise APIError(
+                "continue_final_message and add_generation_prompt cannot both be true",
+                400,
+                "continue_final_message",
+            )
+        return False
+    return True if body.add_generation_prompt is None else body.add_generation_prompt
+
+
+def render_chat_prompt(tokenizer: Any, body: ChatCompletionRequest) -> str:
+    """The prompt text for a chat request (raises APIError naming the field on bad input)."""
+    messages = messages_to_dicts(body.messages)
+    add_generation_prompt = _add_generation_prompt(body)
+    kwargs = dict(body.chat_template_kwargs or {})
+    for reserved in ("messages", "tools", "add_generation_prompt", "tokenize"):
+        if reserved in kwargs:
+            raise APIError(
+                f"chat_template_kwargs must not set {reserved!r}", 400, "chat_template_kwargs"
+            )
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tools=body.tools, **kwargs
+        )
+    except ValueError as exc:
+        raise APIError(f"the chat template could not be applied: {exc}", 400, "messages") from exc
+    except TypeError as exc:
+        raise APIError(
+            f"the chat template could not be applied: {exc}", 400, "chat_template_kwargs"
+        ) from exc
+    except Exception as exc:  # a template raising on these messages (jinja2 errors and the like)
+        raise APIError(
+            f"the chat template could not be applied: {type(exc).__name__}: {exc}", 400, "messages"
+        ) from exc
+    if not isinstance(text, str):
+        raise APIError("the chat template did not produce text", 400, "messages")
+    if body.continue_final_message:
+        text = _open_final_message(text, messages)
+    return text
+
+
+def _open_final_message(text: str, messages: list[dict[str, Any]]) -> str:
+    """Cut the rendered chat right after the final message's content (transformers' rule)."""
+    final = (messages[-1].get("content") or "").strip()
+    where = f"messages[{len(messages) - 1}].content"
+    if not final:
+        raise APIError(
+            "continue_final_message needs a final message with non-empty content", 400, where
+        )
+    end = text.rfind(final)
+    if end < 0:
+        raise APIError(
+            "continue_final_message: the final message's content is not in the rendered "
+            "chat template",
+            400,
+            where,
+        )
+    return text[: end + len(final)]

@@ -1,0 +1,223 @@
+"""POST /v1/completions: one or many prompts, n samples each, streamed (SSE) or not."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from asyncserve.http.errors import APIError
+from asyncserve.http.logprobs import completion_logprobs
+from asyncserve.http.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    UsageInfo,
+)
+from asyncserve.http.sampling import completion_params
+from asyncserve.http.serving import (
+    PromptInput,
+    ServerState,
+    engine_error,
+    parse_prompts,
+    usage,
+)
+from asyncserve.http.sse import (
+    DONE,
+    EventStreamResponse,
+    cancel_on_disconnect,
+    closing,
+    merge_streams,
+    sse_event,
+)
+from asyncserve.outputs import CompletionOutput, RequestOutput
+from asyncserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+MAX_CHOICES = 2048  # prompts x n in one request
+
+
+class _Job:
+    """One completions request after validation: its prompts, params and engine ids."""
+
+    def __init__(
+        self, state: ServerState, body: CompletionRequest, prompts: list[PromptInput]
+    ) -> None:
+        self.state = state
+        self.body = body
+        self.prompts = prompts
+        self.id = f"cmpl-{body.request_id or state.new_request_id()}"
+        self.created = int(time.time())
+        self.engine_ids = [state.new_request_id() for _ in prompts]
+
+    def streams(self, params: SamplingParams) -> list[AsyncIterator[RequestOutput]]:
+        engine = self.state.engine
+        for rid, prompt in zip(self.engine_ids, self.prompts, strict=True):
+            self.state.log_request(rid, prompt, params)
+        return [
+            engine.generate(p.token_ids, params, rid, priority=self.body.priority)
+            for rid, p in zip(self.engine_ids, self.prompts, strict=True)
+        ]
+
+    def chunk(
+        self, model: str, choices: list[CompletionChoice], usage_info: UsageInfo | None
+    ) -> CompletionStreamResponse:
+        return CompletionStreamResponse(
+            id=self.id,
+            object="text_completion",
+            created=self.created,
+            model=model,
+            choices=choices,
+            usage=usage_info,
+        )
+
+    def logprobs(
+        self, prompt_index: int, out: RequestOutput, comp: CompletionOutput, offset: int, echo: bool
+    ) -> CompletionLogprobs | None:
+        if self.body.logprobs is None:
+            return None
+        token_text = self.state.token_text
+        ids = comp.token_ids
+        entries = comp.logprobs or [None] * len(ids)  # type: ignore[list-item]
+        if not echo:
+            return completion_logprobs(ids, entries, token_text, offset)
+        prompt = self.prompts[prompt_index]
+        prompt_entries = out.prompt_logprobs or [None] * len(prompt.token_ids)
+        head = completion_logprobs(prompt.token_ids, prompt_entries, token_text, offset)
+        tail = completion_logprobs(
+            ids, entries, token_text, offset + len(self.state.prompt_text(prompt))
+        )
+        return CompletionLogprobs(
+            tokens=head.tokens + tail.tokens,
+            token_logprobs=head.token_logprobs + tail.token_logprobs,
+            top_logprobs=head.top_logprobs + tail.top_logprobs,
+            text_offset=head.text_offset + tail.text_offset,
+        )
+
+
+async def create_completion(state: ServerState, request: Request) -> Response:
+    body = await state.read_json(request, CompletionRequest)
+    model = state.response_model(body.model)
+    if body.suffix:
+        raise APIError("suffix is not supported", 400, "suffix")
+    params = completion_params(body, state.engine.generation_config)
+    raw_prompts = parse_prompts(body.prompt)
+    if len(raw_prompts) * body.n > MAX_CHOICES:
+        raise APIError(
+            f"at most {MAX_CHOICES} choices (prompts x n) per request, got "
+            f"{len(raw_prompts)} x {body.n}",
+            400,
+            "prompt",
+        )
+    prompts = [state.tokenize(p, body.add_special_tokens) for p in raw_prompts]
+    for prompt in prompts:
+        state.validate(prompt, params, "prompt")
+    state.check_ready(body.priority)
+    job = _Job(state, body, prompts)
+    if body.stream:
+        return EventStreamResponse(_stream(job, params, model))
+    return await _complete(job, params, model, request)
+
+
+async def _complete(job: _Job, params: SamplingParams, model: str, request: Request) -> Response:
+    async def collect() -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * len(job.prompts)
+        async with closing(merge_streams(job.streams(params))) as merged:
+            async for index, out in merged:
+                finals[index] = out
+        return [f for f in finals if f is not None]
+
+    finals = await cancel_on_disconnect(collect(), request.receive)
+    body = job.body
+    choices: list[CompletionChoice] = []
+    completion_tokens = 0
+    for i, out in enumerate(finals):
+        if out.error is not None:
+            raise engine_error(out, job.state.engine)
+        prefix = job.state.prompt_text(job.prompts[i]) if body.echo else ""
+        for comp in sorted(out.outputs, key=lambda c: c.index):
+            completion_tokens += len(comp.token_ids)
+            choices.append(
+                CompletionChoice(
+                    index=i * body.n + comp.index,
+                    text=prefix + comp.text,
+                    logprobs=job.logprobs(i, out, comp, 0, body.echo),
+                    finish_reason=comp.finish_reason,
+                    stop_reason=comp.stop_reason,
+                )
+            )
+    response = CompletionResponse(
+        id=job.id,
+        object="text_completion",
+        created=job.created,
+        model=model,
+        choices=choices,
+        usage=usage(finals, job.prompts, completion_tokens),
+    )
+    return _json(response)
+
+
+async def _stream(job: _Job, params: SamplingParams, model: str) -> AsyncIterator[bytes]:
+    body = job.body
+    n = body.n
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    continuous = body.stream_options is not None and body.stream_options.continuous_usage_stats
+    echoed: set[int] = set()
+    text_len: dict[int, int] = {}
+    completion_tokens = 0
+    last: dict[int, RequestOutput] = {}
+    wants_logprobs = body.logprobs is not None
+    try:
+        failed = False
+        async with closing(merge_streams(job.streams(params))) as merged:
+            async for i, out in merged:
+                last[i] = out
+                if out.error is not None:
+                    yield sse_event(engine_error(out, job.state.engine).to_body())
+                    failed = True
+                    break
+                for comp in out.outputs:
+                    index = i * n + comp.index
+                    completion_tokens += len(comp.token_ids)
+                    echo = body.echo and index not in echoed
+                    text = comp.text
+                    if echo:
+                        echoed.add(index)
+                        text = job.state.prompt_text(job.prompts[i]) + text
+                    offset = text_len.get(index, 0)
+                    text_len[index] = offset + len(text)
+                    logprobs = job.logprobs(i, out, comp, offset, echo)
+                    if (
+                        not text
+                        and comp.finish_reason is None
+                        and not (comp.token_ids and wants_logprobs)
+                    ):
+                        continue
+                    running_usage = None
+                    if continuous:
+                        running_usage = usage(list(last.values()), job.prompts, completion_tokens)
+                    choice = CompletionChoice(
+                        index=index,
+                        text=text,
+                        logprobs=logprobs,
+                        finish_reason=comp.finish_reason,
+                        stop_reason=comp.stop_reason,
+                    )
+                    yield sse_event(job.chunk(model, [choice], running_usage))
+        if include_usage and not failed:
+            final_usage = usage(list(last.values()), job.prompts, completion_tokens)
+            yield sse_event(job.chunk(model, [], final_usage))
+    except Exception as exc:  # never a broken stream without a word: an error event, then DONE
+        logger.exception("completion stream %s failed", job.id)
+        yield sse_event(APIError(f"{type(exc).__name__}: {exc}", 500).to_body())
+    yield DONE
+
+
+def _json(payload: object) -> Response:
+    return Response(msgspec.json.encode(payload), media_type="application/json")

@@ -1,0 +1,149 @@
+"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+
+Handlers raise APIError; the app turns it (and Starlette's HTTP errors, and anything
+unexpected) into a JSON response. Helpers map msgspec validation errors and SamplingParams'
+ValueErrors ("<field> must be ...") to the request field they are about.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+import msgspec
+from starlette.responses import Response
+
+_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
+    422: "UnprocessableEntityError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+class ErrorInfo(msgspec.Struct, omit_defaults=False):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(msgspec.Struct):
+    error: ErrorInfo
+
+
+class APIError(Exception):
+    """An error the client should see, with its HTTP status and (when known) the field."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        code: int | str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code if code is not None else status
+        self.headers = dict(headers or {})
+
+    def to_body(self) -> ErrorResponse:
+        return ErrorResponse(
+            ErrorInfo(
+                message=self.message,
+                type=_TYPES.get(self.status, "APIError"),
+                param=self.param,
+                code=self.code,
+            )
+        )
+
+    def response(self) -> Response:
+        return Response(
+            msgspec.json.encode(self.to_body()),
+            status_code=self.status,
+            media_type="application/json",
+            headers=self.headers,
+        )
+
+
+def error_response(
+    status: int, message: str, param: str | None = None, headers: Mapping[str, str] | None = None
+) -> Response:
+    return APIError(message, status, param, headers=headers).response()
+
+
+# msgspec: "Expected `float`, got `str` - at `$.temperature`"
+_AT_PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
+_MISSING = re.compile(r"missing required field `(?P<field>[^`]+)`")
+
+
+def param_from_path(path: str) -> str | None:
+    """`.messages[0].role` -> `messages[0].role`; the root -> None."""
+    path = path.removeprefix(".")
+    return path or None
+
+
+def from_validation_error(exc: msgspec.ValidationError | msgspec.DecodeError) -> APIError:
+    """A 400 naming the field msgspec rejected."""
+    text = str(exc)
+    if not isinstance(exc, msgspec.ValidationError):
+        return APIError(f"Invalid JSON in the request body: {text}", 400)
+    match = _AT_PATH.search(text)
+    path = match.group("path") if match else ""
+    message = text[: match.start()] if match else text
+    param = param_from_path(path)
+    missing = _MISSING.search(message)
+    if missing is not None:
+        field = missing.group("field")
+        param = f"{param}.{field}" if param else field
+    where = f" (at `{param}`)" if param else ""
+    return APIError(f"{message}{where}", 400, param)
+
+
+def from_value_error(
+    exc: ValueError, default_param: str | None, renames: Mapping[str, str] | None = None
+) -> APIError:
+    """A 400 for a ValueError whose message starts with the field name, as SamplingParams'."""
+    message = str(exc) or type(exc).__name__
+    first = message.split(" ", 1)[0].rstrip(":,")
+    renames = renames or {}
+    if first in renames:
+        param: str | None = renames[first]
+    elif first in _KNOWN_FIELDS:
+        param = first
+    else:
+        param = default_param
+    return APIError(message, 400, param)
+
+
+# Field names that SamplingParams and the engine name in their ValueErrors.
+_KNOWN_FIELDS = frozenset(
+    {
+        "n",
+        "best_of",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "max_tokens",
+        "min_tokens",
+        "stop",
+        "stop_token_ids",
+        "logprobs",
+        "prompt_logprobs",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "structured_outputs",
+    }
+)

@@ -1,0 +1,109 @@
+"""/openapi.json: the endpoints and their bodies, schemas generated from the msgspec Structs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from asyncserve.http.errors import ErrorResponse
+from asyncserve.http.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    GenerateRequest,
+    GenerateResponse,
+    HealthResponse,
+    ModelList,
+    VersionResponse,
+)
+
+REF = "#/components/schemas/{name}"
+
+# path -> (method, summary, request body type, JSON response type, streamed event type)
+_ENDPOINTS: list[tuple[str, str, str, Any, Any, Any]] = [
+    (
+        "/v1/completions",
+        "post",
+        "Text completion (SSE events with stream=true)",
+        CompletionRequest,
+        CompletionResponse,
+        CompletionStreamResponse,
+    ),
+    (
+        "/v1/chat/completions",
+        "post",
+        "Chat completion through the model's chat template (SSE events with stream=true)",
+        ChatCompletionRequest,
+        ChatCompletionResponse,
+        ChatCompletionStreamResponse,
+    ),
+    (
+        "/generate",
+        "post",
+        "Legacy generation: prompt + completion per sample (NDJSON lines with stream=true)",
+        GenerateRequest,
+        GenerateResponse,
+        GenerateResponse,
+    ),
+    ("/v1/models", "get", "The served model names", None, ModelList, None),
+    ("/health", "get", "200 while the engine loop runs, 503 otherwise", None, HealthResponse, None),
+    ("/version", "get", "Server version", None, VersionResponse, None),
+]
+
+
+def _ref(cls: Any) -> dict[str, str]:
+    return {"$ref": REF.format(name=cls.__name__)}
+
+
+def _json_content(cls: Any) -> dict[str, Any]:
+    return {"application/json": {"schema": _ref(cls)}}
+
+
+def openapi_schema(version: str, auth: bool) -> dict[str, Any]:
+    types = {
+        t for _, _, _, req, resp, event in _ENDPOINTS for t in (req, resp, event) if t is not None
+    }
+    types.add(ErrorResponse)
+    ordered = sorted(types, key=lambda t: t.__name__)
+    _, components = msgspec.json.schema_components(ordered, ref_template=REF)
+    errors = {
+        str(code): {"description": text, "content": _json_content(ErrorResponse)}
+        for code, text in (
+            (400, "Invalid request; `error.param` names the field"),
+            (401, "Missing or wrong API key"),
+            (413, "Request body over the size limit"),
+            (503, "Engine down or overloaded (see Retry-After)"),
+        )
+    }
+    paths: dict[str, Any] = {}
+    for path, method, summary, req, resp, event in _ENDPOINTS:
+        ok: dict[str, Any] = {"description": "OK", "content": _json_content(resp)}
+        if event is not None:
+            media = "application/x-ndjson" if path == "/generate" else "text/event-stream"
+            ok["content"][media] = {"schema": _ref(event)}
+        op: dict[str, Any] = {"summary": summary, "responses": {"200": ok}}
+        if req is not None:
+            op["requestBody"] = {"required": True, "content": _json_content(req)}
+            op["responses"].update(errors)
+        if auth and path != "/health":
+            op["security"] = [{"bearer": []}]
+        paths[path] = {method: op}
+    paths["/metrics"] = {
+        "get": {
+            "summary": "Prometheus metrics (asyncserve: prefix, vLLM names)",
+            "responses": {"200": {"description": "OK", "content": {"text/plain": {}}}},
+        }
+    }
+    schema: dict[str, Any] = {
+        "openapi": "3.1.0",
+        "info": {"title": "asyncserve", "version": version},
+        "paths": paths,
+        "components": {"schemas": components},
+    }
+    if auth:
+        schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    return schema

@@ -1,0 +1,264 @@
+"""Request bodies as msgspec Structs: OpenAI's fields plus vLLM's sampling extras.
+
+msgspec checks types on decode (a wrong type is a 400 naming the field); SamplingParams checks
+values. Integers are bounded to 64 bits here so nothing unbounded reaches the engine.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+
+# Bounds that keep every integer inside what torch and the engine take.
+Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+Count = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]
+MAX_N = 128
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+    # vLLM: a usage object on every chunk, not only the last.
+    continuous_usage_stats: bool = False
+
+
+class SamplingFields(msgspec.Struct, kw_only=True):
+    """Fields every generation endpoint shares; None means "the model's default"."""
+
+    model: str | None = None
+    n: Count = 1
+    best_of: Count | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    seed: Int64 | None = None
+    user: str | None = None
+    # vLLM extras.
+    top_k: Count | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: Count = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[Int64] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    priority: Count = 0
+    request_id: str | None = None
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    """POST /v1/completions. `prompt`: a string, a list of strings, a token-id list, or a
+    list of token-id lists (one choice set per prompt)."""
+
+    prompt: str | list[Any]
+    max_tokens: Count | None = 16
+    logprobs: Count | None = None
+    echo: bool = False
+    suffix: str | None = None
+    add_special_tokens: bool = True
+    prompt_logprobs: Count | None = None
+
+
+class ContentPart(msgspec.Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: str
+    json_schema: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage]
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
+    logprobs: bool = False
+    top_logprobs: Count | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM extras: how the chat template is applied.
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class GenerateRequest(msgspec.Struct, kw_only=True):
+    """POST /generate (legacy): the reply holds prompt + completion for each of n samples."""
+
+    prompt: str | list[Int64]
+    n: Count = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: Count | None = None
+    min_p: float | None = None
+    max_tokens: Count | None = 16
+    stop: str | list[str] | None = None
+    seed: Int64 | None = None
+    ignore_eos: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stream: bool = False
+
+
+# ---- responses -------------------------------------------------------------------------
+
+
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int
+
+
+class UsageInfo(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(msgspec.Struct):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(msgspec.Struct):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None
+    system_fingerprint: str | None = None
+
+
+class CompletionStreamResponse(msgspec.Struct, omit_defaults=True):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatLogprobEntry(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[ChatLogprobEntry] | None
+
+
+class ChatResponseMessage(msgspec.Struct):
+    role: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] = msgspec.field(default_factory=list)
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(msgspec.Struct):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(msgspec.Struct):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(msgspec.Struct, omit_defaults=True):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    object: str
+    created: int
+    owned_by: str
+    root: str
+    max_model_len: int
+    parent: str | None = None
+
+
+class ModelList(msgspec.Struct):
+    object: str
+    data: list[ModelCard]
+
+
+class GenerateResponse(msgspec.Struct):
+    text: list[str]
+
+
+class HealthResponse(msgspec.Struct):
+    status: str
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    kv_cache_usage: float
+
+
+class VersionResponse(msgspec.Struct):
+    version: str

@@ -1,0 +1,122 @@
+"""Operational routes: /health, /metrics, /version, /openapi.json, and the legacy /generate."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from asyncserve import __version__
+from asyncserve.http.errors import APIError
+from asyncserve.http.openapi import openapi_schema
+from asyncserve.http.protocol import GenerateRequest, GenerateResponse, HealthResponse
+from asyncserve.http.sampling import generate_params
+from asyncserve.http.serving import PromptInput, ServerState, engine_error
+from asyncserve.http.sse import EventStreamResponse, cancel_on_disconnect, closing, ndjson_line
+from asyncserve.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+def _json(payload: object, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(payload), status_code=status, media_type="application/json")
+
+
+def _texts(prefix: str, out: RequestOutput) -> list[str]:
+    return [prefix + c.text for c in sorted(out.outputs, key=lambda c: c.index)]
+
+
+async def generate(state: ServerState, request: Request) -> Response:
+    """{"prompt", "n", "temperature", "top_p", "max_tokens", "stream"} -> {"text": [...]}."""
+    body = await state.read_json(request, GenerateRequest)
+    params = generate_params(body, state.engine.generation_config)
+    if isinstance(body.prompt, str):
+        prompt = state.tokenize(body.prompt, True)
+    else:
+        prompt = PromptInput(None, list(body.prompt))
+    state.validate(prompt, params, "prompt")
+    state.check_ready()
+    request_id = state.new_request_id()
+    prefix = state.prompt_text(prompt)
+    state.log_request(request_id, prompt, params)
+    outputs = state.engine.generate(prompt.token_ids, params, request_id)
+    if body.stream:
+        return EventStreamResponse(_ndjson(state, outputs, prefix), "application/x-ndjson")
+
+    async def final() -> RequestOutput:
+        last = None
+        async with closing(outputs) as stream:
+            async for out in stream:
+                last = out
+        if last is None:
+            raise RuntimeError("the engine ended the request without an output")
+        return last
+
+    out = await cancel_on_disconnect(final(), request.receive)
+    if out.error is not None:
+        raise engine_error(out, state.engine)
+    return _json(GenerateResponse(text=_texts(prefix, out)))
+
+
+async def _ndjson(
+    state: ServerState, outputs: AsyncIterator[RequestOutput], prefix: str
+) -> AsyncIterator[bytes]:
+    """Newline-delimited JSON, one {"text": [prompt + text so far, ...]} per engine output."""
+    try:
+        async with closing(outputs) as stream:
+            async for out in stream:
+                if out.error is not None:
+                    yield ndjson_line(engine_error(out, state.engine).to_body())
+                    return
+                yield ndjson_line(GenerateResponse(text=_texts(prefix, out)))
+    except Exception as exc:
+        logger.exception("/generate stream failed")
+        yield ndjson_line(APIError(f"{type(exc).__name__}: {exc}", 500).to_body())
+
+
+def health_body(state: ServerState) -> HealthResponse:
+    engine = state.engine
+    return HealthResponse(
+        status="ok" if engine.is_running else "unhealthy",
+        num_running=engine.num_running,
+        num_waiting=engine.num_waiting,
+        num_free_blocks=engine.num_free_blocks,
+        num_total_blocks=engine.num_total_blocks,
+        kv_cache_usage=engine.kv_cache_usage,
+    )
+
+
+def routes(state: ServerState) -> list[Route]:
+    async def health(request: Request) -> Response:
+        body = health_body(state)
+        return _json(body, 200 if body.status == "ok" else 503)
+
+    async def metrics(request: Request) -> Response:
+        engine = state.engine
+        # Gauges as of now, not as of the last step (an idle engine does not step).
+        state.metrics.on_step(engine.num_running, engine.num_waiting, engine.kv_cache_usage)
+        payload, content_type = state.metrics.render()
+        return Response(payload, headers={"content-type": content_type})
+
+    async def version(request: Request) -> Response:
+        return _json({"version": __version__})
+
+    schema = msgspec.json.encode(openapi_schema(__version__, state.config.api_key is not None))
+
+    async def openapi(request: Request) -> Response:
+        return Response(schema, media_type="application/json")
+
+    async def legacy_generate(request: Request) -> Response:
+        return await generate(state, request)
+
+    return [
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
+        Route("/generate", legacy_generate, methods=["POST"]),
+    ]

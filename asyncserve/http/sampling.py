@@ -1,0 +1,161 @@
+"""Request body -> SamplingParams, with the model's generation_config as the defaults.
+
+A field the client left out (None) takes the model's default when generation_config has one,
+as vLLM does; bad values come back as a 400 naming the request's field.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from asyncserve.http.errors import APIError, from_value_error
+from asyncserve.http.protocol import (
+    MAX_N,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    SamplingFields,
+)
+from asyncserve.sampling_params import RequestOutputKind, SamplingParams
+
+# Fields whose default comes from the model's generation_config when the request omits them.
+MODEL_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+_FALLBACKS: dict[str, Any] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+}
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+
+
+def _resolve(
+    name: str, value: Any, generation_config: Mapping[str, Any]
+) -> Any:  # the request's value, else the model's default, else the OpenAI default
+    if value is not None:
+        return value
+    if name in MODEL_DEFAULT_KEYS and generation_config.get(name) is not None:
+        return generation_config[name]
+    return _FALLBACKS[name]
+
+
+def _check_common(body: SamplingFields | GenerateRequest) -> None:
+    for name in _FLOAT_FIELDS:
+        value = getattr(body, name)
+        if value is not None and not math.isfinite(value):
+            raise APIError(f"{name} must be a finite number, got {value}", 400, name)
+    if not 1 <= body.n <= MAX_N:
+        raise APIError(f"n must be an integer in [1, {MAX_N}], got {body.n}", 400, "n")
+    if isinstance(body, SamplingFields):
+        if body.logit_bias:
+            raise APIError("logit_bias is not supported", 400, "logit_bias")
+        if body.best_of is not None and body.best_of != body.n:
+            raise APIError(
+                f"best_of must equal n ({body.n}) when given: best_of > n is not supported",
+                400,
+                "best_of",
+            )
+
+
+def _build(
+    fields: dict[str, Any],
+    generation_config: Mapping[str, Any],
+    renames: Mapping[str, str] | None = None,
+) -> SamplingParams:
+    for name in _FALLBACKS:
+        if name in fields:
+            fields[name] = _resolve(name, fields[name], generation_config)
+    try:
+        return SamplingParams(**fields)
+    except ValueError as exc:
+        raise from_value_error(exc, None, renames) from exc
+    except TypeError as exc:  # a value of the wrong type that msgspec let through
+        raise APIError(str(exc), 400) from exc
+
+
+def _shared(body: SamplingFields, output_kind: RequestOutputKind) -> dict[str, Any]:
+    return {
+        "n": body.n,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "top_k": body.top_k,
+        "min_p": body.min_p,
+        "seed": body.seed,
+        "min_tokens": body.min_tokens,
+        "stop": body.stop,
+        "stop_token_ids": body.stop_token_ids,
+        "ignore_eos": body.ignore_eos,
+        "include_stop_str_in_output": body.include_stop_str_in_output,
+        "presence_penalty": body.presence_penalty,
+        "frequency_penalty": body.frequency_penalty,
+        "repetition_penalty": body.repetition_penalty,
+        "skip_special_tokens": body.skip_special_tokens,
+        "spaces_between_special_tokens": body.spaces_between_special_tokens,
+        "output_kind": output_kind,
+    }
+
+
+def completion_params(
+    body: CompletionRequest, generation_config: Mapping[str, Any]
+) -> SamplingParams:
+    _check_common(body)
+    fields = _shared(body, RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY)
+    fields["max_tokens"] = body.max_tokens
+    fields["logprobs"] = body.logprobs
+    prompt_logprobs = body.prompt_logprobs
+    if body.echo and body.logprobs is not None and prompt_logprobs is None:
+        prompt_logprobs = body.logprobs  # echo with logprobs reports the prompt's too
+    fields["prompt_logprobs"] = prompt_logprobs
+    return _build(fields, generation_config)
+
+
+def chat_params(
+    body: ChatCompletionRequest, generation_config: Mapping[str, Any]
+) -> SamplingParams:
+    _check_common(body)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError("top_logprobs requires logprobs to be true", 400, "top_logprobs")
+    renames = {"logprobs": "top_logprobs"}
+    max_tokens = body.max_completion_tokens
+    if max_tokens is not None:
+        renames["max_tokens"] = "max_completion_tokens"
+    else:
+        max_tokens = body.max_tokens
+    fields = _shared(body, RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY)
+    fields["max_tokens"] = max_tokens
+    fields["logprobs"] = (body.top_logprobs or 0) if body.logprobs else None
+    return _build(fields, generation_config, renames)
+
+
+def generate_params(body: GenerateRequest, generation_config: Mapping[str, Any]) -> SamplingParams:
+    _check_common(body)
+    fields = {
+        "n": body.n,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "top_k": body.top_k,
+        "min_p": body.min_p,
+        "max_tokens": body.max_tokens,
+        "stop": body.stop,
+        "seed": body.seed,
+        "ignore_eos": body.ignore_eos,
+        "presence_penalty": body.presence_penalty,
+        "frequency_penalty": body.frequency_penalty,
+        "repetition_penalty": body.repetition_penalty,
+        "output_kind": (
+            RequestOutputKind.CUMULATIVE if body.stream else RequestOutputKind.FINAL_ONLY
+        ),
+    }
+    return _build(fields, generation_config)

@@ -1,0 +1,96 @@
+"""Run the server: one process, one uvloop event loop shared by uvicorn and the engine.
+
+SIGTERM (or Ctrl-C) stops accepting connections, lets running requests finish for up to
+--shutdown-timeout seconds, then shuts the engine down; the process exits 0.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import logging
+import math
+import signal
+from types import FrameType
+from typing import Any
+
+import uvicorn
+from uvicorn.config import LOGGING_CONFIG
+
+from asyncserve.config import ServerConfig
+from asyncserve.http.app import build_app
+from asyncserve.http.engine_client import EngineClient
+from asyncserve.metrics import EngineMetrics
+
+logger = logging.getLogger(__name__)
+
+
+class AccessLogFilter(logging.Filter):
+    """Drops uvicorn access-log lines for the given paths (query strings ignored)."""
+
+    def __init__(self, paths: tuple[str, ...]) -> None:
+        super().__init__()
+        self.paths = frozenset(paths)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str):
+            return args[2].split("?", 1)[0] not in self.paths
+        return True
+
+
+def log_config(level: str) -> dict[str, Any]:
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["loggers"]["asyncserve"] = {
+        "handlers": ["default"],
+        "level": level.upper(),
+        "propagate": False,
+    }
+    return config
+
+
+def uvicorn_config(app: Any, config: ServerConfig) -> uvicorn.Config:
+    fast = importlib.util.find_spec("uvloop") is not None
+    uv = uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        loop="uvloop" if fast else "asyncio",
+        http="httptools" if importlib.util.find_spec("httptools") else "h11",
+        lifespan="on",
+        log_config=log_config(config.log_level),
+        log_level=config.log_level,
+        access_log=not config.disable_access_log,
+        ssl_keyfile=config.ssl_keyfile,
+        ssl_certfile=config.ssl_certfile,
+        timeout_graceful_shutdown=math.ceil(config.shutdown_timeout),
+        backlog=4096,
+    )
+    if config.disable_access_log_for_endpoints:
+        logging.getLogger("uvicorn.access").addFilter(
+            AccessLogFilter(config.disable_access_log_for_endpoints)
+        )
+    return uv
+
+
+def _swallow(signum: int, frame: FrameType | None) -> None:
+    """Installed under uvicorn's handlers: uvicorn re-raises the signal it shut down for once
+    it is done; this keeps that from killing the process after a clean shutdown."""
+
+
+def run_server(
+    engine: EngineClient, config: ServerConfig, metrics: EngineMetrics | None = None
+) -> int:
+    """Serve until SIGTERM/SIGINT; returns the exit code (0 after a graceful shutdown)."""
+    app = build_app(engine, config, metrics)
+    server = uvicorn.Server(uvicorn_config(app, config))
+    previous = {sig: signal.signal(sig, _swallow) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if not server.started:
+        logger.error("the server did not start (is %s:%d in use?)", config.host, config.port)
+        return 1
+    return 0

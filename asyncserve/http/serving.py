@@ -1,0 +1,193 @@
+"""What every generation handler shares: the engine, served names, body decoding, prompt
+tokenization and checks that turn bad input into a 400 before anything reaches the engine."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import msgspec
+from starlette.requests import Request
+
+from asyncserve.config import ServerConfig
+from asyncserve.http.engine_client import EngineClient
+from asyncserve.http.errors import APIError, from_validation_error, from_value_error
+from asyncserve.http.logprobs import TokenText
+from asyncserve.http.protocol import PromptTokensDetails, UsageInfo
+from asyncserve.metrics import EngineMetrics
+from asyncserve.outputs import RequestOutput
+from asyncserve.sampling_params import SamplingParams
+
+T = TypeVar("T")
+logger = logging.getLogger("asyncserve.http.requests")
+
+
+@dataclass
+class PromptInput:
+    text: str | None  # None when the client sent token ids and nobody needs the text
+    token_ids: list[int]
+
+
+@dataclass
+class ServerState:
+    engine: EngineClient
+    config: ServerConfig
+    model_names: tuple[str, ...]
+    metrics: EngineMetrics
+    created: int = field(default_factory=lambda: int(time.time()))
+    _ids: itertools.count[int] = field(default_factory=itertools.count)
+
+    def __post_init__(self) -> None:
+        if not self.model_names:
+            raise ValueError("the server needs at least one served model name")
+        self.token_text = TokenText(self.engine.tokenizer)
+        self._id_prefix = uuid.uuid4().hex[:8]
+
+    # ---- request plumbing ------------------------------------------------------------------
+
+    async def read_json(self, request: Request, body_type: type[T]) -> T:
+        """The body decoded into `body_type`: 413 over the size limit, 400 naming the field."""
+        limit = self.config.max_request_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                raise APIError("Content-Length must be a non-negative integer", 400)
+            if int(declared) > limit:
+                raise _too_large(limit)
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise _too_large(limit)
+        try:
+            return msgspec.json.decode(body, type=body_type)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            raise from_validation_error(exc) from exc
+
+    def response_model(self, model: str | None) -> str:
+        """The name to report; 400 when the client asked for a model this server lacks."""
+        if model is None or model == "":
+            return self.model_names[0]
+        if model not in self.model_names:
+            served = ", ".join(self.model_names)
+            raise APIError(
+                f"The model `{model}` does not exist. Served models: {served}",
+                400,
+                "model",
+                code="model_not_found",
+            )
+        return model
+
+    def check_ready(self, priority: int = 0) -> None:
+        """503 when the engine is down or the waiting queue is full; 400 for a bad priority."""
+        if not self.engine.is_running:
+            raise APIError("the engine is not running", 503, headers={"Retry-After": "5"})
+        limit = self.config.max_waiting_requests
+        if limit is not None and self.engine.num_waiting >= limit:
+            raise APIError(
+                f"the server is overloaded: {self.engine.num_waiting} requests are waiting "
+                f"(--max-waiting-requests {limit}); retry later",
+                503,
+                code="overloaded",
+                headers={"Retry-After": "1"},
+            )
+        if priority != 0 and self.engine.config.scheduler.policy != "priority":
+            raise APIError(
+                "priority is only honored with --scheduling-policy priority", 400, "priority"
+            )
+
+    def new_request_id(self) -> str:
+        """A unique engine request id (client-given ids never reach the engine)."""
+        return f"{self._id_prefix}-{next(self._ids)}"
+
+    def tokenize(self, prompt: str | list[int], add_special_tokens: bool) -> PromptInput:
+        if isinstance(prompt, str):
+            ids = self.engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            return PromptInput(prompt, list(ids))
+        return PromptInput(None, prompt)
+
+    def prompt_text(self, prompt: PromptInput) -> str:
+        if prompt.text is None:
+            prompt.text = self.engine.tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
+        return prompt.text
+
+    def validate(
+        self,
+        prompt: PromptInput,
+        params: SamplingParams,
+        prompt_param: str,
+        max_tokens_param: str = "max_tokens",
+    ) -> None:
+        """400 when the prompt is empty, has an unknown token id, or (with max_tokens) does
+        not fit in max_model_len; the message gives both lengths."""
+        try:
+            self.engine.validate_request(prompt.token_ids, params)
+        except ValueError as exc:
+            renames = {"prompt": prompt_param, "max_tokens": max_tokens_param}
+            raise from_value_error(exc, prompt_param, renames) from exc
+
+    def log_request(self, request_id: str, prompt: PromptInput, params: SamplingParams) -> None:
+        if not self.config.enable_log_requests:
+            return
+        limit = self.config.max_log_len
+        text = prompt.text
+        ids = prompt.token_ids
+        if limit is not None:
+            text = text[:limit] if text is not None else None
+            ids = ids[:limit]
+        logger.info(
+            "request %s: prompt %r, prompt_token_ids %s, params %s", request_id, text, ids, params
+        )
+
+
+def usage(
+    outputs: list[RequestOutput], prompts: list[PromptInput], completion_tokens: int
+) -> UsageInfo:
+    prompt_tokens = sum(len(p.token_ids) for p in prompts)
+    cached = sum(o.num_cached_tokens for o in outputs)
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
+
+
+def engine_error(output: RequestOutput, engine: EngineClient) -> APIError:
+    """A request the engine ended with an error: 503 if the engine died, else 400."""
+    message = output.error or "the request failed in the engine"
+    if not engine.is_running:
+        return APIError(f"the engine stopped: {message}", 503, headers={"Retry-After": "5"})
+    return APIError(message, 400, code="request_failed")
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(f"the request body is larger than the limit of {limit} bytes", 413)
+
+
+def parse_prompts(prompt: str | list[Any]) -> list[str | list[int]]:
+    """/v1/completions' `prompt`: a string, strings, token ids, or lists of token ids."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError("prompt must not be an empty list", 400, "prompt")
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    if all(_is_token_id(t) for t in prompt):
+        return [list(prompt)]
+    if all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in prompt):
+        return [list(p) for p in prompt]
+    raise APIError(
+        "prompt must be a string, a list of strings, a list of token ids or a list of "
+        "non-empty token-id lists",
+        400,
+        "prompt",
+    )
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63

@@ -1,0 +1,179 @@
+"""Server-sent events: framing, a streaming response that notices a client going away, and
+the same disconnect watch for non-streaming requests.
+
+A disconnect cancels the task consuming the engine's `generate()` iterator; the iterator's
+cleanup aborts the request inside the engine, so its KV blocks go back to the pool at the
+next step. Uvicorn (ASGI spec 2.3) drops writes to a closed connection silently, so the
+response listens for `http.disconnect` itself instead of waiting for a failed send.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Mapping
+from typing import Any, TypeVar
+
+import msgspec
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+T = TypeVar("T")
+
+DONE = b"data: [DONE]\n\n"
+_encoder = msgspec.json.Encoder()
+
+
+def sse_event(payload: Any) -> bytes:
+    """One `data:` event holding `payload` as JSON (msgspec Structs, dicts, lists)."""
+    return b"data: " + _encoder.encode(payload) + b"\n\n"
+
+
+def ndjson_line(payload: Any) -> bytes:
+    return _encoder.encode(payload) + b"\n"
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before the response was complete."""
+
+
+async def wait_for_disconnect(receive: Receive) -> None:
+    """Return once the client has gone (or the response is complete)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _finish(*tasks: asyncio.Future[Any]) -> None:
+    for task in tasks:
+        if not task.done():
+            task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def cancel_on_disconnect(work: Awaitable[T], receive: Receive) -> T:
+    """Await `work`; if the client disconnects first, cancel it and raise ClientDisconnected."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(wait_for_disconnect(receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        await _finish(task, watch)
+        raise
+    if task.done():
+        await _finish(watch)
+        return task.result()
+    await _finish(task)
+    raise ClientDisconnected
+
+
+class EventStreamResponse(Response):
+    """Streams an async iterator of byte chunks; a client disconnect cancels the iterator."""
+
+    def __init__(
+        self,
+        body: AsyncIterator[bytes],
+        media_type: str = "text/event-stream",
+        headers: Mapping[str, str] | None = None,
+        status_code: int = 200,
+    ) -> None:
+        self.body_iterator = body
+        self.status_code = status_code
+        self.media_type = media_type
+        self.background = None
+        all_headers = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+        all_headers.update(headers or {})
+        self.init_headers(all_headers)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
+        pump = asyncio.ensure_future(self._pump(send))
+        watch = asyncio.ensure_future(wait_for_disconnect(receive))
+        try:
+            await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            # Cancelling the pump runs the body iterator's cleanup: the engine aborts.
+            await _finish(pump, watch)
+        if pump.done() and not pump.cancelled():
+            exc = pump.exception()
+            if exc is not None and not isinstance(exc, OSError):
+                raise exc
+
+    async def _pump(self, send: Send) -> None:
+        body = self.body_iterator
+        try:
+            async for chunk in body:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        finally:
+            aclose = getattr(body, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+_END = object()
+
+
+async def merge_streams(
+    streams: list[AsyncIterator[T]],
+) -> AsyncIterator[tuple[int, T]]:
+    """Interleave several async iterators as their items arrive: (which stream, item).
+
+    Closing the merged iterator (or an error in one stream) cancels every stream.
+    """
+    if len(streams) == 1:
+        try:
+            async for item in streams[0]:
+                yield 0, item
+        finally:
+            await aclose_all(streams)
+        return
+    queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue(
+        maxsize=2 * len(streams)
+    )
+
+    async def drain(index: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((index, item, None))
+        except Exception as exc:
+            await queue.put((index, _END, exc))
+            return
+        await queue.put((index, _END, None))
+
+    tasks = [asyncio.ensure_future(drain(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is _END:
+                remaining -= 1
+                continue
+            yield index, item
+    finally:
+        await _finish(*tasks)
+        await aclose_all(streams)
+
+
+@contextlib.asynccontextmanager
+async def closing(stream: AsyncIterator[T]) -> AsyncIterator[AsyncIterator[T]]:
+    """`async with closing(engine.generate(...)) as outputs`: closed on exit, even on break."""
+    try:
+        yield stream
+    finally:
+        await aclose_all([stream])
+
+
+async def aclose_all(streams: list[AsyncIterator[T]]) -> None:
+    """Close async generators now (not at garbage collection): their cleanup aborts requests."""
+    for stream in streams:
+        aclose = getattr(stream, "aclose", None)
+        if aclose is not None:
+            with contextlib.suppress(Exception):
+                await aclose()
