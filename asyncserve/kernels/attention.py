@@ -96,7 +96,7 @@ def _unified_attention_kernel(
     BLOCK_Q: tl.constexpr,  # query tokens per program
     TILE_N: tl.constexpr,  # keys per iteration
     NUM_SPLITS: tl.constexpr,  # 1: write the output; >1: write partials for the merge
-    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, "tf32" otherwise (unused then)
+    IEEE_DOT: tl.constexpr,  # fp32 inputs: exact fp32 dots instead of tf32
     UPCAST: tl.constexpr,  # Triton's CPU interpreter: dot operands in fp32 (numpy has no bf16)
 ):
     q_block = tl.program_id(0)
@@ -163,7 +163,8 @@ def _unified_attention_kernel(
         )  # [HEAD_DIM_PAD, TILE_N]
         if UPCAST:
             k = k.to(tl.float32)
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
+        s = tl.dot(q, k, input_precision="ieee") if IEEE_DOT else tl.dot(q, k)
+        s = s * qk_scale  # [BLOCK_M, TILE_N] fp32
         s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -181,7 +182,8 @@ def _unified_attention_kernel(
         if UPCAST:
             v = v.to(tl.float32)
             p_dot = p_dot.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p_dot, v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p_dot, v, acc, input_precision="ieee") if IEEE_DOT else tl.dot(p_dot, v, acc)
         m_i = m_new
 
     if NUM_SPLITS == 1:
@@ -311,7 +313,6 @@ def paged_attention(
     block_m = max(config.block_m, triton.next_power_of_2(group))
     block_q = block_m // group
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    precision = "ieee" if query.dtype == torch.float32 else "tf32"
     if num_splits > 1:
         part_acc = torch.empty(
             (num_tokens, num_heads, num_splits, head_dim_pad),
@@ -363,7 +364,7 @@ def paged_attention(
         BLOCK_Q=block_q,  # query tokens per program
         TILE_N=config.tile_n,  # keys per iteration
         NUM_SPLITS=num_splits,  # split-KV factor
-        DOT_PRECISION=precision,  # exact fp32 dots for fp32 inputs
+        IEEE_DOT=query.dtype == torch.float32,  # exact fp32 dots for fp32 inputs
         UPCAST=query.device.type != "cuda",  # interpreter on CPU tensors
         num_warps=config.num_warps,
         num_stages=config.num_stages,

@@ -43,16 +43,18 @@ def make_batch(
     device: torch.device,
     num_blocks: int | None = None,
     blocks_at_end: bool = False,
-    generator: torch.Generator | None = None,
+    seed: int = 0,
 ) -> PagedBatch:
     """A batch of sequences with q_lens[b] new tokens after ctx_lens[b] cached ones.
 
     Block tables are a random permutation of pool blocks (non-contiguous); unused table
     entries point at random blocks too, and only the used blocks hold random data (the
     rest of the pool is NaN, so a kernel that reads past a context shows it).
-    With blocks_at_end the used blocks are the last ones of the pool.
+    With blocks_at_end the used blocks are the last ones of the pool. Layout is drawn on
+    the CPU, data on the device (fast at GPU sizes), both from seed.
     """
-    gen = generator or torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
+    data_gen = torch.Generator(device=device).manual_seed(seed)
     seq_lens = [q + c for q, c in zip(q_lens, ctx_lens, strict=True)]
     blocks_per_seq = [(n + block_size - 1) // block_size for n in seq_lens]
     max_blocks = max(blocks_per_seq) + 1
@@ -75,13 +77,15 @@ def make_batch(
         used += nb
     used_ids = perm.to(device)
     shape = (needed, block_size, num_kv_heads, head_dim)
-    key_cache[used_ids] = torch.randn(shape, generator=gen).to(dtype).to(device)
-    value_cache[used_ids] = torch.randn(shape, generator=gen).to(dtype).to(device)
+    key_cache[used_ids] = torch.randn(shape, generator=data_gen, device=device, dtype=dtype)
+    value_cache[used_ids] = torch.randn(shape, generator=data_gen, device=device, dtype=dtype)
 
     cu = [0]
     for q in q_lens:
         cu.append(cu[-1] + q)
-    query = torch.randn((cu[-1], num_heads, head_dim), generator=gen).to(dtype).to(device)
+    query = torch.randn(
+        (cu[-1], num_heads, head_dim), generator=data_gen, device=device, dtype=dtype
+    )
     return PagedBatch(
         query=query,
         key_cache=key_cache,

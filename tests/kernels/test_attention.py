@@ -33,9 +33,8 @@ def _check(batch: PagedBatch, out: torch.Tensor, dtype: torch.dtype, scale: floa
 def test_mixed_batch(
     device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
 ) -> None:
-    gen = torch.Generator().manual_seed(num_heads * 100 + head_dim)
     batch = make_batch(
-        Q_LENS, CTX_LENS, num_heads, num_kv_heads, head_dim, 16, dtype, device, generator=gen
+        Q_LENS, CTX_LENS, num_heads, num_kv_heads, head_dim, 16, dtype, device, seed=head_dim
     )
     scale = head_dim**-0.5
     out = attention.unified_attention(
@@ -49,8 +48,7 @@ def test_split_kv_mixed_batch(device: torch.device) -> None:
 
     With 16-key tiles and 4 splits some splits of the short sequences get no tile at all.
     """
-    gen = torch.Generator().manual_seed(4)
-    batch = make_batch(Q_LENS, CTX_LENS, 4, 2, 32, 16, torch.float32, device, generator=gen)
+    batch = make_batch(Q_LENS, CTX_LENS, 4, 2, 32, 16, torch.float32, device, seed=4)
     config = attention.AttentionConfig(block_m=16, tile_n=16, num_warps=4, num_stages=2)
     out = attention.paged_attention(*batch.args(), 0.125, config, 4)
     _check(batch, out, torch.float32, 0.125)
@@ -58,8 +56,7 @@ def test_split_kv_mixed_batch(device: torch.device) -> None:
 
 def test_split_kv_decode_heuristic(device: torch.device) -> None:
     """Few long decodes pick split-KV by themselves; the result still matches."""
-    gen = torch.Generator().manual_seed(7)
-    batch = make_batch([1, 1], [700, 170], 4, 1, 32, 16, torch.bfloat16, device, generator=gen)
+    batch = make_batch([1, 1], [700, 170], 4, 1, 32, 16, torch.bfloat16, device, seed=7)
     config = attention.default_config(4, batch.max_seqlen_q)
     splits = attention.choose_num_splits(2, 1, 1, batch.max_seqlen_k, config, 132)
     assert splits > 1
@@ -71,17 +68,15 @@ def test_split_kv_decode_heuristic(device: torch.device) -> None:
 
 def test_tiles_span_blocks_and_no_hints(device: torch.device) -> None:
     """Key tiles larger than a cache block (block_size 8), hints left out, fp16."""
-    gen = torch.Generator().manual_seed(3)
-    batch = make_batch([5, 1, 12], [11, 30, 0], 4, 2, 32, 8, torch.float16, device, generator=gen)
+    batch = make_batch([5, 1, 12], [11, 30, 0], 4, 2, 32, 8, torch.float16, device, seed=3)
     out = attention.unified_attention(*batch.args(), 0.2)
     _check(batch, out, torch.float16, 0.2)
 
 
 def test_empty_sequence_and_strided_query(device: torch.device) -> None:
     """A sequence with no query tokens this step, and a query sliced out of a fused qkv."""
-    gen = torch.Generator().manual_seed(5)
-    batch = make_batch([3, 0, 1], [4, 9, 20], 4, 2, 32, 16, torch.float32, device, generator=gen)
-    qkv = torch.randn((batch.query.shape[0], 8, 32), generator=gen).to(device)
+    batch = make_batch([3, 0, 1], [4, 9, 20], 4, 2, 32, 16, torch.float32, device, seed=5)
+    qkv = torch.randn((batch.query.shape[0], 8, 32), device=device)
     qkv[:, :4] = batch.query
     batch.query = qkv[:, :4]
     assert not batch.query.is_contiguous()

@@ -1,0 +1,183 @@
+"""Microbenchmark of the Triton unified attention kernel on a CUDA device.
+
+Decode batches (llama3-8b heads: 32 query, 8 KV, head dim 128, bf16, block size 16) are
+timed against torch SDPA over the same K/V laid out contiguously, and reported as achieved
+bandwidth: bytes of K/V the kernel must read over its median time. A mixed prefill+decode
+batch is reported in TFLOP/s. --sweep also times other tile shapes and split-KV factors.
+
+    python benchmarks/bench_kernels.py [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from triton.testing import do_bench  # noqa: E402
+
+from asyncserve.kernels import attention, reference  # noqa: E402
+from tests.kernels.paged_batch import PagedBatch, make_batch, rel_err  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+SCALE = HEAD_DIM**-0.5
+DTYPE = torch.bfloat16
+CUDA = torch.device("cuda")
+
+
+def _ms(fn: Callable[[], object]) -> float:
+    return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def kv_bytes(batch: PagedBatch) -> int:
+    """K and V of every context token, read once."""
+    tokens = int(batch.seq_lens.sum())
+    return 2 * tokens * KV_HEADS * HEAD_DIM * batch.key_cache.element_size()
+
+
+def attn_flops(q_lens: list[int], ctx: list[int]) -> float:
+    """QK^T and PV multiply-adds of causal attention over cached prefix + new tokens."""
+    keys = sum(q * (c + (q + 1) / 2) for q, c in zip(q_lens, ctx, strict=True))
+    return 4.0 * keys * HEADS * HEAD_DIM
+
+
+def sdpa_decode_ms(batch: PagedBatch) -> tuple[float, float]:
+    """SDPA on contiguous K/V of the same contexts (all equal): GQA native, and expanded."""
+    num_seqs = batch.seq_lens.shape[0]
+    ctx = int(batch.seq_lens[0])
+    q = batch.query.view(num_seqs, HEADS, 1, HEAD_DIM)
+    blocks = batch.block_tables[:, : (ctx + BLOCK - 1) // BLOCK].long()
+    k = batch.key_cache[blocks].reshape(num_seqs, -1, KV_HEADS, HEAD_DIM)[:, :ctx]
+    v = batch.value_cache[blocks].reshape(num_seqs, -1, KV_HEADS, HEAD_DIM)[:, :ctx]
+    k, v = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+    gqa = _ms(lambda: F.scaled_dot_product_attention(q, k, v, scale=SCALE, enable_gqa=True))
+    k_full = k.repeat_interleave(HEADS // KV_HEADS, dim=1)
+    v_full = v.repeat_interleave(HEADS // KV_HEADS, dim=1)
+    full = _ms(lambda: F.scaled_dot_product_attention(q, k_full, v_full, scale=SCALE))
+    return gqa, full
+
+
+def run_variant(
+    batch: PagedBatch, ref: torch.Tensor, config: attention.AttentionConfig, splits: int
+) -> tuple[float, float]:
+    def call() -> torch.Tensor:
+        return attention.paged_attention(*batch.args(), SCALE, config, splits)
+
+    return _ms(call), rel_err(call(), ref)
+
+
+def bench_decode(
+    num_seqs: int, ctx: int, sweep_configs: bool, sweep_splits: bool, best: list[tuple]
+) -> None:
+    """Time one decode batch; best holds the fastest (tile, warps, stages) found so far."""
+    batch = make_batch(
+        [1] * num_seqs, [ctx - 1] * num_seqs, HEADS, KV_HEADS, HEAD_DIM, BLOCK, DTYPE, CUDA,
+        seed=num_seqs,
+    )  # fmt: skip
+    ref = reference.unified_attention(*batch.args(), SCALE)
+    nbytes = kv_bytes(batch)
+    config = attention.default_config(HEADS // KV_HEADS, 1)
+    num_sms = torch.cuda.get_device_properties(CUDA).multi_processor_count
+    splits = attention.choose_num_splits(num_seqs, KV_HEADS, 1, ctx, config, num_sms)
+
+    def default() -> torch.Tensor:
+        return attention.unified_attention(*batch.args(), SCALE, max_seqlen_q=1, max_seqlen_k=ctx)
+
+    ms = _ms(default)
+    gqa_ms, full_ms = sdpa_decode_ms(batch)
+    print(f"\ndecode {num_seqs} seqs x {ctx} ctx: K/V {nbytes / 1e6:.0f} MB")
+    print(
+        f"  triton default {config} splits={splits}: {ms * 1e3:8.1f} us  "
+        f"{nbytes / ms / 1e6:7.0f} GB/s  err {rel_err(default(), ref):.1e}"
+    )
+    print(
+        f"  torch SDPA enable_gqa (contiguous K/V): {gqa_ms * 1e3:8.1f} us  "
+        f"{nbytes / gqa_ms / 1e6:7.0f} GB/s"
+    )
+    print(
+        f"  torch SDPA K/V expanded to {HEADS} heads: {full_ms * 1e3:8.1f} us  "
+        f"{4 * nbytes / full_ms / 1e6:7.0f} GB/s (of 4x the bytes)"
+    )
+    variants: list[tuple[int, int, int, int]] = []
+    if sweep_configs:
+        for tile, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4)):
+            variants.append((tile, warps, stages, splits))
+    if sweep_splits:
+        shapes = {(config.tile_n, config.num_warps, config.num_stages)} | set(best[:2])
+        for (tile, warps, stages), s in itertools.product(shapes, (1, 4, 8, 16, 32)):
+            variants.append((tile, warps, stages, s))
+    rows = []
+    for tile, warps, stages, s in variants:
+        cfg = attention.AttentionConfig(16, tile, warps, stages)
+        t, err = run_variant(batch, ref, cfg, s)
+        rows.append((t, tile, warps, stages, s, err))
+    rows.sort()
+    if sweep_configs:
+        best[:] = [(tile, warps, stages) for _, tile, warps, stages, _, _ in rows[:3]]
+    for t, tile, warps, stages, s, err in rows[:6]:
+        print(
+            f"  sweep tile={tile:3d} warps={warps} stages={stages} splits={s:2d}: "
+            f"{t * 1e3:8.1f} us  {nbytes / t / 1e6:7.0f} GB/s  err {err:.1e}"
+        )
+
+
+def bench_mixed(sweep: bool) -> None:
+    gen = torch.Generator().manual_seed(0)
+    q_lens = [2048, 2048, 1024, 1536] + [1] * 60
+    ctx = [2048, 0, 4096, 512] + torch.randint(1, 8192, (60,), generator=gen).tolist()
+    batch = make_batch(q_lens, ctx, HEADS, KV_HEADS, HEAD_DIM, BLOCK, DTYPE, CUDA, seed=5)
+    ref = reference.unified_attention(*batch.args(), SCALE)
+    flops = attn_flops(q_lens, ctx)
+
+    def call() -> torch.Tensor:
+        return attention.unified_attention(
+            *batch.args(), SCALE, max_seqlen_q=batch.max_seqlen_q, max_seqlen_k=batch.max_seqlen_k
+        )
+
+    ms = _ms(call)
+    print(f"\nmixed: 4 prefill chunks (6.6k tokens) + 60 decodes: {flops / 1e12:.2f} TFLOP")
+    print(
+        f"  triton default {attention.default_config(4, 2048)}: {ms * 1e3:8.1f} us  "
+        f"{flops / ms / 1e9:6.1f} TFLOP/s  err {rel_err(call(), ref):.1e}"
+    )
+    if not sweep:
+        return
+    rows = []
+    for bm, tile, warps, stages in itertools.product((64, 128), (32, 64), (4, 8), (2, 3)):
+        cfg = attention.AttentionConfig(block_m=bm, tile_n=tile, num_warps=warps, num_stages=stages)
+        t, err = run_variant(batch, ref, cfg, 1)
+        rows.append((t, bm, tile, warps, stages, err))
+    rows.sort()
+    for t, bm, tile, warps, stages, err in rows[:6]:
+        print(
+            f"  sweep block_m={bm:3d} tile={tile:3d} warps={warps} stages={stages}: "
+            f"{t * 1e3:8.1f} us  {flops / t / 1e9:6.1f} TFLOP/s  err {err:.1e}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="also time other tiles and splits")
+    args = parser.parse_args()
+    props = torch.cuda.get_device_properties(CUDA)
+    print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}")
+    x = torch.empty(2**30, dtype=torch.uint8, device=CUDA)
+    y = torch.empty_like(x)
+    copy_ms = _ms(lambda: y.copy_(x))
+    print(f"device-to-device copy: {2 * x.numel() / copy_ms / 1e6:.0f} GB/s (read + write)")
+    best: list[tuple] = []
+    bench_decode(64, 2048, args.sweep, False, best)
+    bench_decode(8, 8192, False, args.sweep, best)
+    bench_decode(1, 32768, False, args.sweep, best)
+    bench_mixed(args.sweep)
+
+
+if __name__ == "__main__":
+    main()
