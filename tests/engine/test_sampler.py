@@ -97,6 +97,7 @@ def test_greedy_is_argmax(device: torch.device) -> None:
         (0.6, 0, 1.0, 0.0),
         (1.0, 3, 1.0, 0.0),
         (1.0, 0, 0.75, 0.0),
+        (1.0, 0, 1e-9, 0.0),  # top_p keeps at least the best token
         (1.0, 0, 1.0, 0.35),
         (1.4, 5, 0.8, 0.0),
         (0.8, 6, 0.9, 0.1),
@@ -114,24 +115,36 @@ def test_distribution_matches_filters(
     assert_matches(samples, expected)
 
 
+def test_tiny_top_p_keeps_the_best_token(device: torch.device) -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(64, 1000, device=device)
+    out = run(logits, [row(SamplingParams(top_p=1e-9)) for _ in range(64)])
+    assert torch.equal(out.sampled_token_ids, logits.argmax(dim=-1))
+
+
 def test_rows_keep_their_own_parameters(device: torch.device) -> None:
-    """One batch mixing four settings: each row is filtered by its own parameters only."""
+    """One batch mixing settings: each row is filtered by its own parameters only."""
     base = torch.tensor(PROBS).log()
-    settings = [
-        SamplingParams(top_k=2),
-        SamplingParams(),
-        SamplingParams(top_p=0.5, temperature=0.9),
-        SamplingParams(min_p=0.5),
-    ]
-    per_setting = 8_000
-    rows = [row(settings[i % 4]) for i in range(4 * per_setting)]
+    top_k_only = [SamplingParams(top_k=2), SamplingParams(top_k=5), SamplingParams()]
+    mixed = [*top_k_only, SamplingParams(top_p=0.5, temperature=0.9), SamplingParams(min_p=0.5)]
+    # Top-k alone takes the torch.topk path; with top-p in the batch, the sorting path.
+    for settings in (top_k_only, mixed):
+        check_rows_by_setting(device, base, settings)
+
+
+def check_rows_by_setting(
+    device: torch.device, base: torch.Tensor, settings: list[SamplingParams]
+) -> None:
+    per_setting = 6_000
+    n = len(settings)
+    rows = [row(settings[i % n]) for i in range(n * per_setting)]
     torch.manual_seed(7)
     samples = run(base.to(device).repeat(len(rows), 1), rows).sampled_token_ids
     for i, params in enumerate(settings):
         expected = expected_probs(
             base, params.temperature, params.top_k, params.top_p, params.min_p
         )
-        assert_matches(samples[i::4], expected)
+        assert_matches(samples[i::n], expected)
 
 
 def test_seeded_row_same_alone_and_anywhere_in_a_batch(device: torch.device) -> None:
