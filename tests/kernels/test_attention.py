@@ -90,7 +90,7 @@ def test_split_heuristic() -> None:
     assert attention.choose_num_splits(64, 8, 1, 2048, config, 132) == 1
     # One long decode: split, a power of two, capped.
     splits = attention.choose_num_splits(1, 8, 1, 32768, config, 132)
-    assert splits == 16
+    assert splits == 32
     # Short contexts are not worth splitting.
     assert attention.choose_num_splits(1, 8, 1, 200, config, 132) == 1
     # Prefill chunks in the batch: no split.
