@@ -1,0 +1,403 @@
+"""Structured outputs: grammars, per-request matchers and token bitmasks, on llguidance.
+
+How a constrained request moves through the engine:
+
+1. `AsyncEngine.add_request` calls `StructuredOutputManager.validate` before anything is
+   queued: the constraint is compiled to an llguidance grammar and a matcher is built from it
+   (cached by grammar text), so a bad schema, regex or grammar is a ValueError naming the
+   field, e.g. "structured_outputs.json: invalid schema: ...". Each child request (n > 1)
+   then gets its own deep copy of the cached matcher.
+2. After `scheduler.update` the step loop calls `accept_tokens`: every matcher consumes its
+   request's new output tokens. A matcher that reaches a stopped state (nothing but EOS can
+   follow) ends its request with finish_reason "stop" before the next step is planned.
+3. After `scheduler.schedule` the step loop calls `submit`: the bitmasks of the rows that
+   sample in this step are filled on the grammar thread (llguidance drops the GIL while it
+   computes a mask) while the forward thread runs the model; the runner waits for the
+   future only right before sampling and applies it with `apply_grammar_bitmask`. The mask
+   of a request's next token depends on the token it sampled last, so it cannot be computed
+   earlier than right after the update that delivered that token.
+
+A step without constrained requests pays nothing: `submit` returns None without allocating
+or touching the thread. EOS is allowed exactly where the grammar accepts: the llguidance
+tokenizer is built with the engine's EOS ids.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import llguidance.torch as llg_torch
+import numpy as np
+import tokenizers
+import torch
+from llguidance import LLExecutor, LLMatcher, LLTokenizer
+
+from asyncserve.engine.request import Request
+from asyncserve.engine.step import StepPlan
+from asyncserve.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
+logger = logging.getLogger(__name__)
+
+# What each StructuredOutputsParams field holds, for error messages.
+_FIELD_NOUNS = {
+    "json": "schema",
+    "json_object": "schema",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+}
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """A constraint as llguidance takes it: the grammar JSON and the field it came from."""
+
+    field: str
+    grammar: str
+
+
+def build_ll_tokenizer(
+    backend: tokenizers.Tokenizer, vocab_size: int, eos_token_ids: Sequence[int]
+) -> LLTokenizer:
+    """llguidance's view of the tokenizer, `vocab_size` wide (the logits' width).
+
+    Built from tokenizer.json (the backend serialized without padding or truncation), as
+    `llguidance.hf.from_tokenizer` does. `eos_token_ids` are the tokens the grammar allows
+    where it accepts: the engine passes every EOS id it stops on. About a second for a
+    50k vocabulary: build it once per engine.
+    """
+    plain = tokenizers.Tokenizer.from_str(backend.to_str())
+    plain.no_padding()
+    plain.no_truncation()
+    eos: list[int] | None = list(eos_token_ids) or None
+    return LLTokenizer(plain.to_str(), n_vocab=vocab_size, eos_token=eos)
+
+
+def _json_schema(value: str | dict[str, Any] | bool) -> dict[str, Any] | bool:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"structured_outputs.json: invalid schema: not JSON: {exc}") from None
+    if not isinstance(value, dict | bool):
+        raise ValueError(
+            "structured_outputs.json: invalid schema: must be a JSON object or a boolean, "
+            f"got {type(value).__name__}"
+        )
+    return value
+
+
+def _json_options(whitespace_flexible: bool) -> JsonCompileOptions:
+    return {"whitespace_flexible": whitespace_flexible}
+
+
+def compile_grammar(
+    params: StructuredOutputsParams, whitespace_flexible: bool = False
+) -> CompiledGrammar:
+    """The llguidance grammar for a constraint; nothing is validated beyond JSON syntax.
+
+    `whitespace_flexible` lets JSON carry any whitespace between tokens (llguidance's
+    default); off, JSON is compact, one space after ':' and ','. Small models given the
+    freedom tend to emit whitespace until max_tokens.
+    """
+    if params.json is not None:
+        schema = _json_schema(params.json)
+        try:
+            grammar = LLMatcher.grammar_from_json_schema(
+                schema if isinstance(schema, dict) else json.dumps(schema),
+                defaults=_json_options(whitespace_flexible),
+            )
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"structured_outputs.json: invalid schema: {exc}") from None
+        return CompiledGrammar("json", grammar)
+    if params.json_object:
+        grammar = LLMatcher.grammar_from_json_schema(
+            {"type": "object"}, defaults=_json_options(whitespace_flexible)
+        )
+        return CompiledGrammar("json_object", grammar)
+    if params.regex is not None:
+        return CompiledGrammar("regex", LLMatcher.grammar_from_regex(params.regex))
+    if params.choice is not None:
+        # Lark string literals take JSON's escapes; one alternative per choice.
+        lark = "start: " + " | ".join(json.dumps(c) for c in params.choice)
+        return CompiledGrammar("choice", LLMatcher.grammar_from_lark(lark))
+    if params.grammar is not None:
+        return CompiledGrammar("grammar", LLMatcher.grammar_from_lark(params.grammar))
+    raise ValueError("structured_outputs: no constraint is set")
+
+
+def _invalid(field: str, message: str) -> ValueError:
+    return ValueError(f"structured_outputs.{field}: invalid {_FIELD_NOUNS[field]}: {message}")
+
+
+def validate_structured_outputs(
+    params: StructuredOutputsParams,
+    tokenizer: LLTokenizer | None = None,
+    whitespace_flexible: bool = False,
+) -> None:
+    """Raise ValueError naming the field when the constraint cannot be compiled.
+
+    With a tokenizer, grammars that name special tokens are checked against it too.
+    """
+    compiled = compile_grammar(params, whitespace_flexible)
+    error = LLMatcher.validate_grammar(compiled.grammar, tokenizer)
+    if error:
+        raise _invalid(compiled.field, error)
+
+
+@dataclass
+class _MatcherState:
+    matcher: LLMatcher
+    # Output tokens of the request already consumed by the matcher.
+    num_consumed: int = 0
+
+
+@dataclass
+class GrammarBitmask:
+    """Packed allowed-token masks for the constrained rows of one step.
+
+    Row i of `bitmask` ([R, ceil(V / 32)] int32, host memory, pinned on CUDA) belongs to
+    `request_ids[i]`; bit t % 32 of word t // 32 is set when token t is allowed.
+    """
+
+    request_ids: list[str]
+    bitmask: torch.Tensor
+
+
+@dataclass
+class AcceptResult:
+    """What consuming one step's tokens did to the matchers."""
+
+    # Requests whose grammar is complete: end them with finish_reason "stop".
+    stopped: list[str]
+    # (request id, message) of matchers that rejected a token.
+    errored: list[tuple[str, str]]
+
+
+class StructuredOutputManager:
+    """Matchers of the live constrained requests and the thread that fills their masks."""
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        *,
+        pin_memory: bool = False,
+        whitespace_flexible: bool = False,
+        cache_size: int = 128,
+        num_threads: int | None = None,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.whitespace_flexible = whitespace_flexible
+        self.pin_memory = pin_memory
+        self._cache_size = cache_size
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncserve-grammar")
+        # Built in the background: the first constrained request should not wait ~1 s.
+        self._tokenizer_future = self._executor.submit(
+            build_ll_tokenizer, backend, vocab_size, list(eos_token_ids)
+        )
+        self._templates: OrderedDict[str, LLMatcher] = OrderedDict()
+        self._matchers: dict[str, _MatcherState] = {}
+        self._buffer: torch.Tensor | None = None
+        if num_threads is None:
+            num_threads = min(8, (os.cpu_count() or 1) // 2)
+        # Masks of a batch in parallel (llguidance's own thread pool) when cores allow.
+        self._ll_executor = LLExecutor(num_threads=num_threads) if num_threads >= 2 else None
+
+    @property
+    def tokenizer(self) -> LLTokenizer:
+        return self._tokenizer_future.result()
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._matchers)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._matchers
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True)
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def validate(self, params: StructuredOutputsParams) -> None:
+        """Compile the constraint (cached); ValueError naming the field when it is invalid."""
+        self._template(params)
+
+    def _template(self, params: StructuredOutputsParams) -> LLMatcher:
+        compiled = compile_grammar(params, self.whitespace_flexible)
+        template = self._templates.get(compiled.grammar)
+        if template is not None:
+            self._templates.move_to_end(compiled.grammar)
+            return template
+        template = LLMatcher(self.tokenizer, compiled.grammar, log_level=0)
+        if template.is_error():
+            raise _invalid(compiled.field, template.get_error())
+        self._templates[compiled.grammar] = template
+        if len(self._templates) > self._cache_size:
+            self._templates.popitem(last=False)
+        return template
+
+    def add_request(self, request_id: str, params: StructuredOutputsParams) -> None:
+        self._matchers[request_id] = _MatcherState(self._template(params).deep_copy())
+
+    def remove(self, request_ids: Iterable[str]) -> None:
+        if not self._matchers:
+            return
+        for request_id in request_ids:
+            self._matchers.pop(request_id, None)
+
+    def accept_tokens(self, requests: Iterable[Request]) -> AcceptResult:
+        """Advance each constrained request's matcher by its new output tokens.
+
+        Finished requests (EOS, length) drop their matcher without consuming.
+        """
+        result = AcceptResult(stopped=[], errored=[])
+        if not self._matchers:
+            return result
+        for request in requests:
+            request_id = request.request_id
+            state = self._matchers.get(request_id)
+            if state is None:
+                continue
+            if request.is_finished:
+                del self._matchers[request_id]
+                continue
+            new_tokens = request.output_token_ids[state.num_consumed :]
+            state.num_consumed += len(new_tokens)
+            if not state.matcher.consume_tokens(new_tokens):
+                del self._matchers[request_id]
+                message = state.matcher.get_error() or "token rejected by the grammar"
+                result.errored.append((request_id, f"structured output failed: {message}"))
+            elif state.matcher.is_stopped():
+                del self._matchers[request_id]
+                result.stopped.append(request_id)
+        return result
+
+    # ---- masks ---------------------------------------------------------------------------
+
+    def submit(
+        self, plan: StepPlan, get_request: Callable[[str], Request | None]
+    ) -> Future[GrammarBitmask] | None:
+        """Start filling the masks of the constrained rows that sample in `plan`.
+
+        Call right after `schedule()` produced `plan` (the scheduler has already counted the
+        plan's tokens as computed, so a request samples when none are left to compute).
+        Returns None when no row needs a mask.
+        """
+        if not self._matchers:
+            return None
+        rows: list[tuple[str, LLMatcher]] = []
+        for request_id in plan.num_scheduled_tokens:
+            state = self._matchers.get(request_id)
+            if state is None:
+                continue
+            request = get_request(request_id)
+            if request is None or request.num_computed_tokens < request.num_tokens:
+                continue  # a prompt chunk that does not reach the end samples nothing
+            rows.append((request_id, state.matcher))
+        if not rows:
+            return None
+        return self._executor.submit(self.fill, rows)
+
+    def fill(self, rows: Sequence[tuple[str, LLMatcher]]) -> GrammarBitmask:
+        """Fill one mask row per (request id, matcher); runs on the grammar thread.
+
+        The host buffer is reused from step to step: the runner is done with a step's mask
+        (its copy to the device included) before the step's result comes back, and the
+        next fill starts only after that.
+        """
+        bitmask = self._rows(len(rows))
+        if self._ll_executor is not None and len(rows) > 1:
+            pairs = [(matcher, i) for i, (_, matcher) in enumerate(rows)]
+            llg_torch.fill_next_token_bitmask_par(self._ll_executor, pairs, bitmask)
+        else:
+            for i, (_, matcher) in enumerate(rows):
+                llg_torch.fill_next_token_bitmask(matcher, bitmask, i)
+        return GrammarBitmask([request_id for request_id, _ in rows], bitmask)
+
+    def _rows(self, num_rows: int) -> torch.Tensor:
+        buffer = self._buffer
+        if buffer is None or buffer.shape[0] < num_rows:
+            capacity = max(num_rows, 2 * buffer.shape[0] if buffer is not None else 64)
+            width = llg_torch.get_bitmask_shape(capacity, self.vocab_size)[1]
+            buffer = torch.empty((capacity, width), dtype=torch.int32, pin_memory=self.pin_memory)
+            self._buffer = buffer
+        return buffer[:num_rows]
+
+
+def apply_grammar_bitmask(
+    logits: torch.Tensor, grammar: GrammarBitmask, sample_request_ids: Sequence[str]
+) -> None:
+    """Set to -inf, in place, the logits of tokens the grammar forbids in each constrained row.
+
+    `logits` is [N, V] in `sample_request_ids` order; rows without a grammar are untouched.
+    """
+    if list(grammar.request_ids) == list(sample_request_ids):
+        apply_token_bitmask_(logits, grammar.bitmask, None)
+        return
+    position = {rid: i for i, rid in enumerate(sample_request_ids)}
+    mask_rows = [i for i, rid in enumerate(grammar.request_ids) if rid in position]
+    if not mask_rows:
+        return
+    rows = [position[grammar.request_ids[i]] for i in mask_rows]
+    bitmask = grammar.bitmask
+    if len(mask_rows) != len(grammar.request_ids):
+        bitmask = bitmask[mask_rows]
+    apply_token_bitmask_(logits, bitmask, rows)
+
+
+def apply_token_bitmask_(
+    logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] | None
+) -> None:
+    """Mask `logits[rows]` (all rows when None) with a packed [R, W] int32 host bitmask.
+
+    On CPU the bits are unpacked with numpy (one pass over R * V bytes); on an accelerator
+    the packed words (V / 8 bytes a row) cross over and are unpacked there.
+    """
+    vocab = logits.shape[-1]
+    num_bits = bitmask.shape[1] * 32
+    if logits.device.type == "cpu":
+        allowed = unpack_bitmask_numpy(bitmask, vocab)
+    else:
+        allowed = unpack_bitmask_torch(bitmask.to(logits.device, non_blocking=True), vocab)
+    forbidden = allowed.logical_not_()
+    index: torch.Tensor | None = None
+    target = logits
+    if rows is not None:
+        index = torch.tensor(list(rows), dtype=torch.int64).to(logits.device, non_blocking=True)
+        target = logits.index_select(0, index)
+    if vocab > num_bits:
+        # Logits wider than the tokenizer's vocabulary: padding ids are never allowed.
+        target[:, num_bits:] = float("-inf")
+        target[:, :num_bits].masked_fill_(forbidden, float("-inf"))
+    else:
+        target.masked_fill_(forbidden, float("-inf"))
+    if index is not None:
+        logits.index_copy_(0, index, target)
+
+
+def unpack_bitmask_numpy(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[R, W] int32 host bitmask -> [R, min(V, 32 W)] bool host tensor (little-endian words)."""
+    packed = bitmask.contiguous().numpy().view(np.uint8)
+    count = min(vocab, bitmask.shape[1] * 32)
+    bits = np.unpackbits(packed, axis=1, count=count, bitorder="little")
+    return torch.from_numpy(bits).view(torch.bool)
+
+
+def unpack_bitmask_torch(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[R, W] int32 bitmask -> [R, min(V, 32 W)] bool, on the bitmask's device."""
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    return bits.view(bitmask.shape[0], -1)[:, :vocab].bool()
