@@ -54,6 +54,18 @@ def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
+# Set by the server (or, for chat_template, by the model): never by a request.
+_RESERVED_KWARGS = (
+    "messages",
+    "tools",
+    "add_generation_prompt",
+    "tokenize",
+    "chat_template",
+    "bos_token",
+    "eos_token",
+)
+
+
 def _add_generation_prompt(body: ChatCompletionRequest) -> bool:
     if body.continue_final_message:
         if body.add_generation_prompt:
@@ -71,7 +83,7 @@ def render_chat_prompt(tokenizer: Any, body: ChatCompletionRequest) -> str:
     messages = messages_to_dicts(body.messages)
     add_generation_prompt = _add_generation_prompt(body)
     kwargs = dict(body.chat_template_kwargs or {})
-    for reserved in ("messages", "tools", "add_generation_prompt", "tokenize"):
+    for reserved in _RESERVED_KWARGS:
         if reserved in kwargs:
             raise APIError(
                 f"chat_template_kwargs must not set {reserved!r}", 400, "chat_template_kwargs"
