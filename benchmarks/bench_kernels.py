@@ -2,7 +2,8 @@
 
 Decode batches (llama3-8b heads: 32 query, 8 KV, head dim 128, bf16, block size 16) are
 timed against torch SDPA over the same K/V laid out contiguously, and reported as achieved
-bandwidth: bytes of K/V the kernel must read over its median time. A mixed prefill+decode
+bandwidth: bytes of K/V the kernel must read over its median time. Times are of CUDA graph
+replays (launch overhead excluded, as in the runner's decode steps); "eager" adds it back. A mixed prefill+decode
 batch is reported in TFLOP/s. --sweep also times other tile shapes and split-KV factors.
 
     python benchmarks/bench_kernels.py [--sweep]
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from triton.testing import do_bench  # noqa: E402
+from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 
 from asyncserve.kernels import attention, reference  # noqa: E402
 from tests.kernels.paged_batch import PagedBatch, make_batch, rel_err  # noqa: E402
@@ -33,8 +34,14 @@ CUDA = torch.device("cuda")
 
 
 def _ms(fn: Callable[[], object]) -> float:
-    """Median time in ms; the lower of two runs (the first can catch clocks ramping up)."""
-    return min(float(do_bench(fn, warmup=25, rep=100, return_mode="median")) for _ in range(2))
+    """Median device time in ms of fn replayed as a CUDA graph (as the runner replays decode
+    steps), so Python launch overhead stays out; the lower of two runs."""
+    return min(float(do_bench_cudagraph(fn, rep=100, return_mode="median")) for _ in range(2))
+
+
+def _eager_ms(fn: Callable[[], object]) -> float:
+    """Median time in ms of plain launches, Python launch overhead included."""
+    return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
 def kv_bytes(batch: PagedBatch) -> int:
@@ -92,11 +99,12 @@ def bench_decode(
         return attention.unified_attention(*batch.args(), SCALE, max_seqlen_q=1, max_seqlen_k=ctx)
 
     ms = _ms(default)
+    eager = _eager_ms(default)
     gqa_ms, full_ms = sdpa_decode_ms(batch)
     print(f"\ndecode {num_seqs} seqs x {ctx} ctx: K/V {nbytes / 1e6:.0f} MB")
     print(
         f"  triton default {config} splits={splits}: {ms * 1e3:8.1f} us  "
-        f"{nbytes / ms / 1e6:7.0f} GB/s  err {rel_err(default(), ref):.1e}"
+        f"{nbytes / ms / 1e6:7.0f} GB/s  err {rel_err(default(), ref):.1e}  (eager {eager * 1e3:.1f} us)"
     )
     print(
         f"  torch SDPA enable_gqa (contiguous K/V): {gqa_ms * 1e3:8.1f} us  "
@@ -172,7 +180,7 @@ def main() -> None:
     print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}")
     x = torch.empty(2**30, dtype=torch.uint8, device=CUDA)
     y = torch.empty_like(x)
-    copy_ms = _ms(lambda: y.copy_(x))
+    copy_ms = _eager_ms(lambda: y.copy_(x))
     print(f"device-to-device copy: {2 * x.numel() / copy_ms / 1e6:.0f} GB/s (read + write)")
     best: list[tuple] = []
     bench_decode(64, 2048, args.sweep, False, best)

@@ -250,8 +250,9 @@ def _num_sms(device: torch.device) -> int:
 def default_config(group: int, max_seqlen_q: int) -> AttentionConfig:
     """Tiles for decode-like launches (16 rows) or prefill-carrying ones (64 rows).
 
-    Chosen on an H100 (benchmarks/bench_kernels.py --sweep): for decodes, tile, warps and
-    stages move the time by under 2%; for prefill, 64 rows beat 128 by about 20%.
+    Chosen on an H100 (benchmarks/bench_kernels.py --sweep, benchmarks/kernels_h100.md):
+    for decodes, tile, warps and stages move the time by under 2% (128-key tiles gain 8% on
+    one 32k sequence but need twice the shared memory); for prefill, 64 rows beat 128.
     """
     min_rows = 16 if max_seqlen_q <= _SPLIT_MAX_SEQLEN_Q else 64
     block_m = max(min_rows, triton.next_power_of_2(group))
