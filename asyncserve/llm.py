@@ -101,6 +101,10 @@ class LLM:
                 raise ValueError(
                     f"sampling_params: got {len(params_list)} for {len(prompt_list)} prompts"
                 )
+        for params in params_list:
+            if params.structured_outputs is not None:
+                # A bad schema, regex or grammar is the caller's error: raise before any work.
+                self.engine.structured.validate(params.structured_outputs)
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"priority: got {len(priority)} values for {len(prompt_list)} prompts")
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)

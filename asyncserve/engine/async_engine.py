@@ -24,6 +24,7 @@ from asyncserve.engine.request import Request, RequestStatus
 from asyncserve.engine.request_stream import RequestStream
 from asyncserve.engine.scheduler import Scheduler
 from asyncserve.engine.step import StepResult
+from asyncserve.engine.structured import StructuredOutputManager
 from asyncserve.metrics import EngineMetrics
 from asyncserve.models.loader import LoadedModel, load_model
 from asyncserve.outputs import RequestOutput
@@ -62,6 +63,13 @@ class AsyncEngine:
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos_ids:
             eos_ids.insert(0, self.tokenizer.eos_token_id)
         self.eos_token_ids: list[int] = eos_ids
+        # Grammar matchers; masks are filled on its own thread while the forward runs.
+        self.structured = StructuredOutputManager(
+            self.tokenizer.backend,
+            loaded.arch.vocab_size,
+            eos_ids,
+            pin_memory=self.device.type == "cuda",
+        )
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncserve-step")
         self._loop_task: asyncio.Task[None] | None = None
         self._wakeup: asyncio.Event | None = None
@@ -205,6 +213,8 @@ class AsyncEngine:
             prompt_text = None
             prompt_ids = list(prompt)
         self.validate_request(prompt_ids, params, strict_max_tokens=False)
+        if params.structured_outputs is not None:
+            self.structured.validate(params.structured_outputs)
         room = self.max_model_len - len(prompt_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         stream = RequestStream(request_id, params.output_kind)
@@ -229,6 +239,9 @@ class AsyncEngine:
                     max_tokens=max_tokens,
                 )
             )
+        if params.structured_outputs is not None:
+            for request in requests:
+                self.structured.add_request(request.request_id, params.structured_outputs)
         self.output_processor.add(parent, requests)
         for request in requests:
             self.scheduler.add_request(request)
@@ -261,6 +274,7 @@ class AsyncEngine:
         if not child_ids:
             return
         self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+        self.structured.remove(child_ids)
         self.output_processor.finish_aborted(request_id)
         if self._wakeup is not None:
             self._wakeup.set()
@@ -269,7 +283,7 @@ class AsyncEngine:
 
     async def _step_loop(self) -> None:
         loop = asyncio.get_running_loop()
-        pending: tuple[list[Request], StepResult] | None = None
+        pending: tuple[list[Request], StepResult, list[str]] | None = None
         assert self._wakeup is not None
         try:
             while not self._stopping:
@@ -279,18 +293,23 @@ class AsyncEngine:
                     continue
                 plan = self.scheduler.schedule()
                 for request in self.scheduler.take_errored():
+                    self.structured.remove([request.request_id])
                     self.output_processor.fail_request(request.request_id, request.error or "")
+                # Grammar masks of this step's rows fill on their own thread during the forward.
+                masks = self.structured.submit(plan, self.scheduler.get_request)
                 future = None
                 if not plan.is_empty or plan.freed_request_ids:
-                    future = loop.run_in_executor(self._executor, self.runner.execute, plan)
+                    future = loop.run_in_executor(self._executor, self.runner.execute, plan, masks)
                 # Overlap: publish the previous step's tokens while this one computes.
                 if pending is not None:
                     self._publish(*pending)
                     pending = None
                 if future is not None:
                     result = await future
+                    if masks is not None:
+                        await asyncio.wrap_future(masks)  # done: the runner waited for it
                     updated = self.scheduler.update(plan, result)
-                    pending = (updated, result)
+                    pending = (updated, result, self._advance_grammars(updated))
                     self._record_step()
                 else:
                     await asyncio.sleep(0.001)
@@ -304,10 +323,26 @@ class AsyncEngine:
                     request_id, reason="error", error=self._dead_reason
                 )
 
-    def _publish(self, updated: list[Request], result: StepResult) -> None:
-        stopped = self.output_processor.process(updated, result)
+    def _publish(self, updated: list[Request], result: StepResult, grammar_done: list[str]) -> None:
+        stopped = self.output_processor.process(updated, result, grammar_done)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+            self.structured.remove(stopped)
+
+    def _advance_grammars(self, updated: list[Request]) -> list[str]:
+        """Feed the step's tokens to the grammar matchers, before the next step is planned.
+
+        A request whose grammar is complete ends now ("stop"); returns their ids.
+        """
+        if not self.structured.num_requests:
+            return []
+        accepted = self.structured.accept_tokens(updated)
+        if accepted.stopped:
+            self.scheduler.finish_requests(accepted.stopped, RequestStatus.FINISHED_STOPPED)
+        for request_id, error in accepted.errored:
+            self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ERROR)
+            self.output_processor.fail_request(request_id, error)
+        return accepted.stopped
 
     def _record_step(self) -> None:
         if self.metrics is None:

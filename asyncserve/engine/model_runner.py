@@ -8,6 +8,7 @@ on a worker thread so the event loop never waits on the device.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 
 import torch
 
@@ -16,6 +17,7 @@ from asyncserve.engine.input_batch import CachedRequestState, StepInputs, build_
 from asyncserve.engine.sampler import Sampler, SamplerOutput
 from asyncserve.engine.sampling_metadata import SamplingMetadata, SamplingRow
 from asyncserve.engine.step import StepPlan, StepResult
+from asyncserve.engine.structured import GrammarBitmask, apply_grammar_bitmask
 from asyncserve.models.attention import AttentionMetadata
 from asyncserve.models.loader import LoadedModel
 
@@ -169,7 +171,7 @@ class ModelRunner:
         return gen
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: StepPlan, grammar: Future[GrammarBitmask] | None = None) -> StepResult:
         self._apply_plan(plan)
         result = StepResult()
         if plan.is_empty:
@@ -181,6 +183,9 @@ class ModelRunner:
         sampler_out: SamplerOutput | None = None
         if inputs.sample_request_ids:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            if grammar is not None:
+                # Filled on the grammar thread while the forward ran.
+                apply_grammar_bitmask(logits, grammar.result(), inputs.sample_request_ids)
             rows = [self._sampling_row(self.states[rid]) for rid in inputs.sample_request_ids]
             meta = SamplingMetadata.build(rows, self.vocab_size, self.device)
             sampler_out = self.sampler(logits, meta)

@@ -6,6 +6,7 @@ Runs on the event-loop thread while the device computes the next step.
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from asyncserve.engine.detokenizer import IncrementalDetokenizer, decode_token
@@ -88,8 +89,14 @@ class OutputProcessor:
         parent = self.parents.get(request_id)
         return [c.request.request_id for c in parent.children] if parent else []
 
-    def process(self, updated: list[Request], result: StepResult) -> list[str]:
-        """Publish outputs for the requests that got tokens. Returns ids stopped by a stop string."""
+    def process(
+        self, updated: list[Request], result: StepResult, grammar_done: Collection[str] = ()
+    ) -> list[str]:
+        """Publish outputs for the requests that got tokens. Returns ids stopped by a stop string.
+
+        `grammar_done`: requests stopped because their grammar is complete; their last token
+        is text, not a stop token.
+        """
         now = time.monotonic()
         stopped: list[str] = []
         touched: dict[str, ParentState] = {}
@@ -105,7 +112,10 @@ class OutputProcessor:
             num_generated += len(new_tokens)
             self._record_timing(parent, child, now, len(new_tokens))
             self._append_logprobs(child, result, request.request_id)
-            stop_terminated = request.status == RequestStatus.FINISHED_STOPPED
+            stop_terminated = (
+                request.status == RequestStatus.FINISHED_STOPPED
+                and request.request_id not in grammar_done
+            )
             stop_str = child.detokenizer.update(new_tokens, stop_terminated)
             child.num_accepted_tokens += len(new_tokens)
             if request.request_id in result.prompt_logprobs:
