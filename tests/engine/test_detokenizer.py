@@ -4,6 +4,7 @@ no split characters, stop strings never leak, special tokens as HF decodes them.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 from tokenizers import Tokenizer
@@ -131,6 +132,45 @@ def test_invalid_bytes_mid_text_come_out_as_a_full_decode_does(
     assert detok.output_text == tokenizer.decode(ids)
 
 
+def test_invalid_bytes_before_an_added_token(tokenizer: Tokenizer, special_ids: set[int]) -> None:
+    partial = next(i for i in encode(tokenizer, "🎉") if "\ufffd" in tokenizer.decode([i]))
+    im_end = token_id(tokenizer, "<|im_end|>")
+    ids = [*encode(tokenizer, "a"), partial, im_end, *encode(tokenizer, "b")]
+    params = SamplingParams(skip_special_tokens=False, spaces_between_special_tokens=False)
+    detok, _, _ = stream(tokenizer, special_ids, ids, params)
+    assert detok.output_text == tokenizer.decode(ids, skip_special_tokens=False)
+    assert detok.output_text == "a\ufffd<|im_end|>b"
+
+
+class RecordingTokenizer:
+    """Passes calls through to a real tokenizer, noting how many ids each decode gets."""
+
+    def __init__(self, inner: Tokenizer) -> None:
+        self.inner = inner
+        self.decode_lengths: list[int] = []
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        self.decode_lengths.append(len(ids))
+        text: str = self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
+        return text
+
+    def get_added_tokens_decoder(self) -> dict[int, Any]:
+        added: dict[int, Any] = self.inner.get_added_tokens_decoder()
+        return added
+
+
+def test_decode_window_stays_small(tokenizer: Tokenizer, special_ids: set[int]) -> None:
+    """Each step decodes a few tokens, not the whole output (which would be quadratic)."""
+    ids = encode(tokenizer, " ".join(TEXTS[:3]) * 3)
+    assert len(ids) > 200
+    recorder = RecordingTokenizer(tokenizer)
+    detok = IncrementalDetokenizer(cast(Tokenizer, recorder), [], SamplingParams(), special_ids)
+    for token in ids:
+        detok.update([token], False)
+    assert detok.output_text == tokenizer.decode(ids)
+    assert max(recorder.decode_lengths) <= 8
+
+
 def test_prompt_context_does_not_leak_into_output(
     tokenizer: Tokenizer, special_ids: set[int]
 ) -> None:
@@ -201,11 +241,14 @@ def test_hold_back_while_streaming(tokenizer: Tokenizer, special_ids: set[int]) 
     assert detok.get_next_output_text(True, delta=False) == "Hello world, this goes on"
 
 
-def test_min_tokens_ignores_early_stop_strings(tokenizer: Tokenizer, special_ids: set[int]) -> None:
+@pytest.mark.parametrize("chunk", [1, 100])
+def test_min_tokens_ignores_early_stop_strings(
+    tokenizer: Tokenizer, special_ids: set[int], chunk: int
+) -> None:
     ids = encode(tokenizer, "Paris is lovely, Paris in spring.")
     first = encode(tokenizer, "Paris")
     params = SamplingParams(stop=["Paris"], min_tokens=len(first))
-    detok, _, stop = stream(tokenizer, special_ids, ids, params)
+    detok, _, stop = stream(tokenizer, special_ids, ids, params, chunk=chunk)
     assert stop == "Paris"
     assert detok.output_text == "Paris is lovely, "
 
