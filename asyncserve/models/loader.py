@@ -165,6 +165,8 @@ def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
     the parameter's device in its dtype, from `seed` so two loads give the same model."""
     generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
+        if param.is_meta:  # a shape-only model has no storage to fill
+            continue
         if name.endswith("norm.weight"):
             param.fill_(1.0)
             continue

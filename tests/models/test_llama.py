@@ -66,7 +66,7 @@ def test_smollm2_loaded_shape(smollm2: LoadedModel) -> None:
 
 # --- tiny random models against HF's own implementations ----------------------------------
 
-TINY = dict(
+TINY: dict[str, Any] = dict(
     vocab_size=320,
     hidden_size=64,
     intermediate_size=96,

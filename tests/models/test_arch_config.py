@@ -1,0 +1,108 @@
+"""ArchConfig.from_hf_dict across Llama, Mistral, Qwen2, Qwen3 and config layouts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from asyncserve.models.arch_config import ArchConfig
+
+BENCH = Path("/work/shared/bench")
+
+
+def base(**overrides: Any) -> dict[str, Any]:
+    d: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 1000,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 512,
+    }
+    d.update(overrides)
+    return d
+
+
+def test_defaults_fill_head_dim_kv_heads_and_rope() -> None:
+    c = ArchConfig.from_hf_dict(base(eos_token_id=2, bos_token_id=1))
+    assert c.head_dim == 16 and c.num_key_value_heads == 4
+    assert c.rope_theta == 10000.0 and c.rope_scaling is None
+    assert c.eos_token_ids == [2] and c.bos_token_id == 1
+    assert not c.attention_bias and not c.qk_norm and not c.tie_word_embeddings
+    assert c.q_size == 64 and c.kv_size == 64
+
+
+@pytest.mark.skipif(not (BENCH / "llama3-8b").is_dir(), reason="bench configs absent")
+def test_bench_configs() -> None:
+    llama = ArchConfig.from_hf_dict(json.loads((BENCH / "llama3-8b/config.json").read_text()))
+    assert llama.eos_token_ids == [128001, 128008, 128009]
+    assert llama.rope_scaling is not None and llama.rope_scaling["rope_type"] == "llama3"
+    assert llama.torch_dtype == "bfloat16" and llama.num_key_value_heads == 8
+    qwen = ArchConfig.from_hf_dict(json.loads((BENCH / "qwen3-0.6b/config.json").read_text()))
+    assert qwen.qk_norm and qwen.tie_word_embeddings and qwen.head_dim == 128
+    assert qwen.eos_token_ids == [151645]
+
+
+def test_qwen2_always_has_qkv_bias() -> None:
+    c = ArchConfig.from_hf_dict(base(architectures=["Qwen2ForCausalLM"], model_type="qwen2"))
+    assert c.attention_bias and not c.qk_norm
+
+
+def test_new_transformers_layout_rope_parameters_and_dtype() -> None:
+    d = base(
+        rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5},
+        dtype="float16",
+    )
+    c = ArchConfig.from_hf_dict(d)
+    assert c.rope_theta == 5e5
+    assert c.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    assert c.torch_dtype == "float16"
+    default = ArchConfig.from_hf_dict(base(rope_parameters={"rope_type": "default"}))
+    assert default.rope_scaling is None
+
+
+def test_old_rope_scaling_type_key() -> None:
+    c = ArchConfig.from_hf_dict(base(rope_scaling={"type": "linear", "factor": 4.0}))
+    assert c.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+
+
+def test_mistral_sliding_window() -> None:
+    mistral = base(architectures=["MistralForCausalLM"], model_type="mistral")
+    assert (
+        ArchConfig.from_hf_dict({**mistral, "sliding_window": None}).max_position_embeddings == 512
+    )
+    assert (
+        ArchConfig.from_hf_dict({**mistral, "sliding_window": 4096}).max_position_embeddings == 512
+    )
+    # A window smaller than the context caps the usable context at the window.
+    assert (
+        ArchConfig.from_hf_dict({**mistral, "sliding_window": 128}).max_position_embeddings == 128
+    )
+
+
+def test_architecture_from_model_type_when_unlisted() -> None:
+    d = base(model_type="qwen3")
+    del d["architectures"]
+    assert ArchConfig.from_hf_dict(d).architecture == "Qwen3ForCausalLM"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"architectures": ["GPT2LMHeadModel"]}, "GPT2LMHeadModel.*LlamaForCausalLM"),
+        ({"hidden_size": None}, "hidden_size"),
+        ({"num_key_value_heads": 3}, "num_key_value_heads"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+        ({"eos_token_id": "x"}, "eos_token_id"),
+        ({"vocab_size": 0}, "vocab_size"),
+        ({"hidden_size": 66}, "head_dim"),
+    ],
+)
+def test_bad_configs_raise_naming_the_field(overrides: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ArchConfig.from_hf_dict(base(**overrides))

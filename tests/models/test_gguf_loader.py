@@ -1,0 +1,115 @@
+"""GGUF reading: names, q/k un-permutation, metadata -> config, and a tiny file end to end."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from asyncserve.config import ModelConfig
+from asyncserve.models.gguf_loader import (
+    _hf_name,
+    _unpermute,
+    gguf_hf_config,
+    open_gguf,
+)
+from asyncserve.models.loader import load_model
+from tests.models.conftest import full_forward
+from tests.models.tiny_gguf import TOKENS, llama_cpp_permute, write_tiny_gguf
+
+
+@pytest.mark.parametrize("n_head", [1, 3, 4])
+def test_unpermute_inverts_llama_cpp_permute(n_head: int) -> None:
+    w = np.random.default_rng(0).standard_normal((n_head * 8, 5)).astype(np.float32)
+    np.testing.assert_array_equal(_unpermute(llama_cpp_permute(w, n_head), n_head), w)
+    bias = np.arange(n_head * 8, dtype=np.float32)
+    np.testing.assert_array_equal(_unpermute(llama_cpp_permute(bias, n_head), n_head), bias)
+
+
+def test_gguf_names_map_to_hf() -> None:
+    assert _hf_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert _hf_name("output.weight") == "lm_head.weight"
+    assert _hf_name("blk.12.attn_q.bias") == "model.layers.12.self_attn.q_proj.bias"
+    assert _hf_name("blk.0.ffn_down.weight") == "model.layers.0.mlp.down_proj.weight"
+    assert _hf_name("blk.3.attn_k_norm.weight") == "model.layers.3.self_attn.k_norm.weight"
+    with pytest.raises(ValueError, match="blk.0.ssm_conv"):
+        _hf_name("blk.0.ssm_conv.weight")
+
+
+def test_smollm2_metadata_to_config(gguf_path: Path) -> None:
+    d = gguf_hf_config(open_gguf(gguf_path))
+    assert d["architectures"] == ["LlamaForCausalLM"]
+    assert (d["num_hidden_layers"], d["hidden_size"], d["intermediate_size"]) == (30, 576, 1536)
+    assert (d["num_attention_heads"], d["num_key_value_heads"]) == (9, 3)
+    assert d["vocab_size"] == 49152 and d["tie_word_embeddings"] is True
+    assert d["rope_theta"] == 100000.0 and d["max_position_embeddings"] == 8192
+    assert (d["bos_token_id"], d["eos_token_id"]) == (1, 2)
+
+
+def test_garbage_file_is_a_value_error(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"this is not a gguf file at all" * 10)
+    with pytest.raises(ValueError, match="cannot read GGUF"):
+        open_gguf(bad)
+
+
+def _tiny_hf(arch: str) -> tuple[Any, dict[str, Any]]:
+    transformers = pytest.importorskip("transformers")
+    common: dict[str, Any] = dict(
+        vocab_size=len(TOKENS),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        max_position_embeddings=256,
+    )
+    if arch == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if p.ndim == 1 else 0.0))
+    return model.eval(), common
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_tiny_gguf_loads_and_matches_hf(arch: str, tmp_path: Path) -> None:
+    hf, cfg = _tiny_hf(arch)
+    state = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(
+        path,
+        arch,
+        state,
+        heads=cfg["num_attention_heads"],
+        kv_heads=cfg["num_key_value_heads"],
+        head_dim=cfg["head_dim"],
+        rope_theta=cfg["rope_theta"],
+        eps=cfg["rms_norm_eps"],
+    )
+    # A directory holding exactly one .gguf loads that file.
+    loaded = load_model(ModelConfig(model=str(tmp_path), dtype="float32"), torch.device("cpu"))
+    assert loaded.arch.qk_norm == (arch == "qwen3")
+    assert loaded.arch.tie_word_embeddings
+    assert loaded.model_path == str(path)
+    ids = [0, *torch.randint(2, len(TOKENS), (20,), generator=torch.Generator().manual_seed(3))]
+    ours = full_forward(loaded.model, [int(i) for i in ids])
+    with torch.no_grad():
+        theirs = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+    # The tokenizer comes from the same file: control tokens, merges, bos added.
+    tok = loaded.tokenizer
+    assert tok.add_bos_token and tok.bos_token == "<s>" and tok.eos_token_id == 1
+    assert tok.encode("the") == [0, TOKENS.index("t"), TOKENS.index("he")]
+    assert tok.encode(" t</s>", add_special_tokens=False) == [TOKENS.index("Ġt"), 1]
+    assert loaded.generation_config["eos_token_id"] == [1]

@@ -1,0 +1,101 @@
+"""Write a tiny GGUF file from HF-named weights, the way llama.cpp's converter lays it out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from asyncserve.tokenizer import bytes_to_unicode
+
+# Two control tokens, the 256 bytes, and two merged tokens: 260 ids.
+TOKENS = ["<s>", "</s>", *bytes_to_unicode().values(), "he", "Ġt"]
+MERGES = ["h e", "Ġ t"]
+CHATML = (
+    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+
+_BLOCK_PARTS = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def gguf_name(hf_name: str) -> str:
+    fixed = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    if hf_name in fixed:
+        return fixed[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    part, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_BLOCK_PARTS[part]}.{kind}"
+
+
+def write_tiny_gguf(
+    path: Path,
+    arch: str,
+    state: dict[str, torch.Tensor],
+    *,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    rope_theta: float,
+    eps: float,
+    context: int = 256,
+) -> None:
+    hidden = state["model.embed_tokens.weight"].shape[1]
+    layers = 1 + max(int(n.split(".")[2]) for n in state if n.startswith("model.layers."))
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(layers)
+    w.add_context_length(context)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(state["model.layers.0.mlp.up_proj.weight"].shape[0])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_layer_norm_rms_eps(eps)
+    w.add_rope_freq_base(rope_theta)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(TOKENS)
+    w.add_token_types([3, 3] + [1] * (len(TOKENS) - 2))
+    w.add_token_merges(MERGES)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+    w.add_add_bos_token(True)
+    w.add_chat_template(CHATML)
+    for name, tensor in state.items():
+        array = tensor.detach().float().numpy()
+        if arch == "llama" and name.endswith("self_attn.q_proj.weight"):
+            array = llama_cpp_permute(array, heads)
+        elif arch == "llama" and name.endswith("self_attn.k_proj.weight"):
+            array = llama_cpp_permute(array, kv_heads)
+        w.add_tensor(gguf_name(name), np.ascontiguousarray(array))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
