@@ -28,7 +28,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "float", "bfloat16", "float16", "half"):
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+            raise ValueError(
+                f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
+            )
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.max_model_len is not None and self.max_model_len < 1:

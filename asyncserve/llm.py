@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 from collections.abc import Sequence
@@ -154,9 +155,10 @@ class LLM:
             final = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
             text, ids = _split_prompt(prompt)
             request_id = str(next(self._ids))
+            engine_prompt: str | list[int] = ids if ids is not None else (text or "")
             try:
                 async for output in self.engine.generate(
-                    ids if ids is not None else text, final, request_id, priorities[index]
+                    engine_prompt, final, request_id, priorities[index]
                 ):
                     results[index] = output
             except ValueError as exc:
@@ -177,16 +179,14 @@ class LLM:
             self._loop.close()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):
             self.close()
-        except Exception:
-            pass
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     if isinstance(prompts, str | dict):
         return [prompts]
-    prompt_list = list(prompts)
+    prompt_list: list[Any] = list(prompts)
     if prompt_list and all(isinstance(p, int) for p in prompt_list):
         return [prompt_list]  # one token-id prompt
     for i, p in enumerate(prompt_list):

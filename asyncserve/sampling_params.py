@@ -85,16 +85,16 @@ class SamplingParams:
         self.all_stop_token_ids = set(self.stop_token_ids)
 
     def _validate(self) -> None:
-        _check(isinstance(self.n, int) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n}")
+        _check(
+            isinstance(self.n, int) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n}"
+        )
         if self.best_of is not None:
             _check(
                 isinstance(self.best_of, int) and self.best_of >= self.n,
                 "best_of",
                 f"must be an integer >= n ({self.n}), got {self.best_of}",
             )
-        _check(
-            self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}"
-        )
+        _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
         _check(
             isinstance(self.top_k, int) and self.top_k >= 0,

@@ -24,7 +24,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--vocab-size", type=int, default=32000, help="for random prompt ids")
     parser.add_argument(
-        "--request-rate", type=float, default=float("inf"), help="req/s (Poisson); inf = all at once"
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="req/s (Poisson); inf = all at once",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--api-key", default=None)

@@ -23,8 +23,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=1000)
     parser.add_argument("--input-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--input-len-max", type=int, default=None, help="uniform lengths up to this")
-    parser.add_argument("--output-len-max", type=int, default=None, help="uniform lengths up to this")
+    parser.add_argument(
+        "--input-len-max", type=int, default=None, help="uniform lengths up to this"
+    )
+    parser.add_argument(
+        "--output-len-max", type=int, default=None, help="uniform lengths up to this"
+    )
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--max-model-len", type=int, default=None)

@@ -8,7 +8,11 @@ from dataclasses import dataclass
 
 
 def random_prompts(
-    num_prompts: int, input_len: int, vocab_size: int, seed: int = 0, input_len_max: int | None = None
+    num_prompts: int,
+    input_len: int,
+    vocab_size: int,
+    seed: int = 0,
+    input_len_max: int | None = None,
 ) -> list[list[int]]:
     """Prompts of random token ids; lengths uniform in [input_len, input_len_max] when given."""
     rng = random.Random(seed)

@@ -89,9 +89,7 @@ class AsyncEngine:
         )
 
     @classmethod
-    def from_config(
-        cls, config: EngineConfig, metrics: EngineMetrics | None = None
-    ) -> AsyncEngine:
+    def from_config(cls, config: EngineConfig, metrics: EngineMetrics | None = None) -> AsyncEngine:
         device = resolve_device(config.model.device)
         torch.manual_seed(config.model.seed)
         loaded = load_model(config.model, device)

@@ -205,9 +205,7 @@ class ModelRunner:
             stop_token_ids=state.stop_token_ids,
         )
 
-    def _collect_samples(
-        self, inputs: StepInputs, out: SamplerOutput, result: StepResult
-    ) -> None:
+    def _collect_samples(self, inputs: StepInputs, out: SamplerOutput, result: StepResult) -> None:
         # The one device->host transfer of the step.
         sampled = out.sampled_token_ids.tolist()
         lp_ids = out.logprob_token_ids.tolist() if out.logprob_token_ids is not None else None
@@ -233,7 +231,9 @@ class ModelRunner:
                 rank = int(ranks[row]) if ranks is not None else 0
                 result.logprobs[rid] = [(entry, rank)]
 
-    def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor, result: StepResult) -> None:
+    def _prompt_logprobs(
+        self, inputs: StepInputs, hidden: torch.Tensor, result: StepResult
+    ) -> None:
         """Logprobs of each prompt token given the tokens before it, chunk by chunk."""
         offset = 0
         for rid, start, count in zip(inputs.request_ids, inputs.starts, inputs.counts, strict=True):

@@ -134,7 +134,9 @@ class OutputProcessor:
             self._publish(parent, now)
         return stopped
 
-    def finish_aborted(self, request_id: str, reason: str = "abort", error: str | None = None) -> None:
+    def finish_aborted(
+        self, request_id: str, reason: str = "abort", error: str | None = None
+    ) -> None:
         """End a request from outside the step (abort or error) and tell its reader."""
         parent = self.parents.get(request_id)
         if parent is None:
