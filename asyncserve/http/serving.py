@@ -67,6 +67,8 @@ class ServerState:
             return msgspec.json.decode(body, type=body_type)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise from_validation_error(exc) from exc
+        except UnicodeDecodeError as exc:
+            raise APIError(f"the request body is not valid UTF-8: {exc}", 400) from exc
 
     def response_model(self, model: str | None) -> str:
         """The name to report; 400 when the client asked for a model this server lacks."""

@@ -1,0 +1,207 @@
+"""Bad input gets a 4xx in OpenAI's error shape naming the field, never a 500 or a traceback,
+and never hurts the requests around it."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.http.conftest import MODEL, wait_idle
+
+pytestmark = pytest.mark.timeout(300)
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+ANY = object()
+
+
+def assert_error(response: httpx.Response, status: int, param: object) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    body = response.json()
+    assert set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert param is ANY or error["param"] == param, error
+    assert isinstance(error["message"], str) and error["message"]
+    assert "Traceback" not in response.text
+    return error
+
+
+# (path, body, expected param) -> 400
+BAD_BODIES: list[tuple[str, dict[str, Any], str | None]] = [
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": "x", "top_p": 1.5}, "top_p"),
+    ("/v1/completions", {"prompt": "x", "top_k": -5}, "top_k"),
+    ("/v1/completions", {"prompt": "x", "min_p": 2}, "min_p"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 100000}, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 1.5}, "n"),
+    ("/v1/completions", {"prompt": "x", "n": True}, "n"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 10**30}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 4000}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 20, "max_tokens": 5}, "min_tokens"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 50}, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "stop": [""]}, "stop"),
+    ("/v1/completions", {"prompt": "x", "stop": [1, 2]}, "stop[0]"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "x", "seed": "abc"}, "seed"),
+    ("/v1/completions", {"prompt": "x", "seed": 2**70}, "seed"),
+    ("/v1/completions", {"prompt": "x", "stream": "yes"}, "stream"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
+    ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
+    ("/v1/completions", {"prompt": "x", "priority": 5}, "priority"),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, "model"),
+    ("/v1/completions", {"prompt": "x", "model": 3}, "model"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+    ("/v1/completions", {}, "prompt"),
+    ("/v1/completions", {"prompt": 12}, "prompt"),
+    ("/v1/completions", {"prompt": []}, "prompt"),
+    ("/v1/completions", {"prompt": ""}, "prompt"),
+    ("/v1/completions", {"prompt": [1, "a"]}, "prompt"),
+    ("/v1/completions", {"prompt": [[]]}, "prompt"),
+    ("/v1/completions", {"prompt": [10**9]}, "prompt"),
+    ("/v1/completions", {"prompt": [-1]}, "prompt"),
+    ("/v1/completions", {"prompt": "hello " * 3000, "max_tokens": 1}, "prompt"),
+    ("/v1/chat/completions", {}, "messages"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        "messages[0].content[0].type",
+    ),
+    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 99}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 5000}, "max_tokens"),
+    (
+        "/v1/chat/completions",
+        {"messages": CHAT, "continue_final_message": True, "add_generation_prompt": True},
+        "continue_final_message",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}],
+         "continue_final_message": True},
+        "messages[1].content",
+    ),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {"chat_template": "x"}}, "chat_template_kwargs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 3000}]}, "messages"),
+    ("/generate", {"prompt": "x", "n": "two"}, "n"),
+    ("/generate", {"prompt": "x", "temperature": -0.5}, "temperature"),
+    ("/generate", {"prompt": "x", "max_tokens": 99999}, "max_tokens"),
+    ("/generate", {"max_tokens": 3}, "prompt"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    BAD_BODIES,
+    ids=[f"{p}:{','.join(b) or 'empty'}:{param}" for p, b, param in BAD_BODIES],
+)
+def test_bad_field_is_a_400_naming_it(
+    client: httpx.Client, path: str, body: dict[str, Any], param: str | None
+) -> None:
+    error = assert_error(client.post(path, json=body), 400, param)
+    assert error["type"] == "BadRequestError"
+
+
+@pytest.mark.parametrize("value", [b"1e999", b"-1e999", b"1e308"])
+def test_non_finite_numbers_are_a_400(client: httpx.Client, value: bytes) -> None:
+    raw = b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": '
+    raw += value + b"}"
+    response = client.post("/v1/chat/completions", content=raw)
+    if value == b"1e308":  # finite, merely huge: a valid temperature
+        assert response.status_code == 200, response.text
+    else:
+        assert_error(response, 400, "temperature")
+
+
+def test_prompt_over_max_model_len_gives_both_lengths(client: httpx.Client) -> None:
+    error = assert_error(
+        client.post("/v1/completions", json={"prompt": "hello " * 3000, "max_tokens": 1}),
+        400,
+        "prompt",
+    )
+    numbers = [int(w) for w in re.findall(r"\d+", error["message"])]
+    assert 2048 in numbers and any(n >= 3000 for n in numbers), error
+    error = assert_error(
+        client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4000}),
+        400,
+        "max_tokens",
+    )
+    assert "2048" in error["message"] and "4000" in error["message"], error
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"{bad json",
+        b"",
+        b"[1, 2]",
+        b"null",
+        b'{"prompt": "x",}',
+        b'{"prompt": "\xed\xb3\xbf"}',  # not UTF-8
+        b'{"prompt": "\\udcff"}',  # a lone surrogate escape
+    ],
+)
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/generate"])
+def test_malformed_json_is_a_400(client: httpx.Client, path: str, raw: bytes) -> None:
+    response = client.post(path, content=raw, headers={"content-type": "application/json"})
+    # Unparseable: no field to name. Parseable but without the required field: that field.
+    assert_error(response, 400, ANY)
+
+
+def test_body_over_the_limit_is_a_413(client: httpx.Client) -> None:
+    big = b'{"prompt": "' + b"a" * (17 * 1024 * 1024) + b'"}'
+    assert_error(client.post("/v1/completions", content=big), 413, None)
+
+    def chunks() -> Any:  # no Content-Length: the limit applies while reading
+        yield b'{"prompt": "'
+        for _ in range(17):
+            yield b"a" * (1024 * 1024)
+        yield b'"}'
+
+    assert_error(client.post("/v1/completions", content=chunks()), 413, None)
+
+
+def test_unknown_route_and_method_are_json(client: httpx.Client) -> None:
+    error = assert_error(client.get("/v1/nope"), 404, None)
+    assert "/v1/nope" in error["message"]
+    assert_error(client.get("/v1/completions"), 405, None)
+    assert_error(client.post("/v1/models"), 405, None)
+
+
+def test_bad_requests_do_not_hurt_a_running_stream(client: httpx.Client) -> None:
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    reference = client.post("/v1/completions", json={**body, "stream": False}).json()
+    with client.stream("POST", "/v1/completions", json=body) as stream:
+        lines = stream.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        for path, bad, _ in BAD_BODIES[::4]:
+            assert client.post(path, json=bad).status_code == 400
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+
+    text = "".join(json.loads(e[6:])["choices"][0]["text"] for e in [first, *rest[:-1]])
+    assert text == reference["choices"][0]["text"]
+    health = wait_idle(client)
+    assert health["status"] == "ok"
+    assert health["num_free_blocks"] == health["num_total_blocks"]
