@@ -10,10 +10,16 @@ import torch
 
 from asyncserve.config import ModelConfig
 from asyncserve.models.attention import AttentionMetadata
+from asyncserve.models.gguf_loader import GGUFFile, open_gguf
 from asyncserve.models.llama import LlamaForCausalLM
 from asyncserve.models.loader import LoadedModel, load_model
 
 BLOCK_SIZE = 4
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(gguf_path: Path) -> GGUFFile:
+    return open_gguf(gguf_path)
 
 
 @pytest.fixture(scope="session")

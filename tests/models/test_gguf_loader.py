@@ -11,6 +11,7 @@ import torch
 
 from asyncserve.config import ModelConfig
 from asyncserve.models.gguf_loader import (
+    GGUFFile,
     _hf_name,
     _unpermute,
     gguf_hf_config,
@@ -39,8 +40,8 @@ def test_gguf_names_map_to_hf() -> None:
         _hf_name("blk.0.ssm_conv.weight")
 
 
-def test_smollm2_metadata_to_config(gguf_path: Path) -> None:
-    d = gguf_hf_config(open_gguf(gguf_path))
+def test_smollm2_metadata_to_config(smollm2_gguf: GGUFFile) -> None:
+    d = gguf_hf_config(smollm2_gguf)
     assert d["architectures"] == ["LlamaForCausalLM"]
     assert (d["num_hidden_layers"], d["hidden_size"], d["intermediate_size"]) == (30, 576, 1536)
     assert (d["num_attention_heads"], d["num_key_value_heads"]) == (9, 3)

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from asyncserve.config import ModelConfig
-from asyncserve.models.loader import default_model_path, load_model, resolve_dtype
+from asyncserve.models.loader import LoadedModel, default_model_path, load_model, resolve_dtype
 from tests.conftest import smollm2_gguf_path
 from tests.models.conftest import full_forward
 
@@ -163,14 +163,11 @@ def test_default_model_path_is_the_installed_gguf() -> None:
     assert default_model_path() == str(expected)
 
 
-def test_tokenizer_override(tmp_path: Path, gguf_path: Path) -> None:
+def test_tokenizer_override(tmp_path: Path, smollm2: LoadedModel) -> None:
     root = write_config(tmp_path / "m", vocab_size=49152, bos_token_id=1, eos_token_id=2)
     tok_dir = tmp_path / "tok"
     tok_dir.mkdir()
-    loaded = load_model(
-        ModelConfig(model=str(gguf_path), load_format="dummy"), torch.device("meta")
-    )
-    loaded.tokenizer.backend.save(str(tok_dir / "tokenizer.json"))
+    smollm2.tokenizer.backend.save(str(tok_dir / "tokenizer.json"))
     (tok_dir / "tokenizer_config.json").write_text(
         json.dumps({"eos_token": "<|im_end|>", "bos_token": {"content": "<|im_start|>"}})
     )
