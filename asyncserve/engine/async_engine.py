@@ -56,7 +56,7 @@ class AsyncEngine:
         )
         self.runner = ModelRunner(loaded, config, self.device)
         num_blocks = self.runner.determine_num_blocks(self.max_model_len)
-        self.runner.allocate_kv_cache(num_blocks)
+        self.runner.allocate_kv_cache(num_blocks, self.max_model_len)
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer, config.stream_interval, metrics)
         eos_ids = list(loaded.generation_config.get("eos_token_id") or loaded.arch.eos_token_ids)

@@ -13,6 +13,7 @@ from concurrent.futures import Future
 import torch
 
 from asyncserve.config import EngineConfig
+from asyncserve.engine.cuda_graphs import DecodeGraphs
 from asyncserve.engine.input_batch import CachedRequestState, StepInputs, build_step_inputs
 from asyncserve.engine.sampler import Sampler, SamplerOutput
 from asyncserve.engine.sampling_metadata import SamplingMetadata, SamplingRow
@@ -52,6 +53,7 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
+        self.decode_graphs: DecodeGraphs | None = None
 
     # ---- KV pool -------------------------------------------------------------------------
 
@@ -94,6 +96,10 @@ class ModelRunner:
         # Memory used by other processes / non-torch allocations counts against the target.
         non_torch = total - free - torch.cuda.memory_reserved(self.device)
         budget = int(total * self.config.cache.gpu_memory_utilization) - peak - max(non_torch, 0)
+        if self.config.enable_cuda_graphs:
+            # Decode graphs keep their own activations and logits outside the profiled peak.
+            rows = min(self.config.scheduler.max_num_seqs, 512)
+            budget -= rows * self.vocab_size * 4 * 2 + (512 << 20)
         logger.info(
             "GPU memory: total %.1f GiB, peak step %.1f GiB, KV budget %.1f GiB",
             total / 2**30,
@@ -133,9 +139,18 @@ class ModelRunner:
             for _ in range(arch.num_hidden_layers)
         ]
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
         self.kv_caches = self._make_caches(num_blocks)
         self.num_blocks = num_blocks
+        if self.device.type == "cuda" and self.config.enable_cuda_graphs:
+            self.decode_graphs = DecodeGraphs(
+                self.model,
+                self.kv_caches,
+                min(self.config.scheduler.max_num_seqs, 512),
+                max_model_len,
+                self.block_size,
+                self.device,
+            )
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -177,12 +192,20 @@ class ModelRunner:
         if plan.is_empty:
             return result
         inputs = build_step_inputs(plan, self.states, self.block_size, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-        self._prompt_logprobs(inputs, hidden, result)
+        logits_all: torch.Tensor | None = None
+        if self._can_replay(inputs):
+            assert self.decode_graphs is not None
+            logits_all = self.decode_graphs.run(inputs)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            self._prompt_logprobs(inputs, hidden, result)
 
         sampler_out: SamplerOutput | None = None
         if inputs.sample_request_ids:
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            if logits_all is not None:
+                logits = logits_all
+            else:
+                logits = self.model.compute_logits(hidden[inputs.logits_indices])
             if grammar is not None:
                 # Filled on the grammar thread while the forward ran.
                 apply_grammar_bitmask(logits, grammar.result(), inputs.sample_request_ids)
@@ -195,6 +218,17 @@ class ModelRunner:
         if sampler_out is not None:
             self._collect_samples(inputs, sampler_out, result)
         return result
+
+    def _can_replay(self, inputs: StepInputs) -> bool:
+        """A pure-decode step (one token per request, all sampling) fits a captured graph."""
+        graphs = self.decode_graphs
+        n = len(inputs.request_ids)
+        return (
+            graphs is not None
+            and inputs.meta.max_seqlen_q == 1
+            and len(inputs.sample_request_ids) == n
+            and graphs.padded_size(n) is not None
+        )
 
     def _sampling_row(self, state: CachedRequestState) -> SamplingRow:
         return SamplingRow(
