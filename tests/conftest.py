@@ -48,3 +48,13 @@ def hf_smollm2(gguf_path: Path):  # type: ignore[no-untyped-def]
         str(gguf_path.parent), gguf_file=gguf_path.name
     )
     return model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(gguf_path: Path):  # type: ignore[no-untyped-def]
+    """One offline engine on the default model for the suites that only generate with it."""
+    from asyncserve.llm import LLM
+
+    llm = LLM(device="cpu", max_model_len=512, kv_cache_memory=64 << 20)
+    yield llm
+    llm.close()

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 
+import numpy as np
 import torch
 
 from asyncserve.sampling_params import SamplingParams
@@ -125,24 +127,23 @@ class SamplingMetadata:
         output_counts = None
         prompt_mask = None
         if use_freq_pres or use_repetition:
+            num_cells = len(rows) * vocab_size
             penalized = [p.needs_penalties for p in params]
             outputs = [
                 r.output_token_ids if on else [] for r, on in zip(rows, penalized, strict=True)
             ]
-            ids = _padded(outputs, vocab_size, device)
-            output_counts = torch.zeros(len(rows), vocab_size + 1, device=device)
-            output_counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
-            output_counts = output_counts[:, :vocab_size]
+            index = _flat_token_index(outputs, vocab_size, device)
+            output_counts = torch.zeros(num_cells, device=device)
+            output_counts.scatter_add_(0, index, torch.ones_like(index, dtype=torch.float32))
+            output_counts = output_counts.view(len(rows), vocab_size)
             if use_repetition:
                 prompts = [
                     r.prompt_token_ids if on else [] for r, on in zip(rows, penalized, strict=True)
                 ]
-                ids = _padded(prompts, vocab_size, device)
-                prompt_mask = torch.zeros(
-                    len(rows), vocab_size + 1, dtype=torch.bool, device=device
-                )
-                prompt_mask.scatter_(1, ids, True)
-                prompt_mask = prompt_mask[:, :vocab_size]
+                index = _flat_token_index(prompts, vocab_size, device)
+                prompt_mask = torch.zeros(num_cells, dtype=torch.bool, device=device)
+                prompt_mask.scatter_(0, index, True)
+                prompt_mask = prompt_mask.view(len(rows), vocab_size)
 
         pairs = [
             (i, t)
@@ -189,7 +190,16 @@ def _to_device(data: object, dtype: torch.dtype, device: torch.device) -> torch.
     return torch.tensor(data, dtype=dtype, device=device)
 
 
-def _padded(seqs: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
-    """[N, max_len] int64, padded with `pad` (a column the caller slices away)."""
-    width = max((len(s) for s in seqs), default=0)
-    return _to_device([s + [pad] * (width - len(s)) for s in seqs], torch.int64, device)
+def _flat_token_index(seqs: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """row * vocab_size + token for every token of every row: an index into a flattened
+    [N, V] tensor. Built with numpy, which turns long token lists into arrays far faster
+    than torch.tensor does."""
+    lengths = np.fromiter(map(len, seqs), dtype=np.int64, count=len(seqs))
+    tokens = np.fromiter(chain.from_iterable(seqs), dtype=np.int64, count=int(lengths.sum()))
+    rows = np.repeat(np.arange(len(seqs), dtype=np.int64), lengths)
+    # An id outside the logits (a padded or foreign vocabulary) has nothing to penalise.
+    valid = (tokens >= 0) & (tokens < vocab_size)
+    flat = torch.from_numpy(rows[valid] * vocab_size + tokens[valid])
+    if device.type == "cuda":
+        return flat.pin_memory().to(device, non_blocking=True)
+    return flat.to(device)

@@ -84,6 +84,8 @@ def resolve_dtype(config_dtype: str, arch_dtype: str, device: torch.device) -> t
 
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    # Parameters are born in the target dtype (as vLLM's set_default_torch_dtype does), so no
+    # fp32 copy is ever made; restored at once because the default is process-wide.
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -105,7 +107,10 @@ def _read_json(path: Path) -> dict[str, Any]:
 def _find_source(path: Path) -> tuple[str, Path]:
     """("hf", dir) or ("gguf", file)."""
     if not path.exists():
-        raise ValueError(f"model path does not exist: {path}")
+        raise ValueError(
+            f"model path does not exist: {path} (give a local HF directory or .gguf file; "
+            "hub downloads are not supported)"
+        )
     if path.is_file():
         return "gguf", path
     if (path / "config.json").is_file():
