@@ -103,7 +103,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     proc.wait_ready()
     yield proc
     code = proc.stop()
-    assert code == 0, f"server exited with {code}:\n{proc.logs()[-4000:]}"
+    logs = proc.logs()
+    assert code == 0, f"server exited with {code}:\n{logs[-4000:]}"
+    assert "Traceback" not in logs, logs[logs.index("Traceback") - 2000 :][:6000]
 
 
 @pytest.fixture()
