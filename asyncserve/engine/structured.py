@@ -37,7 +37,7 @@ import llguidance.torch as llg_torch
 import numpy as np
 import tokenizers
 import torch
-from llguidance import LLExecutor, LLMatcher, LLTokenizer
+from llguidance import LLExecutor, LLMatcher, LLParserLimits, LLTokenizer
 
 from asyncserve.engine.request import Request
 from asyncserve.engine.step import StepPlan
@@ -241,7 +241,9 @@ class StructuredOutputManager:
         if template is not None:
             self._templates.move_to_end(compiled.grammar)
             return template
-        template = LLMatcher(self.tokenizer, compiled.grammar, log_level=0)
+        # Short errors: a rejected token's message goes to the client, without parser state.
+        limits = LLParserLimits(verbose_errors=False)
+        template = LLMatcher(self.tokenizer, compiled.grammar, log_level=0, limits=limits)
         if template.is_error():
             raise _invalid(compiled.field, template.get_error())
         self._templates[compiled.grammar] = template
@@ -278,7 +280,8 @@ class StructuredOutputManager:
             state.num_consumed += len(new_tokens)
             if not state.matcher.consume_tokens(new_tokens):
                 del self._matchers[request_id]
-                message = state.matcher.get_error() or "token rejected by the grammar"
+                error = state.matcher.get_error().replace("<non-verbose/>", "").strip()
+                message = error or "token rejected by the grammar"
                 result.errored.append((request_id, f"structured output failed: {message}"))
             elif state.matcher.is_stopped():
                 del self._matchers[request_id]

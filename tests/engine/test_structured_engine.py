@@ -1,0 +1,297 @@
+"""Structured outputs end to end on SmolLM2: every output satisfies its constraint."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import jsonschema
+import pytest
+
+from asyncserve import SamplingParams
+from asyncserve.llm import LLM
+from asyncserve.sampling_params import StructuredOutputsParams
+
+NAME = {"type": "string", "pattern": "^[A-Z][a-z]{1,12}$"}
+WORD = {"type": "string", "pattern": "^[a-z]{1,10}$"}
+
+
+def obj(properties: dict[str, Any], required: list[str] | None = None) -> dict[str, Any]:
+    schema: dict[str, Any] = {
+        "type": "object",
+        "properties": properties,
+        "additionalProperties": False,
+    }
+    if required is not None:
+        schema["required"] = required
+    return schema
+
+
+# Every string is bounded by a pattern or an enum, so the longest valid output fits in
+# MAX_TOKENS and a correct engine must finish every one of them.
+SCHEMAS: list[tuple[str, dict[str, Any]]] = [
+    (
+        "a person with a name and an age",
+        obj(
+            {"name": NAME, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+            ["name", "age"],
+        ),
+    ),
+    (
+        "a color with an optional shade",
+        obj(
+            {
+                "color": {"enum": ["red", "green", "blue"]},
+                "shade": {"type": "string", "enum": ["light", "dark"]},
+            },
+            ["color"],
+        ),
+    ),
+    (
+        "a list of two to four fruits",
+        {"type": "array", "items": WORD, "minItems": 2, "maxItems": 4},
+    ),
+    (
+        "a user with an id and a nested profile",
+        obj(
+            {
+                "id": {"type": "integer", "minimum": 1, "maximum": 9999},
+                "profile": obj({"first": NAME, "last": NAME}, ["first", "last"]),
+            },
+            ["id", "profile"],
+        ),
+    ),
+    (
+        "an order of one to three items, each with a SKU and a quantity",
+        obj(
+            {
+                "items": {
+                    "type": "array",
+                    "items": obj(
+                        {
+                            "sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{3}$"},
+                            "qty": {"type": "integer", "minimum": 1, "maximum": 99},
+                        },
+                        ["sku", "qty"],
+                    ),
+                    "minItems": 1,
+                    "maxItems": 3,
+                }
+            },
+            ["items"],
+        ),
+    ),
+    (
+        "an account that may be active and may have a note",
+        obj(
+            {"active": {"type": "boolean"}, "note": {"anyOf": [WORD, {"type": "null"}]}},
+            ["active", "note"],
+        ),
+    ),
+    (
+        "an object whose fields are all optional",
+        obj({"a": {"type": "integer", "minimum": 0, "maximum": 9}, "b": WORD}),
+    ),
+    ("a two digit number", {"type": "integer", "minimum": 10, "maximum": 99}),
+    (
+        "a score, or the word none",
+        {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 100}, {"enum": ["none"]}]},
+    ),
+    ("a phone number", {"type": "string", "pattern": "^[0-9]{3}-[0-9]{4}$"}),
+    (
+        "a config with version 2 and a level",
+        obj({"version": {"const": 2}, "level": {"enum": [1, 2, 3]}}, ["version", "level"]),
+    ),
+    (
+        "a small matrix of digits",
+        obj(
+            {
+                "matrix": {
+                    "type": "array",
+                    "items": {
+                        "type": "array",
+                        "items": {"type": "integer", "minimum": 0, "maximum": 9},
+                        "minItems": 2,
+                        "maxItems": 2,
+                    },
+                    "minItems": 2,
+                    "maxItems": 3,
+                }
+            },
+            ["matrix"],
+        ),
+    ),
+    (
+        "two points",
+        {
+            "$defs": {
+                "point": obj(
+                    {
+                        "x": {"type": "integer", "minimum": -9, "maximum": 9},
+                        "y": {"type": "integer", "minimum": -9, "maximum": 9},
+                    },
+                    ["x", "y"],
+                )
+            },
+            **obj(
+                {"from": {"$ref": "#/$defs/point"}, "to": {"$ref": "#/$defs/point"}}, ["from", "to"]
+            ),
+        },
+    ),
+]
+MAX_TOKENS = 160
+
+
+def chat(description: str) -> list[dict[str, str]]:
+    # The schema stays out of the prompt: the grammar alone must hold the output to it.
+    return [{"role": "user", "content": f"Reply with JSON only: {description}."}]
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_llm: LLM) -> LLM:
+    return smollm2_llm
+
+
+def assert_clean(llm: LLM) -> None:
+    engine = llm.engine
+    assert engine.num_free_blocks == engine.num_total_blocks
+    assert engine.structured.num_requests == 0
+
+
+def test_json_schemas_hold_for_greedy_sampled_and_n(llm: LLM) -> None:
+    modes = [
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+        SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, seed=7),
+        SamplingParams(temperature=0.8, top_p=0.95, n=2, max_tokens=MAX_TOKENS, seed=11),
+    ]
+    conversations = []
+    params = []
+    for description, schema in SCHEMAS:
+        for mode in modes:
+            conversations.append(chat(description))
+            constraint = StructuredOutputsParams(json=schema)
+            params.append(_with(mode, constraint))
+    outputs = llm.chat(conversations, params, use_tqdm=False)
+    checked = 0
+    for out, p in zip(outputs, params, strict=True):
+        assert p.structured_outputs is not None
+        schema = p.structured_outputs.json
+        assert out.error is None and len(out.outputs) == p.n
+        for completion in out.outputs:
+            assert completion.finish_reason == "stop", (schema, completion.text)
+            jsonschema.validate(json.loads(completion.text), schema)  # type: ignore[arg-type]
+            checked += 1
+    assert checked == len(SCHEMAS) * 4
+    assert_clean(llm)
+
+
+def test_regex_choice_and_grammar(llm: LLM) -> None:
+    lark = 'start: num (" + " num){1,3}\nnum: /[1-9][0-9]?/'
+    cases: list[tuple[str, StructuredOutputsParams]] = [
+        ("What is a phone number?", StructuredOutputsParams(regex=r"[0-9]{3}-[0-9]{4}")),
+        (
+            "Is the sky blue? Answer and explain.",
+            StructuredOutputsParams(regex=r"(yes|no), because [a-z ]{1,40}\."),
+        ),
+        (
+            "What is the capital of France?",
+            StructuredOutputsParams(choice=["Paris", "London", "Berlin"]),
+        ),
+        ("Add some numbers.", StructuredOutputsParams(grammar=lark)),
+    ]
+    conversations = []
+    params = []
+    for temperature in (0.0, 1.0):
+        for question, constraint in cases:
+            conversations.append(chat(question))
+            params.append(
+                SamplingParams(
+                    temperature=temperature, max_tokens=80, seed=3, structured_outputs=constraint
+                )
+            )
+    outputs = llm.chat(conversations, params, use_tqdm=False)
+    texts = [o.outputs[0].text for o in outputs]
+    assert all(o.outputs[0].finish_reason == "stop" for o in outputs), texts
+    for i in (0, 4):
+        assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", texts[i])
+        assert re.fullmatch(r"(yes|no), because [a-z ]{1,40}\.", texts[i + 1])
+        assert texts[i + 2] in ("Paris", "London", "Berlin")
+        assert re.fullmatch(r"[1-9][0-9]?( \+ [1-9][0-9]?){1,3}", texts[i + 3])
+    assert_clean(llm)
+
+
+def test_json_object(llm: LLM) -> None:
+    # json_object bounds nothing, so a prompt the model answers briefly under greedy decoding.
+    params = SamplingParams(
+        temperature=0.0, max_tokens=80, structured_outputs=StructuredOutputsParams(json_object=True)
+    )
+    prompt = [{"role": "user", "content": 'Return the JSON object {"ok": true}.'}]
+    out = llm.chat([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop"
+    assert isinstance(json.loads(out.text), dict)
+    assert_clean(llm)
+
+
+def test_constrained_and_free_requests_share_a_batch(llm: LLM) -> None:
+    free = SamplingParams(temperature=0.0, max_tokens=24)
+    alone = llm.chat([chat("a person")], free, use_tqdm=False)[0].outputs[0]
+    schema = SCHEMAS[0][1]
+    constrained = SamplingParams(
+        temperature=0.0,
+        max_tokens=MAX_TOKENS,
+        structured_outputs=StructuredOutputsParams(json=schema),
+    )
+    both = llm.chat([chat("a person"), chat("a person")], [constrained, free], use_tqdm=False)
+    assert both[1].outputs[0].token_ids == alone.token_ids
+    assert both[1].outputs[0].text == alone.text
+    jsonschema.validate(json.loads(both[0].outputs[0].text), schema)
+    # Without the grammar the model does not produce this JSON by itself.
+    assert both[0].outputs[0].text != alone.text
+    assert_clean(llm)
+
+
+def test_truncated_constrained_output_finishes_by_length(llm: LLM) -> None:
+    schema = SCHEMAS[4][1]
+    params = SamplingParams(
+        temperature=0.0, max_tokens=3, structured_outputs=StructuredOutputsParams(json=schema)
+    )
+    out = llm.chat([chat("an order")], params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 3
+    assert out.text.startswith("{")
+    assert_clean(llm)
+
+
+@pytest.mark.parametrize(
+    ("constraint", "field"),
+    [
+        (StructuredOutputsParams(json={"type": "objectx"}), "structured_outputs.json"),
+        (StructuredOutputsParams(json="{bad"), "structured_outputs.json"),
+        (StructuredOutputsParams(regex="(unclosed"), "structured_outputs.regex"),
+        (StructuredOutputsParams(grammar="start: missing_rule"), "structured_outputs.grammar"),
+    ],
+)
+def test_invalid_constraint_raises_before_anything_runs(
+    llm: LLM, constraint: StructuredOutputsParams, field: str
+) -> None:
+    params = [
+        SamplingParams(max_tokens=4),
+        SamplingParams(max_tokens=4, structured_outputs=constraint),
+    ]
+    with pytest.raises(ValueError, match=field):
+        llm.generate(["Hello", "Hello"], params, use_tqdm=False)
+    with pytest.raises(ValueError, match=field):
+        llm.engine.add_request("Hello", params[1], "bad-constraint")
+    assert "bad-constraint" not in llm.engine.output_processor.parents
+    assert_clean(llm)
+
+
+def _with(params: SamplingParams, constraint: StructuredOutputsParams) -> SamplingParams:
+    return SamplingParams(
+        n=params.n,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        seed=params.seed,
+        max_tokens=params.max_tokens,
+        structured_outputs=constraint,
+    )
