@@ -72,8 +72,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="longest prompt + output in tokens (default: the model's context length)",
     )
-    group.add_argument("--seed", type=int, default=0, help="random seed")
-    group.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    group.add_argument(
+        "--seed", type=int, default=0, help="random seed (dummy weights, unseeded sampling)"
+    )
+    group.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="where the model runs; auto: cuda when available",
+    )
     group.add_argument(
         "--block-size", type=_positive_int, default=16, help="tokens per KV cache block"
     )
@@ -272,15 +279,15 @@ def run_serve(args: argparse.Namespace) -> int:
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="the prompt text")
     group = parser.add_argument_group("sampling")
-    group.add_argument("--max-tokens", type=_positive_int, default=128)
+    group.add_argument("--max-tokens", type=_positive_int, default=128, help="tokens to generate")
     group.add_argument(
         "--temperature", type=float, default=None, help="default: the model's, else 1.0"
     )
-    group.add_argument("--top-p", type=float, default=None)
-    group.add_argument("--top-k", type=int, default=None)
-    group.add_argument("--min-p", type=float, default=None)
+    group.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass")
+    group.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest")
+    group.add_argument("--min-p", type=float, default=None, help="drop tokens below min_p x max")
     group.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
-    group.add_argument("--ignore-eos", action="store_true")
+    group.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens")
     group.add_argument(
         "--chat", action="store_true", help="send the prompt as a user message, chat-templated"
     )
