@@ -1,11 +1,14 @@
 """asyncserve: an LLM inference and serving engine."""
 
+from asyncserve.beam_search import BeamSearchOutput, BeamSearchParams
 from asyncserve.outputs import CompletionOutput, Logprob, RequestOutput
 from asyncserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "LLM",
     "AsyncEngine",
+    "BeamSearchOutput",
+    "BeamSearchParams",
     "CompletionOutput",
     "Logprob",
     "RequestOutput",

@@ -11,6 +11,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from asyncserve.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from asyncserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from asyncserve.engine.async_engine import AsyncEngine
 from asyncserve.outputs import CompletionOutput, RequestOutput
@@ -138,6 +139,24 @@ class LLM:
             # The template already holds BOS where the model wants one.
             prompts.append(tokenizer.encode(text, add_special_tokens=False))
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(
+        self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams
+    ) -> list[BeamSearchOutput]:
+        """Beam search for each prompt, as vLLM's LLM.beam_search (see asyncserve.beam_search).
+
+        Each sequence's tokens and text include the prompt; sequences are sorted best first.
+        """
+        token_prompts: list[list[int]] = []
+        for prompt in _as_prompt_list(prompts):
+            text, ids = _split_prompt(prompt)
+            if ids is None:
+                ids = self.engine.tokenizer.encode(text or "", add_special_tokens=True)
+            token_prompts.append(ids)
+        prefix = f"beam-{next(self._ids)}"
+        return self._loop.run_until_complete(
+            beam_search(self.engine, token_prompts, params, prefix)
+        )
 
     async def _run_all(
         self,
