@@ -25,15 +25,12 @@ the tokenizer's only), and a beam that reaches max_model_len completes with fini
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Collection, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-from asyncserve.outputs import LogprobsDict
+from asyncserve.outputs import CompletionOutput, LogprobsDict, RequestOutput
 from asyncserve.sampling_params import RequestOutputKind, SamplingParams
-
-if TYPE_CHECKING:
-    from asyncserve.engine.async_engine import AsyncEngine
 
 # The engine returns at most 20 logprobs; each step asks for 2 * beam_width.
 MAX_BEAM_WIDTH = 10
@@ -104,6 +101,22 @@ def get_beam_search_score(
     return cumulative_logprob / (max(seq_len, 1) ** length_penalty)
 
 
+class BeamEngine(Protocol):
+    """What beam search uses of the engine (asyncserve.engine.async_engine.AsyncEngine)."""
+
+    tokenizer: Any
+    max_model_len: int
+    eos_token_ids: list[int]
+
+    def validate_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, strict_max_tokens: bool = True
+    ) -> None: ...
+
+    def generate(
+        self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]: ...
+
+
 @dataclass
 class _Instance:
     beams: list[BeamSearchSequence]
@@ -111,7 +124,7 @@ class _Instance:
 
 
 async def beam_search(
-    engine: AsyncEngine,
+    engine: BeamEngine,
     prompts: Sequence[list[int]],
     params: BeamSearchParams,
     request_id_prefix: str = "beam",
@@ -189,7 +202,7 @@ async def beam_search(
 
 
 async def _next_logprobs(
-    engine: AsyncEngine, tokens: list[int], params: SamplingParams, request_id: str
+    engine: BeamEngine, tokens: list[int], params: SamplingParams, request_id: str
 ) -> LogprobsDict:
     """Top logprobs of the token after `tokens` (one engine request, one output token)."""
     final = None
@@ -202,3 +215,40 @@ async def _next_logprobs(
     if not step:
         raise RuntimeError(f"beam search step {request_id} returned no logprobs")
     return step[0]
+
+
+def to_request_output(
+    engine: BeamEngine,
+    request_id: str,
+    prompt: str | None,
+    prompt_token_ids: list[int],
+    output: BeamSearchOutput,
+    n: int,
+) -> RequestOutput:
+    """The best n beams as one finished RequestOutput, as vLLM's server returns beam search.
+
+    Each completion holds the output only; its text leaves out the final EOS and special tokens.
+    """
+    eos_ids = set(engine.eos_token_ids)
+    completions = []
+    for index, beam in enumerate(output.sequences[:n]):
+        tokens = beam.output_token_ids
+        ends_with_eos = beam.finish_reason == "stop" and bool(tokens) and tokens[-1] in eos_ids
+        text = engine.tokenizer.decode(tokens[:-1] if ends_with_eos else tokens)
+        completions.append(
+            CompletionOutput(
+                index=index,
+                text=text,
+                token_ids=list(tokens),
+                cumulative_logprob=beam.cum_logprob,
+                logprobs=list(beam.logprobs),
+                finish_reason=beam.finish_reason or "length",
+            )
+        )
+    return RequestOutput(
+        request_id=request_id,
+        prompt=prompt,
+        prompt_token_ids=prompt_token_ids,
+        outputs=completions,
+        finished=True,
+    )

@@ -168,6 +168,9 @@ class AsyncEngine:
                 f"prompt has {n_prompt} tokens but max_model_len is {self.max_model_len}: "
                 "the prompt must be shorter than max_model_len"
             )
+        if params.structured_outputs is not None:
+            # Compiles the grammar (cached): a bad schema, regex or grammar names its field.
+            self.structured.validate(params.structured_outputs)
         if strict_max_tokens and params.max_tokens is not None:
             total = n_prompt + params.max_tokens
             if total > self.max_model_len:
@@ -211,8 +214,6 @@ class AsyncEngine:
             prompt_text = None
             prompt_ids = list(prompt)
         self.validate_request(prompt_ids, params, strict_max_tokens=False)
-        if params.structured_outputs is not None:
-            self.structured.validate(params.structured_outputs)
         room = self.max_model_len - len(prompt_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         stream = RequestStream(request_id, params.output_kind)

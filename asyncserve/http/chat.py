@@ -40,11 +40,11 @@ logger = logging.getLogger(__name__)
 
 
 def _check_unsupported(body: ChatCompletionRequest) -> None:
-    if body.response_format is not None and body.response_format.type != "text":
+    if body.use_beam_search:
         raise APIError(
-            f"response_format of type {body.response_format.type!r} is not supported",
+            "use_beam_search is supported on /v1/completions and /generate",
             400,
-            "response_format",
+            "use_beam_search",
         )
     choice = body.tool_choice
     if choice is not None and choice not in ("none", "auto"):
@@ -100,7 +100,8 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     text = render_chat_prompt(state.engine.tokenizer, body)
     prompt = state.tokenize(text, body.add_special_tokens)
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-    state.validate(prompt, params, "messages", max_tokens_param)
+    constraint = "response_format" if body.response_format is not None else "structured_outputs"
+    state.validate(prompt, params, "messages", max_tokens_param, constraint)
     state.check_ready(body.priority)
     job = _Job(state, body, prompt, model)
     if body.stream:

@@ -10,6 +10,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from asyncserve.http.beam import beam_completion
 from asyncserve.http.errors import APIError
 from asyncserve.http.logprobs import completion_logprobs
 from asyncserve.http.protocol import (
@@ -119,6 +120,8 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     for prompt in prompts:
         state.validate(prompt, params, "prompt")
     state.check_ready(body.priority)
+    if body.use_beam_search:
+        return await beam_completion(state, body, prompts, model, request)
     job = _Job(state, body, prompts)
     if body.stream:
         return EventStreamResponse(_stream(job, params, model))

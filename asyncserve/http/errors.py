@@ -116,6 +116,8 @@ def from_value_error(
     message = str(exc) or type(exc).__name__
     first = message.split(" ", 1)[0].rstrip(":,")
     renames = renames or {}
+    if first not in renames and first not in _KNOWN_FIELDS:
+        first = first.split(".", 1)[0]  # "structured_outputs.json: ..." names structured_outputs
     if first in renames:
         param: str | None = renames[first]
     elif first in _KNOWN_FIELDS:

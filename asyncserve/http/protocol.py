@@ -22,6 +22,23 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     continuous_usage_stats: bool = False
 
 
+class StructuredOutputsRequest(msgspec.Struct, kw_only=True):
+    """vLLM's `structured_outputs`: exactly one constraint on the output."""
+
+    json: dict[str, Any] | str | None = None  # a JSON schema
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark, as llguidance takes it
+    json_object: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    """OpenAI's response_format: text, json_object, or json_schema {name, schema, strict}."""
+
+    type: str
+    json_schema: dict[str, Any] | None = None
+
+
 class SamplingFields(msgspec.Struct, kw_only=True):
     """Fields every generation endpoint shares; None means "the model's default"."""
 
@@ -50,6 +67,11 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     include_stop_str_in_output: bool = False
     priority: Count = 0
     request_id: str | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    response_format: ResponseFormat | None = None
+    # Beam search (vLLM): best_of (or n) beams, the best n returned.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -78,11 +100,6 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     tool_call_id: str | None = None
 
 
-class ResponseFormat(msgspec.Struct, kw_only=True):
-    type: str
-    json_schema: dict[str, Any] | None = None
-
-
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     """POST /v1/chat/completions."""
 
@@ -94,7 +111,6 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    response_format: ResponseFormat | None = None
     # vLLM extras: how the chat template is applied.
     add_generation_prompt: bool | None = None
     continue_final_message: bool = False
@@ -119,6 +135,9 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     stream: bool = False
+    best_of: Count | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
 
 # ---- responses -------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from asyncserve import __version__
+from asyncserve.http.beam import beam_params, run_beam_search
 from asyncserve.http.errors import APIError
 from asyncserve.http.openapi import openapi_schema
 from asyncserve.http.protocol import GenerateRequest, GenerateResponse, HealthResponse
@@ -42,6 +43,10 @@ async def generate(state: ServerState, request: Request) -> Response:
     state.check_ready()
     request_id = state.new_request_id()
     prefix = state.prompt_text(prompt)
+    if body.use_beam_search:
+        beam, n = beam_params(body, state.engine.max_model_len)
+        out = (await run_beam_search(state, [prompt], beam, n, request))[0]
+        return _json(GenerateResponse(text=_texts(prefix, out)))
     state.log_request(request_id, prompt, params)
     outputs = state.engine.generate(prompt.token_ids, params, request_id)
     if body.stream:

@@ -18,7 +18,11 @@ from asyncserve.http.protocol import (
     GenerateRequest,
     SamplingFields,
 )
-from asyncserve.sampling_params import RequestOutputKind, SamplingParams
+from asyncserve.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 # Fields whose default comes from the model's generation_config when the request omits them.
 MODEL_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -61,12 +65,53 @@ def _check_common(body: SamplingFields | GenerateRequest) -> None:
     if isinstance(body, SamplingFields):
         if body.logit_bias:
             raise APIError("logit_bias is not supported", 400, "logit_bias")
-        if body.best_of is not None and body.best_of != body.n:
+        if body.best_of is not None and body.best_of != body.n and not body.use_beam_search:
             raise APIError(
                 f"best_of must equal n ({body.n}) when given: best_of > n is not supported",
                 400,
                 "best_of",
             )
+
+
+def structured_outputs(body: SamplingFields) -> StructuredOutputsParams | None:
+    """The request's output constraint: vLLM's structured_outputs or OpenAI's response_format."""
+    fmt = body.response_format
+    request = body.structured_outputs
+    if fmt is not None and fmt.type != "text":
+        if request is not None:
+            raise APIError(
+                "give either response_format or structured_outputs, not both",
+                400,
+                "response_format",
+            )
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if fmt.type != "json_schema":
+            raise APIError(
+                f"response_format type must be text, json_object or json_schema, got {fmt.type!r}",
+                400,
+                "response_format",
+            )
+        schema = (fmt.json_schema or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise APIError(
+                "response_format of type json_schema needs json_schema.schema, a JSON object",
+                400,
+                "response_format",
+            )
+        return StructuredOutputsParams(json=schema)
+    if request is None:
+        return None
+    try:
+        return StructuredOutputsParams(
+            json=request.json,
+            regex=request.regex,
+            choice=request.choice,
+            grammar=request.grammar,
+            json_object=request.json_object,
+        )
+    except ValueError as exc:
+        raise APIError(str(exc), 400, "structured_outputs") from exc
 
 
 def _build(
@@ -114,6 +159,7 @@ def completion_params(
     fields = _shared(body, RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY)
     fields["max_tokens"] = body.max_tokens
     fields["logprobs"] = body.logprobs
+    fields["structured_outputs"] = structured_outputs(body)
     prompt_logprobs = body.prompt_logprobs
     if body.echo and body.logprobs is not None and prompt_logprobs is None:
         prompt_logprobs = body.logprobs  # echo with logprobs reports the prompt's too
@@ -136,6 +182,7 @@ def chat_params(
     fields = _shared(body, RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY)
     fields["max_tokens"] = max_tokens
     fields["logprobs"] = (body.top_logprobs or 0) if body.logprobs else None
+    fields["structured_outputs"] = structured_outputs(body)
     return _build(fields, generation_config, renames)
 
 

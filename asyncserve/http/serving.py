@@ -123,13 +123,18 @@ class ServerState:
         params: SamplingParams,
         prompt_param: str,
         max_tokens_param: str = "max_tokens",
+        structured_param: str = "structured_outputs",
     ) -> None:
         """400 when the prompt is empty, has an unknown token id, or (with max_tokens) does
         not fit in max_model_len; the message gives both lengths."""
         try:
             self.engine.validate_request(prompt.token_ids, params)
         except ValueError as exc:
-            renames = {"prompt": prompt_param, "max_tokens": max_tokens_param}
+            renames = {
+                "prompt": prompt_param,
+                "max_tokens": max_tokens_param,
+                "structured_outputs": structured_param,
+            }
             raise from_value_error(exc, prompt_param, renames) from exc
 
     def log_request(self, request_id: str, prompt: PromptInput, params: SamplingParams) -> None:

@@ -1,0 +1,180 @@
+"""Structured outputs and beam search over HTTP, on the shared SmolLM2 server."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import httpx
+import jsonschema
+import pytest
+
+from asyncserve import BeamSearchParams
+from asyncserve.llm import LLM
+from tests.http.conftest import MODEL
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "pattern": "^[A-Z][a-z]{1,12}$"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "color": {"enum": ["red", "green", "blue"]},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+CHAT = [{"role": "user", "content": "Describe a person as JSON."}]
+
+
+def complete(client: httpx.Client, **body: Any) -> dict[str, Any]:
+    response = client.post("/v1/completions", json={"model": MODEL, **body})
+    assert response.status_code == 200, response.text
+    return response.json()  # type: ignore[no-any-return]
+
+
+def test_completions_structured_outputs(client: httpx.Client) -> None:
+    out = complete(
+        client,
+        prompt="A person as JSON:",
+        max_tokens=80,
+        temperature=0.8,
+        seed=5,
+        n=3,
+        structured_outputs={"json": PERSON},
+    )
+    assert len(out["choices"]) == 3
+    for choice in out["choices"]:
+        assert choice["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(choice["text"]), PERSON)
+    out = complete(
+        client,
+        prompt="The capital of France is",
+        max_tokens=10,
+        temperature=0.0,
+        structured_outputs={"choice": ["Paris", "Rome"]},
+    )
+    assert out["choices"][0]["text"] in ("Paris", "Rome")
+    out = complete(
+        client,
+        prompt="A date:",
+        max_tokens=20,
+        temperature=1.0,
+        seed=1,
+        structured_outputs={"regex": r"20[0-9]{2}-[01][0-9]-[0-3][0-9]"},
+    )
+    assert re.fullmatch(r"20[0-9]{2}-[01][0-9]-[0-3][0-9]", out["choices"][0]["text"])
+
+
+def test_chat_response_format(client: httpx.Client) -> None:
+    body = {
+        "model": MODEL,
+        "messages": CHAT,
+        "max_tokens": 80,
+        "temperature": 0.0,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "person", "schema": PERSON, "strict": True},
+        },
+    }
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(choice["message"]["content"]), PERSON)
+
+    prompt = [{"role": "user", "content": 'Return the JSON object {"ok": true}.'}]
+    body = {"model": MODEL, "messages": prompt, "max_tokens": 40, "temperature": 0.0}
+    body["response_format"] = {"type": "json_object"}
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert isinstance(json.loads(response.json()["choices"][0]["message"]["content"]), dict)
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "param", "message"),
+    [
+        (
+            "/v1/completions",
+            {"structured_outputs": {"json": {"type": "objectx"}}},
+            "structured_outputs",
+            "structured_outputs.json: invalid schema",
+        ),
+        (
+            "/v1/completions",
+            {"structured_outputs": {"regex": "a(b"}},
+            "structured_outputs",
+            "structured_outputs.regex: invalid regex",
+        ),
+        (
+            "/v1/completions",
+            {"structured_outputs": {"grammar": "start: nowhere"}},
+            "structured_outputs",
+            "structured_outputs.grammar: invalid grammar",
+        ),
+        (
+            "/v1/completions",
+            {"structured_outputs": {"regex": "a", "choice": ["a"]}},
+            "structured_outputs",
+            "exactly one",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "schema": {"type": "integer", "minimum": 3, "maximum": 1},
+                    },
+                }
+            },
+            "response_format",
+            "structured_outputs.json: invalid schema",
+        ),
+        ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format", "xml"),
+        ("/v1/completions", {"use_beam_search": True, "stream": True}, "stream", "stream"),
+        ("/v1/completions", {"use_beam_search": True, "n": 3, "best_of": 2}, "best_of", "best_of"),
+        ("/v1/completions", {"use_beam_search": True, "best_of": 11}, "best_of", "beam_width"),
+        ("/v1/chat/completions", {"use_beam_search": True}, "use_beam_search", "completions"),
+    ],
+)
+def test_bad_constraints_and_beam_requests_are_400(
+    client: httpx.Client, path: str, extra: dict[str, Any], param: str, message: str
+) -> None:
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 8, **extra}
+    body.update({"messages": CHAT} if "chat" in path else {"prompt": "Hello"})
+    response = client.post(path, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and message in error["message"], error
+
+
+def test_beam_search_matches_offline(client: httpx.Client, smollm2_llm: LLM) -> None:
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    out = complete(
+        client, prompt=prompts, max_tokens=6, n=2, best_of=3, use_beam_search=True, ignore_eos=True
+    )
+    params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    offline = smollm2_llm.beam_search(prompts, params)
+    tokenizer = smollm2_llm.get_tokenizer()
+    expected = [
+        tokenizer.decode(seq.output_token_ids) for res in offline for seq in res.sequences[:2]
+    ]
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in out["choices"]] == expected
+    assert out["usage"]["completion_tokens"] == 4 * 6
+
+    response = client.post(
+        "/generate",
+        json={
+            "prompt": prompts[0],
+            "max_tokens": 6,
+            "n": 2,
+            "best_of": 3,
+            "use_beam_search": True,
+            "ignore_eos": True,
+        },
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["text"] == [prompts[0] + text for text in expected[:2]]
