@@ -370,21 +370,28 @@ def apply_token_bitmask_(
     the packed words (V / 8 bytes a row) cross over and are unpacked there.
     """
     vocab = logits.shape[-1]
-    num_bits = bitmask.shape[1] * 32
     if logits.device.type == "cpu":
         allowed = unpack_bitmask_numpy(bitmask, vocab)
     else:
         allowed = unpack_bitmask_torch(bitmask.to(logits.device, non_blocking=True), vocab)
+    mask_logits_(logits, allowed, rows)
+
+
+def mask_logits_(logits: torch.Tensor, allowed: torch.Tensor, rows: Sequence[int] | None) -> None:
+    """-inf where `allowed` ([R, <= V] bool) is False, in `logits[rows]` (all rows when None).
+
+    Columns past `allowed`'s width (ids beyond the tokenizer's vocabulary) are forbidden too.
+    """
+    width = allowed.shape[1]
     forbidden = allowed.logical_not_()
     index: torch.Tensor | None = None
     target = logits
     if rows is not None:
         index = torch.tensor(list(rows), dtype=torch.int64).to(logits.device, non_blocking=True)
         target = logits.index_select(0, index)
-    if vocab > num_bits:
-        # Logits wider than the tokenizer's vocabulary: padding ids are never allowed.
-        target[:, num_bits:] = float("-inf")
-        target[:, :num_bits].masked_fill_(forbidden, float("-inf"))
+    if logits.shape[-1] > width:
+        target[:, width:] = float("-inf")
+        target[:, :width].masked_fill_(forbidden, float("-inf"))
     else:
         target.masked_fill_(forbidden, float("-inf"))
     if index is not None:

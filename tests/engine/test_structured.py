@@ -15,6 +15,7 @@ from asyncserve.engine.structured import (
     StructuredOutputManager,
     apply_grammar_bitmask,
     apply_token_bitmask_,
+    mask_logits_,
     unpack_bitmask_numpy,
     unpack_bitmask_torch,
     validate_structured_outputs,
@@ -190,7 +191,18 @@ def test_apply_masks_only_constrained_rows_in_sampling_order() -> None:
     apply_grammar_bitmask(full, GrammarBitmask(["x", "y"], bitmask), ["x", "y"])
     assert torch.equal(full, original[:2].masked_fill(~allowed, float("-inf")))
 
+    # The accelerator's unpacking feeds the same masking: same result on the same rows.
+    for unpack in (unpack_bitmask_numpy, unpack_bitmask_torch):
+        out = original.clone()
+        mask_logits_(out, unpack(bitmask, vocab), [3, 1])
+        assert torch.equal(out, logits)
+
     # Logits wider than the bitmask: ids past it are never allowed.
+    for unpack in (unpack_bitmask_numpy, unpack_bitmask_torch):
+        wide = torch.zeros(2, 130)
+        mask_logits_(wide, unpack(torch.full((1, 4), -1, dtype=torch.int32), 130), [1])
+        assert torch.isinf(wide[1, 128:]).all() and (wide[1, :128] == 0).all()
+        assert (wide[0] == 0).all()
     wide = torch.zeros(1, 130)
     apply_token_bitmask_(wide, torch.full((1, 4), -1, dtype=torch.int32), None)
     assert torch.isinf(wide[0, 128:]).all() and (wide[0, :128] == 0).all()
