@@ -20,6 +20,7 @@ from uvicorn.config import LOGGING_CONFIG
 from asyncserve.config import ServerConfig
 from asyncserve.http.app import build_app
 from asyncserve.http.engine_client import EngineClient
+from asyncserve.http.listener import EagerAcceptServer
 from asyncserve.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ def run_server(
 ) -> int:
     """Serve until SIGTERM/SIGINT; returns the exit code (0 after a graceful shutdown)."""
     app = build_app(engine, config, metrics)
-    server = uvicorn.Server(uvicorn_config(app, config))
+    server = EagerAcceptServer(uvicorn_config(app, config))
     previous = {sig: signal.signal(sig, _swallow) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         server.run()

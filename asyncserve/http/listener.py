@@ -1,0 +1,126 @@
+"""A listening socket that accepts every pending connection at once.
+
+libuv (under uvloop) accepts one connection per event-loop iteration since libuv 1.45
+(libuv PR 3696). While hundreds of streams keep the loop busy, an iteration takes tens of
+milliseconds, so a burst of N new connections is admitted over N iterations: measured with
+500 streams at once (benchmarks/w7_http.py), the last connection waited 3-7 s to be accepted.
+Here the loop is told when the socket is readable and drains the accept queue itself, then
+hands each socket to uvloop (connect_accepted_socket) with uvicorn's protocol.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import ssl
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import uvicorn
+
+logger = logging.getLogger("uvicorn.error")
+MAX_ACCEPTS_PER_WAKEUP = 1024
+
+
+def listening_socket(host: str, port: int, backlog: int) -> socket.socket:
+    """A non-blocking TCP socket listening on host:port (IPv4 or IPv6, from the host)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(backlog)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class EagerAcceptor:
+    """Accepts up to MAX_ACCEPTS_PER_WAKEUP connections each time the socket is readable.
+
+    Quacks like the asyncio Server uvicorn keeps in `Server.servers` (close, wait_closed).
+    """
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        protocol_factory: Callable[[], asyncio.Protocol],
+        ssl_context: ssl.SSLContext | None,
+    ) -> None:
+        self.sock = sock
+        self.protocol_factory = protocol_factory
+        self.ssl_context = ssl_context
+        self.loop = asyncio.get_running_loop()
+        self._handshakes: set[asyncio.Task[Any]] = set()
+        self._closed = False
+        self.loop.add_reader(sock.fileno(), self._on_readable)
+
+    def _on_readable(self) -> None:
+        for _ in range(MAX_ACCEPTS_PER_WAKEUP):
+            try:
+                conn, _ = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except ConnectionAbortedError:
+                continue
+            except OSError as exc:  # out of file descriptors and the like: try again later
+                logger.error("accept failed: %s", exc)
+                return
+            conn.setblocking(False)
+            task = self.loop.create_task(self._connect(conn))
+            self._handshakes.add(task)
+            task.add_done_callback(self._handshakes.discard)
+
+    async def _connect(self, conn: socket.socket) -> None:
+        try:
+            await self.loop.connect_accepted_socket(
+                self.protocol_factory, conn, ssl=self.ssl_context
+            )
+        except (OSError, ssl.SSLError) as exc:  # a client that left, or a failed handshake
+            logger.debug("connection setup failed: %s", exc)
+            conn.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.loop.remove_reader(self.sock.fileno())
+        self.sock.close()
+
+    async def wait_closed(self) -> None:
+        for task in list(self._handshakes):
+            task.cancel()
+        await asyncio.gather(*self._handshakes, return_exceptions=True)
+
+
+class EagerAcceptServer(uvicorn.Server):
+    """uvicorn's Server with the listening socket served by an EagerAcceptor."""
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        if sockets is not None or self.config.uds is not None or self.config.fd is not None:
+            await super().startup(sockets)
+            return
+        await self.lifespan.startup()
+        if self.lifespan.should_exit:
+            sys.exit(3)
+        config = self.config
+
+        def create_protocol() -> asyncio.Protocol:
+            protocol: asyncio.Protocol = config.http_protocol_class(  # type: ignore[call-arg]
+                config=config, server_state=self.server_state, app_state=self.lifespan.state
+            )
+            return protocol
+
+        try:
+            sock = listening_socket(config.host, config.port, config.backlog)
+        except OSError as exc:
+            logger.error(exc)
+            await self.lifespan.shutdown()
+            sys.exit(1)
+        self.servers = [EagerAcceptor(sock, create_protocol, config.ssl)]  # type: ignore[list-item]
+        self._log_started_message([sock])
+        self.started = True
