@@ -183,6 +183,11 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="runs against one server")
     parser.add_argument("--serve", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--json", action="store_true", help="print each run as JSON")
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="pin the server to CPU 0 and this client to CPU 1 (Linux)",
+    )
     args = parser.parse_args()
     if args.serve is not None:
         serve(args.serve, args.tick_ms / 1000)
@@ -191,6 +196,9 @@ def main() -> None:
     proc = subprocess.Popen(
         [sys.executable, __file__, "--serve", str(port), "--tick-ms", str(args.tick_ms)]
     )
+    if args.pin:
+        os.sched_setaffinity(proc.pid, {0})
+        os.sched_setaffinity(0, {1})
     try:
         wait_ready(port, proc)
         import uvloop
