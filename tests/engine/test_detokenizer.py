@@ -10,7 +10,9 @@ import pytest
 from tokenizers import Tokenizer
 
 from asyncserve.engine.detokenizer import IncrementalDetokenizer, decode_token
+from asyncserve.models.gguf_loader import open_gguf
 from asyncserve.sampling_params import SamplingParams
+from asyncserve.tokenizer import Tokenizer as AsyncserveTokenizer
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog. It was not amused!",
@@ -28,23 +30,11 @@ CHATML = "<|im_start|>assistant\nHello there!<|im_end|>\n<|im_start|>user\nHi ðŸ
 
 
 @pytest.fixture(scope="session")
-def tokenizer(gguf_path: Path, pytestconfig: pytest.Config) -> Tokenizer:
-    """The GGUF's tokenizer as transformers converts it. The conversion reads the whole GGUF
-    (tens of seconds), so its result is kept in pytest's cache, keyed by the file."""
-    stat = gguf_path.stat()
-    assert pytestconfig.cache is not None
-    cached = (
-        pytestconfig.cache.mkdir("smollm2-tokenizer") / f"{stat.st_size}-{stat.st_mtime_ns}.json"
-    )
-    if cached.exists():
-        return Tokenizer.from_file(str(cached))
-    transformers = pytest.importorskip("transformers")
-    hf = transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    backend: Tokenizer = hf.backend_tokenizer
-    partial = cached.with_suffix(".tmp")
-    backend.save(str(partial))
-    partial.replace(cached)
-    return backend
+def tokenizer(gguf_path: Path) -> Tokenizer:
+    """The GGUF's tokenizer as the loader builds it (tests/test_tokenizer.py checks it
+    against HF transformers' conversion of the same file)."""
+    metadata = open_gguf(gguf_path).metadata
+    return AsyncserveTokenizer.from_gguf_metadata(metadata).backend
 
 
 @pytest.fixture(scope="session")
