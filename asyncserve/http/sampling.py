@@ -63,6 +63,8 @@ def _check_common(body: SamplingFields | GenerateRequest) -> None:
     if not 1 <= body.n <= MAX_N:
         raise APIError(f"n must be an integer in [1, {MAX_N}], got {body.n}", 400, "n")
     if isinstance(body, SamplingFields):
+        if body.stream_options is not None and not body.stream:
+            raise APIError("stream_options is only allowed with stream=true", 400, "stream_options")
         if body.logit_bias:
             raise APIError("logit_bias is not supported", 400, "logit_bias")
         if body.best_of is not None and body.best_of != body.n and not body.use_beam_search:

@@ -93,6 +93,8 @@ MAIN_ARGS = [
     "--api-key", API_KEY,
     "--disable-access-log-for-endpoints", "/health,/metrics",
     "--shutdown-timeout", "5",
+    "--enable-log-requests",
+    "--max-log-len", "24",
 ]  # fmt: skip
 
 

@@ -77,6 +77,7 @@ def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TLSServer]:
         "--max-num-seqs", "1",
         "--max-waiting-requests", "1",
         "--shutdown-timeout", "120",
+        "--scheduling-policy", "priority",
         "--ssl-keyfile", str(key),
         "--ssl-certfile", str(cert),
     ]  # fmt: skip
@@ -139,6 +140,15 @@ def test_full_queue_gets_503_with_retry_after(tls_server: TLSServer) -> None:
         assert health["num_free_blocks"] == health["num_total_blocks"]
         out = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
         assert out.status_code == 200  # room again
+
+
+def test_priority_is_accepted_with_the_priority_policy(tls_server: TLSServer) -> None:
+    with tls_server.client() as client:
+        for priority in (-5, 0, 7):
+            out = client.post(
+                "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "priority": priority}
+            )
+            assert out.status_code == 200, out.text
 
 
 def test_sigterm_drains_then_exits_0(tls_server: TLSServer) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 
@@ -144,3 +146,21 @@ def test_right_key_passes(server: ServerProcess) -> None:
         timeout=60,
     )
     assert response.status_code == 200, response.text
+
+
+def test_request_log_and_access_log_filters(server: ServerProcess, client: httpx.Client) -> None:
+    marker = "zebra-quartz-1234567890-" + "tail-that-must-not-be-logged"
+    assert (
+        client.post("/v1/completions", json={"prompt": marker, "max_tokens": 1}).status_code == 200
+    )
+    client.get("/health")
+    client.get("/metrics")
+    client.get("/v1/models")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and '"GET /v1/models' not in server.logs():
+        time.sleep(0.1)
+    logs = server.logs()
+    assert '"GET /v1/models HTTP/1.1" 200' in logs  # the access log is on...
+    assert "GET /health" not in logs and "GET /metrics" not in logs  # ...but not for these
+    assert repr(marker[:24]) in logs  # --enable-log-requests, cut at --max-log-len
+    assert "tail-that-must-not-be-logged" not in logs

@@ -1,0 +1,144 @@
+"""Pure pieces of the HTTP layer: error mapping, prompt parsing, stream merging, disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import pytest
+
+from asyncserve.http.errors import APIError, from_validation_error, from_value_error
+from asyncserve.http.protocol import ChatCompletionRequest, CompletionRequest
+from asyncserve.http.serving import parse_prompts
+from asyncserve.http.sse import ClientDisconnected, cancel_on_disconnect, merge_streams, sse_event
+
+
+def _decode_error(raw: bytes, body_type: Any) -> APIError:
+    try:
+        msgspec.json.decode(raw, type=body_type)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        return from_validation_error(exc)
+    raise AssertionError("decoded")
+
+
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [
+        (b'{"prompt": "x", "temperature": "a"}', "temperature"),
+        (b'{"temperature": 1}', "prompt"),
+        (b'{"prompt": "x", "stop": ["a", 3]}', "stop[1]"),
+        (b"[]", None),
+        (b"{", None),
+    ],
+)
+def test_validation_errors_name_the_field(raw: bytes, param: str | None) -> None:
+    error = _decode_error(raw, CompletionRequest)
+    assert error.status == 400 and error.param == param
+
+
+def test_nested_missing_field() -> None:
+    error = _decode_error(b'{"messages": [{"content": "x"}]}', ChatCompletionRequest)
+    assert error.param == "messages[0].role"
+    assert "role" in error.message
+
+
+@pytest.mark.parametrize(
+    ("message", "default", "renames", "param"),
+    [
+        ("top_p must be in (0, 1], got 2", None, None, "top_p"),
+        ("logprobs must be an integer in [0, 20], got 30", None, {"logprobs": "top_logprobs"},
+         "top_logprobs"),
+        ("max_tokens: too many", "prompt", {"max_tokens": "max_completion_tokens"},
+         "max_completion_tokens"),
+        ("prompt has 3000 tokens", "messages", {"prompt": "messages"}, "messages"),
+        ("something else broke", "prompt", None, "prompt"),
+    ],
+)  # fmt: skip
+def test_value_errors_map_to_fields(
+    message: str, default: str | None, renames: dict[str, str] | None, param: str
+) -> None:
+    error = from_value_error(ValueError(message), default, renames)
+    assert (error.status, error.param, error.message) == (400, param, message)
+
+
+def test_error_body_shape() -> None:
+    body = msgspec.json.decode(msgspec.json.encode(APIError("bad", 400, "n").to_body()))
+    assert body == {"error": {"message": "bad", "type": "BadRequestError", "param": "n",
+                              "code": 400}}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("prompt", "expected"),
+    [
+        ("hi", ["hi"]),
+        (["a", "b"], ["a", "b"]),
+        ([1, 2, 3], [[1, 2, 3]]),
+        ([[1], [2, 3]], [[1], [2, 3]]),
+    ],
+)
+def test_parse_prompts(prompt: Any, expected: list[Any]) -> None:
+    assert parse_prompts(prompt) == expected
+
+
+@pytest.mark.parametrize("prompt", [[], [1, "a"], [[]], [True], [[1], 2], [-1], [1.5]])
+def test_parse_prompts_rejects(prompt: Any) -> None:
+    with pytest.raises(APIError) as exc:
+        parse_prompts(prompt)
+    assert exc.value.param == "prompt"
+
+
+def test_sse_event_framing() -> None:
+    assert sse_event({"a": "x\ny"}) == b'data: {"a":"x\\ny"}\n\n'
+
+
+def test_merge_streams_interleaves_and_closes_everything() -> None:
+    closed: list[int] = []
+
+    async def numbers(tag: int, delay: float) -> AsyncIterator[int]:
+        try:
+            for i in range(3):
+                await asyncio.sleep(delay)
+                yield tag * 10 + i
+        finally:
+            closed.append(tag)
+
+    async def main() -> None:
+        seen = [item async for item in merge_streams([numbers(1, 0.001), numbers(2, 0.003)])]
+        assert sorted(v for _, v in seen) == [10, 11, 12, 20, 21, 22]
+        assert [v for i, v in seen if i == 0] == [10, 11, 12]  # each stream keeps its order
+        assert sorted(closed) == [1, 2]
+        closed.clear()
+        merged = merge_streams([numbers(1, 0.001), numbers(2, 10)])
+        assert (await merged.__anext__()) == (0, 10)
+        await merged.aclose()  # a client that went away: both streams are closed now
+        assert sorted(closed) == [1, 2]
+
+    asyncio.run(main())
+
+
+def test_cancel_on_disconnect() -> None:
+    cleaned: list[str] = []
+
+    async def work(seconds: float) -> str:
+        try:
+            await asyncio.sleep(seconds)
+            return "done"
+        finally:
+            cleaned.append("work")
+
+    def receive_after(seconds: float) -> Any:
+        async def receive() -> dict[str, Any]:
+            await asyncio.sleep(seconds)
+            return {"type": "http.disconnect"}
+
+        return receive
+
+    async def main() -> None:
+        assert await cancel_on_disconnect(work(0.01), receive_after(10)) == "done"
+        with pytest.raises(ClientDisconnected):
+            await cancel_on_disconnect(work(10), receive_after(0.01))
+        assert cleaned == ["work", "work"]  # the abandoned work was cancelled and cleaned up
+
+    asyncio.run(main())
