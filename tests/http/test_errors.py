@@ -206,3 +206,21 @@ def test_bad_requests_do_not_hurt_a_running_stream(client: httpx.Client) -> None
     health = wait_idle(client)
     assert health["status"] == "ok"
     assert health["num_free_blocks"] == health["num_total_blocks"]
+
+
+EXTREME_BUT_VALID: list[dict[str, Any]] = [
+    {"seed": -(2**63)}, {"seed": 2**63 - 1, "n": 2}, {"top_k": 2**31 - 1},
+    {"temperature": 1e-9}, {"temperature": 1e300}, {"top_p": 1e-9}, {"min_p": 1.0},
+    {"stop_token_ids": [10**9]}, {"min_tokens": 3, "stop_token_ids": [10**9, 5]},
+    {"repetition_penalty": 1e300}, {"repetition_penalty": 1e-300},
+    {"presence_penalty": 2, "frequency_penalty": -2}, {"logprobs": 20, "echo": True},
+    {"prompt_logprobs": 20}, {"prompt": [0]}, {"max_tokens": 20, "stop": ["."] * 64},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("extra", EXTREME_BUT_VALID, ids=[",".join(e) for e in EXTREME_BUT_VALID])
+def test_extreme_but_valid_values_are_served(client: httpx.Client, extra: dict[str, Any]) -> None:
+    body = {"prompt": "Hi", "max_tokens": 3, **extra}
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert client.get("/health").json()["status"] == "ok"
