@@ -383,7 +383,6 @@ def mask_logits_(logits: torch.Tensor, allowed: torch.Tensor, rows: Sequence[int
     Columns past `allowed`'s width (ids beyond the tokenizer's vocabulary) are forbidden too.
     """
     width = allowed.shape[1]
-    forbidden = allowed.logical_not_()
     index: torch.Tensor | None = None
     target = logits
     if rows is not None:
@@ -391,9 +390,10 @@ def mask_logits_(logits: torch.Tensor, allowed: torch.Tensor, rows: Sequence[int
         target = logits.index_select(0, index)
     if logits.shape[-1] > width:
         target[:, width:] = float("-inf")
-        target[:, :width].masked_fill_(forbidden, float("-inf"))
-    else:
-        target.masked_fill_(forbidden, float("-inf"))
+    # One pass, in place (faster than masked_fill_ with the negated mask).
+    kept = target[:, :width]
+    neg_inf = torch.tensor(float("-inf"), dtype=logits.dtype)  # 0-dim: a scalar on any device
+    torch.where(allowed, kept, neg_inf, out=kept)
     if index is not None:
         logits.index_copy_(0, index, target)
 
