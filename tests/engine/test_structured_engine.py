@@ -9,7 +9,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from asyncserve import SamplingParams
+from asyncserve import RequestOutputKind, SamplingParams
 from asyncserve.llm import LLM
 from asyncserve.sampling_params import StructuredOutputsParams
 
@@ -295,3 +295,26 @@ def _with(params: SamplingParams, constraint: StructuredOutputsParams) -> Sampli
         max_tokens=params.max_tokens,
         structured_outputs=constraint,
     )
+
+
+def test_abort_drops_the_matcher(llm: LLM) -> None:
+    engine = llm.engine
+    schema = {"type": "array", "items": {"type": "integer"}, "minItems": 500}
+    params = SamplingParams(
+        n=2,
+        temperature=0.0,
+        max_tokens=200,
+        output_kind=RequestOutputKind.DELTA,
+        structured_outputs=StructuredOutputsParams(json=schema),
+    )
+
+    async def scenario() -> str:
+        stream = engine.generate("Numbers:", params, "aborted-constrained")
+        first = await stream.__anext__()
+        assert engine.structured.num_requests == 2
+        await stream.aclose()  # the reader goes away: the engine aborts both samples
+        return first.outputs[0].text
+
+    text = llm._loop.run_until_complete(scenario())
+    assert text.startswith("[")
+    assert_clean(llm)
