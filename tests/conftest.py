@@ -7,6 +7,12 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# Triton's interpreter must be chosen before any kernel module is imported (the @triton.jit
+# decorator reads it), and test modules anywhere in the tree may import kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def smollm2_gguf_path() -> Path | None:
