@@ -50,7 +50,9 @@ async def generate(state: ServerState, request: Request) -> Response:
     state.log_request(request_id, prompt, params)
     outputs = state.engine.generate(prompt.token_ids, params, request_id)
     if body.stream:
-        return EventStreamResponse(_ndjson(state, outputs, prefix), "application/x-ndjson")
+        return EventStreamResponse(
+            _ndjson(state, outputs, prefix), "application/x-ndjson", keepalive_s=None
+        )
 
     async def final() -> RequestOutput:
         last = None

@@ -68,8 +68,18 @@ async def cancel_on_disconnect(work: Awaitable[T], receive: Receive) -> T:
     raise ClientDisconnected
 
 
+# A comment line every this many idle seconds keeps proxies from closing a quiet stream
+# (a request waiting in the queue, a long prefill).
+KEEPALIVE_S = 15.0
+KEEPALIVE = b": keep-alive\n\n"
+
+
 class EventStreamResponse(Response):
-    """Streams an async iterator of byte chunks; a client disconnect cancels the iterator."""
+    """Streams an async iterator of byte chunks; a client disconnect cancels the iterator.
+
+    With `keepalive_s`, an idle stream gets a comment event that often (SSE only: clients
+    ignore lines starting with ':').
+    """
 
     def __init__(
         self,
@@ -77,26 +87,35 @@ class EventStreamResponse(Response):
         media_type: str = "text/event-stream",
         headers: Mapping[str, str] | None = None,
         status_code: int = 200,
+        keepalive_s: float | None = KEEPALIVE_S,
     ) -> None:
         self.body_iterator = body
         self.status_code = status_code
         self.media_type = media_type
         self.background = None
+        self.keepalive_s = keepalive_s
         all_headers = {"cache-control": "no-cache", "x-accel-buffering": "no"}
         all_headers.update(headers or {})
         self.init_headers(all_headers)
+        self._complete = False
+        self._last_send = 0.0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send(
             {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
         )
+        loop = asyncio.get_running_loop()
+        self._last_send = loop.time()
         pump = asyncio.ensure_future(self._pump(send))
         watch = asyncio.ensure_future(wait_for_disconnect(receive))
+        tasks = [pump, watch]
+        if self.keepalive_s is not None:
+            tasks.append(asyncio.ensure_future(self._keepalive(send, self.keepalive_s)))
         try:
             await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             # Cancelling the pump runs the body iterator's cleanup: the engine aborts.
-            await _finish(pump, watch)
+            await _finish(*tasks)
         if pump.done() and not pump.cancelled():
             exc = pump.exception()
             if exc is not None and not isinstance(exc, OSError):
@@ -104,15 +123,31 @@ class EventStreamResponse(Response):
 
     async def _pump(self, send: Send) -> None:
         body = self.body_iterator
+        loop = asyncio.get_running_loop()
         try:
             async for chunk in body:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                self._last_send = loop.time()
         finally:
             aclose = getattr(body, "aclose", None)
             if aclose is not None:
                 with contextlib.suppress(Exception):
                     await aclose()
+        self._complete = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _keepalive(self, send: Send, interval: float) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._complete:
+            idle = loop.time() - self._last_send
+            if idle < interval:
+                await asyncio.sleep(interval - idle)
+                continue
+            try:
+                await send({"type": "http.response.body", "body": KEEPALIVE, "more_body": True})
+            except RuntimeError:  # the pump ended the response while this send waited to drain
+                return
+            self._last_send = loop.time()
 
 
 _END = object()

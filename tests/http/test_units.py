@@ -142,3 +142,59 @@ def test_cancel_on_disconnect() -> None:
         assert cleaned == ["work", "work"]  # the abandoned work was cancelled and cleaned up
 
     asyncio.run(main())
+
+
+def test_event_stream_keepalive_and_completion() -> None:
+    from asyncserve.http.sse import KEEPALIVE, EventStreamResponse
+
+    async def slow() -> AsyncIterator[bytes]:
+        await asyncio.sleep(0.35)
+        yield b"data: 1\n\n"
+
+    async def main() -> list[dict[str, Any]]:
+        sent: list[dict[str, Any]] = []
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        async def receive() -> dict[str, Any]:
+            await asyncio.sleep(10)  # the client stays
+            return {"type": "http.disconnect"}
+
+        response = EventStreamResponse(slow(), keepalive_s=0.1)
+        await response({"type": "http"}, receive, send)  # type: ignore[arg-type]
+        return sent
+
+    sent = asyncio.run(main())
+    bodies = [m.get("body") for m in sent[1:]]
+    assert sent[0]["type"] == "http.response.start"
+    assert bodies.count(KEEPALIVE) >= 2  # the idle stretch got comments
+    assert bodies[-2:] == [b"data: 1\n\n", b""]  # data, then the end; nothing after it
+    assert sent[-1]["more_body"] is False
+
+
+def test_event_stream_disconnect_cancels_the_body() -> None:
+    from asyncserve.http.sse import EventStreamResponse
+
+    closed: list[bool] = []
+
+    async def endless() -> AsyncIterator[bytes]:
+        try:
+            while True:
+                await asyncio.sleep(0.01)
+                yield b"data: x\n\n"
+        finally:
+            closed.append(True)
+
+    async def main() -> None:
+        async def send(message: dict[str, Any]) -> None:
+            pass
+
+        async def receive() -> dict[str, Any]:
+            await asyncio.sleep(0.05)
+            return {"type": "http.disconnect"}
+
+        await EventStreamResponse(endless())({"type": "http"}, receive, send)  # type: ignore[arg-type]
+
+    asyncio.run(main())
+    assert closed == [True]
