@@ -224,12 +224,17 @@ def engine_config_from_args(args: argparse.Namespace, env: Environment) -> Engin
 
 
 def served_names(args: argparse.Namespace, env: Environment) -> tuple[str, ...]:
+    """--served-model-name; else the --model string as given (as vLLM serves it) and, when
+    shorter, its file or directory name as an alias; else the default model's name."""
     if args.served_model_name:
         return tuple(args.served_model_name)
     from asyncserve.http.app import default_model_name
 
     model = args.model or env.default_model
-    return (default_model_name(model.rstrip("/")) if model else DEFAULT_SERVED_NAME,)
+    if not model:
+        return (DEFAULT_SERVED_NAME,)
+    short = default_model_name(model.rstrip("/"))
+    return (model,) if short == model else (model, short)
 
 
 def server_config_from_args(args: argparse.Namespace, env: Environment) -> ServerConfig:

@@ -101,13 +101,16 @@ def test_defaults() -> None:
 
 
 @pytest.mark.parametrize(
-    ("model", "name"),
-    [("/x/SmolLM2-360M.Q8_0.gguf", "SmolLM2-360M.Q8_0"), ("/models/Llama-3-8B/", "Llama-3-8B"),
-     ("Qwen/Qwen3-0.6B", "Qwen3-0.6B")],
+    ("model", "names"),
+    [("/x/SmolLM2-360M.Q8_0.gguf", ("/x/SmolLM2-360M.Q8_0.gguf", "SmolLM2-360M.Q8_0")),
+     ("/models/Llama-3-8B/", ("/models/Llama-3-8B/", "Llama-3-8B")),
+     ("Qwen/Qwen3-0.6B", ("Qwen/Qwen3-0.6B", "Qwen3-0.6B")),
+     ("tiny-model", ("tiny-model",))],
 )  # fmt: skip
-def test_default_served_name_follows_the_model(model: str, name: str) -> None:
+def test_default_served_names_follow_the_model(model: str, names: tuple[str, ...]) -> None:
+    # The --model string as given (what vLLM serves it as), plus its short name as an alias.
     assert server_config_from_args(parse("serve", "--model", model), NO_ENV).served_model_names == (
-        name,
+        names
     )
 
 
@@ -118,7 +121,7 @@ def test_environment_supplies_key_and_model(monkeypatch: pytest.MonkeyPatch) -> 
     args = parse("serve")
     assert server_config_from_args(args, env).api_key == "from-env"
     assert engine_config_from_args(args, env).model.model == "/m/tiny.gguf"
-    assert server_config_from_args(args, env).served_model_names == ("tiny",)
+    assert server_config_from_args(args, env).served_model_names == ("/m/tiny.gguf", "tiny")
     # The flag wins over the environment.
     assert server_config_from_args(parse("serve", "--api-key", "flag"), env).api_key == "flag"
 
