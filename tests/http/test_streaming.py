@@ -103,13 +103,16 @@ def test_disconnect_aborts_and_frees_the_pool(server: ServerProcess, client: htt
         httpx.Client(base_url=server.base_url, headers=AUTH, timeout=60) as own,
         own.stream("POST", "/v1/completions", json=body) as response,
     ):
-        events = 0
-        for line in response.iter_lines():
+        # Keep the line iterator referenced: a dropped iterator closes the connection.
+        lines = response.iter_lines()
+        events: list[str] = []
+        while len(events) < 3:
+            line = next(lines)
             if line.startswith("data: "):
-                events += 1
-            if events == 3:
-                break
-        assert client.get("/health").json()["num_running"] == 1
+                events.append(line)
+        assert len(events) == 3 and "error" not in events[-1], events
+        health_now = client.get("/health").json()
+        assert health_now["num_running"] == 1, (health_now, events)
     # Leaving the block closed the connection mid-stream.
     closed = time.monotonic()
     health = wait_idle(client, timeout=10)
