@@ -54,35 +54,96 @@ def unified_attention(
     stored. max_seqlen_* are hints for kernels; the reference ignores them.
     """
     del max_seqlen_q, max_seqlen_k
-    num_tokens, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = key_cache.shape
     out = torch.empty_like(query)
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
-    for b, ctx_len in enumerate(lens):
-        q_start, q_end = cu[b], cu[b + 1]
-        q_len = q_end - q_start
-        if q_len == 0:
-            continue
-        num_ctx_blocks = (ctx_len + block_size - 1) // block_size
-        blocks = block_tables[b, :num_ctx_blocks].long()
-        k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx_len]
-        v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx_len]
-        q = query[q_start:q_end]
-        # [heads, tokens, D] in fp32 for a precise reference.
-        qh = q.transpose(0, 1).float()
-        kh = k.transpose(0, 1).float()
-        vh = v.transpose(0, 1).float()
-        mask = None
-        if q_len > 1:
-            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=query.device)
-            k_pos = torch.arange(ctx_len, device=query.device)
-            mask = k_pos[None, :] <= q_pos[:, None]
-        o = F.scaled_dot_product_attention(
-            qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads
+    q_lens = [cu[b + 1] - cu[b] for b in range(len(lens))]
+    decodes = [b for b, n in enumerate(q_lens) if n == 1]
+    if len(decodes) > 1:
+        _decode_attention(
+            query, key_cache, value_cache, cu, lens, block_tables, scale, decodes, out
         )
-        out[q_start:q_end] = o.transpose(0, 1).to(query.dtype)
+        done = set(decodes)
+    else:
+        done = set()
+    for b, ctx_len in enumerate(lens):
+        if b in done or q_lens[b] == 0:
+            continue
+        q_start, q_end = cu[b], cu[b + 1]
+        k, v = _gather_context(key_cache, value_cache, block_tables[b], ctx_len)
+        out[q_start:q_end] = _attend(query[q_start:q_end], k, v, ctx_len, scale)
     return out
+
+
+def _gather_context(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, block_row: torch.Tensor, ctx_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ctx_len cached K and V of one sequence: [ctx_len, num_kv_heads, D] each."""
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    blocks = block_row[: (ctx_len + block_size - 1) // block_size].long()
+    k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx_len]
+    v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx_len]
+    return k, v
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int, scale: float
+) -> torch.Tensor:
+    """Causal attention of q_len query tokens at the end of a ctx_len context, in fp32."""
+    q_len, num_heads, _ = q.shape
+    mask = None
+    if q_len > 1:
+        q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
+        k_pos = torch.arange(ctx_len, device=q.device)
+        mask = k_pos[None, :] <= q_pos[:, None]
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1).float(),
+        k.transpose(0, 1).float(),
+        v.transpose(0, 1).float(),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=num_heads != k.shape[1],
+    )
+    return o.transpose(0, 1).to(q.dtype)
+
+
+def _decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    cu: list[int],
+    lens: list[int],
+    block_tables: torch.Tensor,
+    scale: float,
+    decodes: list[int],
+    out: torch.Tensor,
+) -> None:
+    """Every one-token sequence in one batched call: contexts padded to the longest, masked."""
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    num_heads = query.shape[1]
+    rows = torch.tensor([cu[b] for b in decodes], device=query.device)
+    ctx = torch.tensor([lens[b] for b in decodes], device=query.device)
+    max_ctx = int(max(lens[b] for b in decodes))
+    num_blocks = (max_ctx + block_size - 1) // block_size
+    blocks = block_tables[torch.tensor(decodes, device=query.device), :num_blocks].long()
+    # Columns past a sequence's context may hold anything: read block 0 there instead.
+    used = torch.arange(num_blocks, device=query.device)[None, :] * block_size < ctx[:, None]
+    blocks = torch.where(used, blocks, 0)
+    n = len(decodes)
+    valid = torch.arange(max_ctx, device=query.device)[None, :] < ctx[:, None]
+    # Zero the padding so 0-weight x NaN/inf in unused slots cannot reach the output.
+    pad = ~valid[:, :, None, None]
+    k = key_cache[blocks].reshape(n, -1, num_kv_heads, head_dim)[:, :max_ctx].masked_fill(pad, 0)
+    v = value_cache[blocks].reshape(n, -1, num_kv_heads, head_dim)[:, :max_ctx].masked_fill(pad, 0)
+    o = F.scaled_dot_product_attention(
+        query[rows].float()[:, :, None, :],  # [n, H, 1, D]
+        k.transpose(1, 2).float(),  # [n, Hkv, ctx, D]
+        v.transpose(1, 2).float(),
+        attn_mask=valid[:, None, None, :],
+        scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )
+    out[rows] = o[:, :, 0, :].to(query.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
