@@ -35,12 +35,16 @@ def main() -> None:
     )
     url = f"http://127.0.0.1:{args.port}/v1/completions"
     body = {"prompt": [1000, 2000, 3000], "max_tokens": 1, "model": None}
+    ready_at: float | None = None
     try:
         while time.perf_counter() - start < args.timeout:
             if server.poll() is not None:
                 raise SystemExit(f"server exited with {server.returncode}")
             try:
                 models = httpx.get(f"http://127.0.0.1:{args.port}/v1/models", timeout=2).json()
+                if ready_at is None:
+                    ready_at = time.perf_counter() - start
+                    print(f"server answering after {ready_at:.2f} s")
                 body["model"] = models["data"][0]["id"]
                 response = httpx.post(url, json=body, timeout=60)
                 if response.status_code == 200:

@@ -1,0 +1,22 @@
+"""Wrappers that time calls made inside the engine, for the benchmark scripts."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+class Timer:
+    """Wraps a callable and records how long each call took (seconds)."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.times: list[float] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.times.append(time.perf_counter() - start)
