@@ -357,13 +357,23 @@ def run_generate(args: argparse.Namespace) -> int:
         return 2
 
 
+class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default unless its help already says it (or it has none)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="asyncserve",
         description="An LLM inference and serving engine with an OpenAI-compatible server.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    formatter = argparse.ArgumentDefaultsHelpFormatter
+    formatter = _DefaultsHelpFormatter
     serve = commands.add_parser(
         "serve",
         help="serve the OpenAI-compatible API over HTTP",

@@ -115,7 +115,7 @@ def run(llm: LLM, batch: int, tokens: int, constrained: bool) -> dict[str, float
         return 1e3 * statistics.median(values) if values else 0.0
 
     # Replayed CUDA graphs bypass model.forward: then the forward is not timed on its own.
-    timed_forward = len(forward.times) == len(update_at)
+    timed_forward = engine.runner.decode_graphs is None
     return {
         "step": ms(gaps),
         "forward": ms(forward.times[skip + 1 :]) if timed_forward else float("nan"),

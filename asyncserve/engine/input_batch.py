@@ -58,6 +58,7 @@ def build_step_inputs(
     states: dict[str, CachedRequestState],
     block_size: int,
     device: torch.device,
+    staging: HostStaging,
 ) -> StepInputs:
     request_ids = list(plan.num_scheduled_tokens)
     counts = [plan.num_scheduled_tokens[rid] for rid in request_ids]
@@ -97,29 +98,67 @@ def build_step_inputs(
     block_of_token = block_tables[req_index, positions // block_size].astype(np.int64)
     slot_mapping = block_of_token * block_size + positions % block_size
 
-    pin = device.type == "cuda"
-
-    def to_device(array: np.ndarray | list[int], dtype: torch.dtype) -> torch.Tensor:
-        t = torch.as_tensor(np.asarray(array), dtype=dtype)
-        if pin:
-            t = t.pin_memory()
-        return t.to(device, non_blocking=pin)
-
+    # Every integer array crosses to the device in one copy; int32 ones are cast there.
+    parts: list[np.ndarray] = [
+        np.asarray(token_ids, dtype=np.int64),
+        positions,
+        slot_mapping,
+        np.asarray(logits_indices, dtype=np.int64),
+        cu_seqlens,
+        seq_lens,
+        block_tables.ravel(),
+    ]
+    staged = staging.to_device(parts, device)
+    ids_t, positions_t, slots_t, logits_t, cu_t, lens_t, tables_t = staged
     meta = AttentionMetadata(
-        slot_mapping=to_device(slot_mapping, torch.int64),
-        cu_seqlens_q=to_device(cu_seqlens, torch.int32),
-        seq_lens=to_device(seq_lens, torch.int32),
-        block_tables=to_device(block_tables, torch.int32),
+        slot_mapping=slots_t,
+        cu_seqlens_q=cu_t.to(torch.int32),
+        seq_lens=lens_t.to(torch.int32),
+        block_tables=tables_t.to(torch.int32).view(num_reqs, max_blocks),
         max_seqlen_q=max(counts) if counts else 0,
         max_seqlen_k=int(seq_lens.max()) if num_reqs else 0,
     )
     return StepInputs(
-        input_ids=to_device(token_ids, torch.int64),
-        positions=to_device(positions, torch.int64),
+        input_ids=ids_t,
+        positions=positions_t,
         meta=meta,
         request_ids=request_ids,
         starts=starts,
         counts=counts,
         sample_request_ids=sample_request_ids,
-        logits_indices=to_device(logits_indices, torch.int64),
+        logits_indices=logits_t,
     )
+
+
+class HostStaging:
+    """A reusable host buffer (pinned on CUDA) that carries a step's arrays in one copy.
+
+    Before the buffer is rewritten, the copy that last read it must have finished: an
+    event recorded after each copy is waited on first (it has almost always passed).
+    """
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self.buffer = torch.empty(0, dtype=torch.int64)
+        self.copied: torch.cuda.Event | None = None
+
+    def to_device(self, parts: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+        """Concatenate `parts` as int64, copy them over at once, return device slices."""
+        sizes = [len(part) for part in parts]
+        total = sum(sizes)
+        if self.copied is not None:
+            self.copied.synchronize()
+        if self.buffer.numel() < total:
+            self.buffer = torch.empty(max(total, 2 * self.buffer.numel()), dtype=torch.int64)
+            if self.pin:
+                self.buffer = self.buffer.pin_memory()
+        host = self.buffer[:total]
+        np.concatenate(parts, out=host.numpy(), casting="unsafe")
+        if device.type == "cpu":
+            flat = host.clone()
+        else:
+            flat = host.to(device, non_blocking=self.pin)
+            if self.pin:
+                self.copied = self.copied or torch.cuda.Event()
+                self.copied.record()
+        return list(flat.split(sizes))

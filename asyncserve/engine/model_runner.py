@@ -14,7 +14,12 @@ import torch
 
 from asyncserve.config import EngineConfig
 from asyncserve.engine.cuda_graphs import DecodeGraphs
-from asyncserve.engine.input_batch import CachedRequestState, StepInputs, build_step_inputs
+from asyncserve.engine.input_batch import (
+    CachedRequestState,
+    HostStaging,
+    StepInputs,
+    build_step_inputs,
+)
 from asyncserve.engine.sampler import Sampler, SamplerOutput
 from asyncserve.engine.sampling_metadata import SamplingMetadata, SamplingRow
 from asyncserve.engine.step import StepPlan, StepResult
@@ -54,6 +59,7 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self.decode_graphs: DecodeGraphs | None = None
+        self.staging = HostStaging(pin=device.type == "cuda")
 
     # ---- KV pool -------------------------------------------------------------------------
 
@@ -191,7 +197,7 @@ class ModelRunner:
         result = StepResult()
         if plan.is_empty:
             return result
-        inputs = build_step_inputs(plan, self.states, self.block_size, self.device)
+        inputs = build_step_inputs(plan, self.states, self.block_size, self.device, self.staging)
         logits_all: torch.Tensor | None = None
         if self._can_replay(inputs):
             assert self.decode_graphs is not None

@@ -33,7 +33,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import llguidance.torch as llg_torch
 import numpy as np
 import tokenizers
 import torch
@@ -322,19 +321,23 @@ class StructuredOutputManager:
         next fill starts only after that.
         """
         bitmask = self._rows(len(rows))
+        # llguidance writes each row straight into the (contiguous, int32) host buffer.
+        row_bytes = bitmask.shape[1] * 4
         if self._ll_executor is not None and len(rows) > 1:
             pairs = [(matcher, i) for i, (_, matcher) in enumerate(rows)]
-            llg_torch.fill_next_token_bitmask_par(self._ll_executor, pairs, bitmask)
+            self._ll_executor.unsafe_compute_mask_ptr(
+                pairs, bitmask.data_ptr(), row_bytes, len(rows)
+            )
         else:
             for i, (_, matcher) in enumerate(rows):
-                llg_torch.fill_next_token_bitmask(matcher, bitmask, i)
+                matcher.unsafe_compute_mask_ptr(bitmask[i].data_ptr(), row_bytes)
         return GrammarBitmask([request_id for request_id, _ in rows], bitmask)
 
     def _rows(self, num_rows: int) -> torch.Tensor:
         buffer = self._buffer
         if buffer is None or buffer.shape[0] < num_rows:
             capacity = max(num_rows, 2 * buffer.shape[0] if buffer is not None else 64)
-            width = llg_torch.get_bitmask_shape(capacity, self.vocab_size)[1]
+            width = (self.vocab_size + 31) // 32  # one bit per token in int32 words
             buffer = torch.empty((capacity, width), dtype=torch.int32, pin_memory=self.pin_memory)
             self._buffer = buffer
         return buffer[:num_rows]
@@ -366,15 +369,24 @@ def apply_token_bitmask_(
 ) -> None:
     """Mask `logits[rows]` (all rows when None) with a packed [R, W] int32 host bitmask.
 
-    On CPU the bits are unpacked with numpy (one pass over R * V bytes); on an accelerator
-    the packed words (V / 8 bytes a row) cross over and are unpacked there.
+    On CPU the bits are unpacked with numpy (one pass over R * V bytes). On CUDA the packed
+    words (V / 8 bytes a row) cross over from pinned memory without blocking and one Triton
+    kernel writes -inf in place: no allocation, no sync with the forward still running.
     """
-    vocab = logits.shape[-1]
     if logits.device.type == "cpu":
-        allowed = unpack_bitmask_numpy(bitmask, vocab)
-    else:
-        allowed = unpack_bitmask_torch(bitmask.to(logits.device, non_blocking=True), vocab)
-    mask_logits_(logits, allowed, rows)
+        mask_logits_(logits, unpack_bitmask_numpy(bitmask, logits.shape[-1]), rows)
+        return
+    from asyncserve.kernels.bitmask import apply_token_bitmask_triton
+
+    pin = logits.device.type == "cuda"
+    device_rows = None
+    if rows is not None:
+        host_rows = torch.tensor(list(rows), dtype=torch.int64)
+        device_rows = (host_rows.pin_memory() if pin else host_rows).to(
+            logits.device, non_blocking=pin
+        )
+    device_mask = bitmask.to(logits.device, non_blocking=pin and bitmask.is_pinned())
+    apply_token_bitmask_triton(logits, device_mask, device_rows)
 
 
 def mask_logits_(logits: torch.Tensor, allowed: torch.Tensor, rows: Sequence[int] | None) -> None:
@@ -404,10 +416,3 @@ def unpack_bitmask_numpy(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     count = min(vocab, bitmask.shape[1] * 32)
     bits = np.unpackbits(packed, axis=1, count=count, bitorder="little")
     return torch.from_numpy(bits).view(torch.bool)
-
-
-def unpack_bitmask_torch(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[R, W] int32 bitmask -> [R, min(V, 32 W)] bool, on the bitmask's device."""
-    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
-    return bits.view(bitmask.shape[0], -1)[:, :vocab].bool()

@@ -17,7 +17,6 @@ from asyncserve.engine.structured import (
     apply_token_bitmask_,
     mask_logits_,
     unpack_bitmask_numpy,
-    unpack_bitmask_torch,
     validate_structured_outputs,
 )
 from asyncserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -160,7 +159,7 @@ def test_json_object_and_schema_masks(
     assert matcher.is_stopped()
 
 
-def test_unpack_paths_agree_with_the_bit_layout() -> None:
+def test_unpack_follows_the_bit_layout() -> None:
     gen = torch.Generator().manual_seed(0)
     bitmask = torch.randint(-(2**31), 2**31 - 1, (3, 5), dtype=torch.int32, generator=gen)
     for vocab in (160, 150, 200):
@@ -169,7 +168,6 @@ def test_unpack_paths_agree_with_the_bit_layout() -> None:
             for t in range(min(vocab, 160)):
                 expected[r, t] = bool((int(bitmask[r, t // 32]) >> (t % 32)) & 1)
         assert torch.equal(unpack_bitmask_numpy(bitmask, vocab), expected)
-        assert torch.equal(unpack_bitmask_torch(bitmask, vocab), expected)
 
 
 def test_apply_masks_only_constrained_rows_in_sampling_order() -> None:
@@ -191,18 +189,11 @@ def test_apply_masks_only_constrained_rows_in_sampling_order() -> None:
     apply_grammar_bitmask(full, GrammarBitmask(["x", "y"], bitmask), ["x", "y"])
     assert torch.equal(full, original[:2].masked_fill(~allowed, float("-inf")))
 
-    # The accelerator's unpacking feeds the same masking: same result on the same rows.
-    for unpack in (unpack_bitmask_numpy, unpack_bitmask_torch):
-        out = original.clone()
-        mask_logits_(out, unpack(bitmask, vocab), [3, 1])
-        assert torch.equal(out, logits)
-
     # Logits wider than the bitmask: ids past it are never allowed.
-    for unpack in (unpack_bitmask_numpy, unpack_bitmask_torch):
-        wide = torch.zeros(2, 130)
-        mask_logits_(wide, unpack(torch.full((1, 4), -1, dtype=torch.int32), 130), [1])
-        assert torch.isinf(wide[1, 128:]).all() and (wide[1, :128] == 0).all()
-        assert (wide[0] == 0).all()
+    wide = torch.zeros(2, 130)
+    mask_logits_(wide, unpack_bitmask_numpy(torch.full((1, 4), -1, dtype=torch.int32), 130), [1])
+    assert torch.isinf(wide[1, 128:]).all() and (wide[1, :128] == 0).all()
+    assert (wide[0] == 0).all()
     wide = torch.zeros(1, 130)
     apply_token_bitmask_(wide, torch.full((1, 4), -1, dtype=torch.int32), None)
     assert torch.isinf(wide[0, 128:]).all() and (wide[0, :128] == 0).all()
