@@ -20,6 +20,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--rows", type=int, default=25)
+    parser.add_argument("--sort", default=None, help="key_averages column (default: CUDA time)")
+    parser.add_argument("--trace", default=None, help="also write a Chrome trace here")
     args = parser.parse_args()
     llm = LLM(
         model=args.model,
@@ -36,8 +38,10 @@ def main() -> None:
         activities.append(ProfilerActivity.CUDA)
     with profile(activities=activities) as prof:
         llm.generate(prompts, params, use_tqdm=False)
-    sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    sort = args.sort or ("cuda_time_total" if torch.cuda.is_available() else "cpu_time_total")
     print(prof.key_averages().table(sort_by=sort, row_limit=args.rows))
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
 
 
 if __name__ == "__main__":

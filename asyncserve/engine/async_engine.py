@@ -13,7 +13,7 @@ import copy
 import logging
 import time
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -23,14 +23,22 @@ from asyncserve.engine.output_processor import OutputProcessor, ParentState
 from asyncserve.engine.request import Request, RequestStatus
 from asyncserve.engine.request_stream import RequestStream
 from asyncserve.engine.scheduler import Scheduler
-from asyncserve.engine.step import StepResult
-from asyncserve.engine.structured import StructuredOutputManager
+from asyncserve.engine.step import StepPlan, StepResult
+from asyncserve.engine.structured import GrammarBitmask, StructuredOutputManager
 from asyncserve.metrics import EngineMetrics
 from asyncserve.models.loader import LoadedModel, load_model
 from asyncserve.outputs import RequestOutput
 from asyncserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+def _copy_future(source: Future[GrammarBitmask], target: Future[GrammarBitmask | None]) -> None:
+    exc = source.exception()
+    if exc is not None:
+        target.set_exception(exc)
+    else:
+        target.set_result(source.result())
 
 
 def resolve_device(name: str) -> torch.device:
@@ -282,7 +290,8 @@ class AsyncEngine:
 
     async def _step_loop(self) -> None:
         loop = asyncio.get_running_loop()
-        pending: tuple[list[Request], StepResult, list[str]] | None = None
+        # The last step's requests and result, published while the next step computes.
+        pending: tuple[list[Request], StepResult] | None = None
         assert self._wakeup is not None
         try:
             while not self._stopping:
@@ -294,26 +303,37 @@ class AsyncEngine:
                 for request in self.scheduler.take_errored():
                     self.structured.remove([request.request_id])
                     self.output_processor.fail_request(request.request_id, request.error or "")
-                # Grammar masks of this step's rows fill on their own thread during the forward.
-                masks = self.structured.submit(plan, self.scheduler.get_request)
+                # With live grammars the runner gets a future of this step's masks: it waits
+                # for it only right before sampling, so the matchers advance by the last
+                # step's tokens, and the masks fill, while the forward already runs.
+                masks: Future[GrammarBitmask | None] | None = (
+                    Future() if self.structured.num_requests else None
+                )
                 future = None
                 if not plan.is_empty or plan.freed_request_ids:
                     future = loop.run_in_executor(self._executor, self.runner.execute, plan, masks)
+                try:
+                    grammar_done = self._advance_grammars(pending[0]) if pending else []
+                except BaseException:
+                    if masks is not None:
+                        masks.set_result(None)  # never leave the runner waiting
+                    raise
+                if masks is not None:
+                    self._fill_masks(plan, masks)
                 # Overlap: publish the previous step's tokens while this one computes.
                 if pending is not None:
-                    self._publish(*pending)
+                    self._publish(*pending, grammar_done)
                     pending = None
                 if future is not None:
                     result = await future
                     if masks is not None:
-                        await asyncio.wrap_future(masks)  # done: the runner waited for it
-                    updated = self.scheduler.update(plan, result)
-                    pending = (updated, result, self._advance_grammars(updated))
+                        await asyncio.wrap_future(masks)  # the fill is over before the next one
+                    pending = (self.scheduler.update(plan, result), result)
                     self._record_step()
                 else:
                     await asyncio.sleep(0.001)
             if pending is not None:
-                self._publish(*pending)
+                self._publish(*pending, self._advance_grammars(pending[0]))
         except Exception as exc:  # a failed step: fail every request, report unhealthy
             logger.exception("step loop failed")
             self._dead_reason = f"{type(exc).__name__}: {exc}"
@@ -328,10 +348,26 @@ class AsyncEngine:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
             self.structured.remove(stopped)
 
-    def _advance_grammars(self, updated: list[Request]) -> list[str]:
-        """Feed the step's tokens to the grammar matchers, before the next step is planned.
+    def _fill_masks(self, plan: StepPlan, masks: Future[GrammarBitmask | None]) -> None:
+        """Resolve `masks` with the masks of `plan`'s constrained sampling rows (filled on
+        the grammar thread), or None when there are none. Always resolves it: the runner
+        waits on it."""
+        try:
+            filled = self.structured.submit(plan, self.scheduler.get_request)
+        except BaseException as exc:
+            masks.set_exception(exc)
+            raise
+        if filled is None:
+            masks.set_result(None)
+        else:
+            filled.add_done_callback(lambda done: _copy_future(done, masks))
 
-        A request whose grammar is complete ends now ("stop"); returns their ids.
+    def _advance_grammars(self, updated: list[Request]) -> list[str]:
+        """Feed the last step's tokens to the grammar matchers (the next step is already
+        planned and running; the masks it samples with are filled after this).
+
+        A request whose grammar is complete ends now ("stop"): its row in the running step
+        computes one token that is dropped. Returns their ids.
         """
         if not self.structured.num_requests:
             return []

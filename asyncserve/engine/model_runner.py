@@ -192,7 +192,11 @@ class ModelRunner:
         return gen
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, grammar: Future[GrammarBitmask] | None = None) -> StepResult:
+    def execute(
+        self, plan: StepPlan, grammar: Future[GrammarBitmask | None] | None = None
+    ) -> StepResult:
+        """Run one step. `grammar`, when given, resolves to this step's token masks (None when
+        no sampling row is constrained); it is awaited only right before sampling."""
         self._apply_plan(plan)
         result = StepResult()
         if plan.is_empty:
@@ -212,9 +216,10 @@ class ModelRunner:
                 logits = logits_all
             else:
                 logits = self.model.compute_logits(hidden[inputs.logits_indices])
-            if grammar is not None:
-                # Filled on the grammar thread while the forward ran.
-                apply_grammar_bitmask(logits, grammar.result(), inputs.sample_request_ids)
+            # Filled on the grammar thread while the forward ran.
+            bitmask = grammar.result() if grammar is not None else None
+            if bitmask is not None:
+                apply_grammar_bitmask(logits, bitmask, inputs.sample_request_ids)
             rows = [self._sampling_row(self.states[rid]) for rid in inputs.sample_request_ids]
             meta = SamplingMetadata.build(rows, self.vocab_size, self.device)
             sampler_out = self.sampler(logits, meta)
