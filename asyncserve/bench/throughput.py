@@ -128,6 +128,7 @@ def _run_hf_peer(hf: Any, prompts: list[list[int]], out_lens: list[int]) -> dict
                 manager.add_request(input_ids=prompt, request_id=f"r{i}", max_new_tokens=n)
             done = 0
             produced = 0
+            start = last_report = time.perf_counter()
             while done < len(batch):
                 result = manager.get_result(timeout=1)
                 if result is not None and result.is_finished():
@@ -135,6 +136,14 @@ def _run_hf_peer(hf: Any, prompts: list[list[int]], out_lens: list[int]) -> dict
                     produced += len(result.generated_tokens)
                 elif result is None and not manager.is_running():
                     raise RuntimeError("HF continuous batching stopped early")
+                now = time.perf_counter()
+                if now - last_report >= 30:  # a long peer run shows where it is
+                    last_report = now
+                    print(
+                        f"HF peer: {done}/{len(batch)} requests, {produced} output tokens "
+                        f"after {now - start:.0f} s",
+                        flush=True,
+                    )
         return produced
 
     generate(prompts[:4], out_lens[:4])
