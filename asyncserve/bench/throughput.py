@@ -11,8 +11,6 @@ import json
 import time
 from typing import Any
 
-import torch
-
 from asyncserve.bench.workload import output_lengths, random_prompts
 
 
@@ -81,8 +79,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"{report['output_tokens_per_s']:.0f} output tok/s"
     )
     if hf_model is not None:
+        import torch  # here, so the CLI's --help does not load torch
+
         del llm
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         report["hf"] = _run_hf_peer(hf_model, prompts, out_lens)
         report["ratio_output_tokens"] = (
             report["output_tokens_per_s"] / report["hf"]["output_tokens_per_s"]
