@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from asyncserve.engine.request import token_slice
 from asyncserve.engine.step import StepPlan
 from asyncserve.models.attention import AttentionMetadata
 from asyncserve.sampling_params import SamplingParams
@@ -29,12 +30,7 @@ class CachedRequestState:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     def token_slice(self, start: int, end: int) -> list[int]:
-        n_prompt = len(self.prompt_token_ids)
-        if end <= n_prompt:
-            return self.prompt_token_ids[start:end]
-        if start >= n_prompt:
-            return self.output_token_ids[start - n_prompt : end - n_prompt]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n_prompt]
+        return token_slice(self.prompt_token_ids, self.output_token_ids, start, end)
 
 
 @dataclass

@@ -79,12 +79,7 @@ class Request:
 
     def token_ids_slice(self, start: int, end: int) -> list[int]:
         """all_token_ids[start:end] without concatenating the whole list."""
-        n_prompt = len(self.prompt_token_ids)
-        if end <= n_prompt:
-            return self.prompt_token_ids[start:end]
-        if start >= n_prompt:
-            return self.output_token_ids[start - n_prompt : end - n_prompt]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n_prompt]
+        return token_slice(self.prompt_token_ids, self.output_token_ids, start, end)
 
     @property
     def is_finished(self) -> bool:
@@ -92,3 +87,13 @@ class Request:
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
+
+
+def token_slice(prompt: list[int], output: list[int], start: int, end: int) -> list[int]:
+    """(prompt + output)[start:end] without concatenating the whole lists."""
+    n_prompt = len(prompt)
+    if end <= n_prompt:
+        return prompt[start:end]
+    if start >= n_prompt:
+        return output[start - n_prompt : end - n_prompt]
+    return prompt[start:] + output[: end - n_prompt]
