@@ -136,7 +136,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--model", default=None, help="default: the SmolLM2 GGUF")
     parser.add_argument("--load-format", default="auto")
+    parser.add_argument(
+        "--switch-interval", type=float, default=None, help="sys.setswitchinterval (seconds)"
+    )
     args = parser.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     kv_bytes = (256 << 20) if args.device == "cpu" else None
     llm = LLM(
         model=args.model,

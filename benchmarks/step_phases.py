@@ -41,7 +41,12 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument(
+        "--switch-interval", type=float, default=None, help="sys.setswitchinterval (seconds)"
+    )
     args = parser.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     llm = LLM(model=args.model, load_format=args.load_format, max_model_len=args.max_model_len)
     engine = llm.engine
     runner = engine.runner

@@ -60,6 +60,7 @@ class ModelRunner:
         self.num_blocks = 0
         self.decode_graphs: DecodeGraphs | None = None
         self.staging = HostStaging(pin=device.type == "cuda")
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
 
     # ---- KV pool -------------------------------------------------------------------------
 
@@ -250,12 +251,24 @@ class ModelRunner:
             stop_token_ids=state.stop_token_ids,
         )
 
+    def _to_host(self, tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Copy to the host. On CUDA the copies land in pinned memory without blocking, and
+        the step thread then waits on an event (releasing the GIL) rather than in a
+        synchronous copy."""
+        if self._copied is None:
+            return tensors
+        host = [t.to("cpu", non_blocking=True) if t is not None else None for t in tensors]
+        self._copied.record()
+        self._copied.synchronize()
+        return host
+
     def _collect_samples(self, inputs: StepInputs, out: SamplerOutput, result: StepResult) -> None:
         # The one device->host transfer of the step.
-        sampled = out.sampled_token_ids.tolist()
-        lp_ids = out.logprob_token_ids.tolist() if out.logprob_token_ids is not None else None
-        lp_vals = out.logprobs.tolist() if out.logprobs is not None else None
-        ranks = out.sampled_ranks.tolist() if out.sampled_ranks is not None else None
+        host = self._to_host(
+            [out.sampled_token_ids, out.logprob_token_ids, out.logprobs, out.sampled_ranks]
+        )
+        sampled, lp_ids, lp_vals, ranks = (t.tolist() if t is not None else None for t in host)
+        assert sampled is not None
         for row, rid in enumerate(inputs.sample_request_ids):
             token = int(sampled[row])
             state = self.states[rid]
