@@ -86,8 +86,14 @@ def run(llm: LLM, batch: int, tokens: int, constrained: bool) -> dict[str, float
     update = engine.scheduler.update
     update_at: list[float] = []
 
-    def timed_execute(plan: Any, grammar: Any = None) -> Any:
-        return execute(plan, None if grammar is None else TimedFuture(grammar, waits))
+    executes: list[tuple[float, float]] = []
+
+    def timed_execute(plan: Any, grammar: Any = None, *rest: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return execute(plan, None if grammar is None else TimedFuture(grammar, waits), *rest)
+        finally:
+            executes.append((start, time.perf_counter()))
 
     def timed_update(*args: Any) -> Any:
         out = update(*args)
@@ -118,8 +124,14 @@ def run(llm: LLM, batch: int, tokens: int, constrained: bool) -> dict[str, float
 
     # Replayed CUDA graphs bypass model.forward: then the forward is not timed on its own.
     timed_forward = engine.runner.decode_graphs is None
+    # The step thread's execute, and the event loop's time from one execute's end to the
+    # next one's start (the device idles then).
+    runs = executes[skip:]
+    between = [b[0] - a[1] for a, b in zip(runs, runs[1:], strict=False)]
     return {
         "step": ms(gaps),
+        "execute": ms([end - start for start, end in runs]),
+        "between": ms(between),
         "forward": ms(forward.times[skip + 1 :]) if timed_forward else float("nan"),
         "fill": ms(fill.times[skip:]),
         "wait": ms(waits[skip:]),
@@ -165,7 +177,8 @@ def main() -> None:
             f"{label:>26}: step {fields['step']:8.2f}  forward {fields['forward']:8.2f}  "
             f"step-forward {rest[constrained]:6.2f}  fill {fields['fill']:5.2f}  "
             f"wait {fields['wait']:5.2f}  apply {fields['apply']:5.2f}  "
-            f"accept {fields['accept']:5.2f}"
+            f"accept {fields['accept']:5.2f}  execute {fields['execute']:6.2f}  "
+            f"between executes {fields['between']:5.2f}"
         )
     runs = results[True]
     critical = statistics.median(r["wait"] + r["apply"] for r in runs)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -39,6 +40,11 @@ def _copy_future(source: Future[GrammarBitmask], target: Future[GrammarBitmask |
         target.set_exception(exc)
     else:
         target.set_result(source.result())
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -311,7 +317,17 @@ class AsyncEngine:
                 )
                 future = None
                 if not plan.is_empty or plan.freed_request_ids:
-                    future = loop.run_in_executor(self._executor, self.runner.execute, plan, masks)
+                    launched: asyncio.Future[None] = loop.create_future()
+                    future = loop.run_in_executor(
+                        self._executor,
+                        self.runner.execute,
+                        plan,
+                        masks,
+                        functools.partial(loop.call_soon_threadsafe, _resolve, launched),
+                    )
+                    # The step thread builds the inputs and launches the forward first: the
+                    # work below would hold the GIL and delay the launch.
+                    await launched
                 try:
                     grammar_done = self._advance_grammars(pending[0]) if pending else []
                 except BaseException:
@@ -326,8 +342,10 @@ class AsyncEngine:
                     pending = None
                 if future is not None:
                     result = await future
-                    if masks is not None:
-                        await asyncio.wrap_future(masks)  # the fill is over before the next one
+                    if masks is not None and not masks.done():
+                        # The runner waits for masks it samples with, so this is rare: the
+                        # fill must be over before the matchers advance again.
+                        await asyncio.wrap_future(masks)
                     pending = (self.scheduler.update(plan, result), result)
                     self._record_step()
                 else:

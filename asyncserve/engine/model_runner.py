@@ -8,6 +8,7 @@ on a worker thread so the event loop never waits on the device.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import torch
@@ -192,12 +193,39 @@ class ModelRunner:
         gen.manual_seed(step_seed(seed, len(state.output_token_ids)))
         return gen
 
-    @torch.inference_mode()
     def execute(
-        self, plan: StepPlan, grammar: Future[GrammarBitmask | None] | None = None
+        self,
+        plan: StepPlan,
+        grammar: Future[GrammarBitmask | None] | None = None,
+        on_launched: Callable[[], object] | None = None,
     ) -> StepResult:
         """Run one step. `grammar`, when given, resolves to this step's token masks (None when
-        no sampling row is constrained); it is awaited only right before sampling."""
+        no sampling row is constrained); it is awaited only right before sampling.
+
+        `on_launched` is called once, as soon as the forward pass is enqueued (or the step
+        ends without one), so the caller can hold its own Python work until then: with the
+        GIL shared, work on another thread would otherwise delay the launch.
+        """
+        signalled = False
+
+        def launched() -> None:
+            nonlocal signalled
+            if on_launched is not None and not signalled:
+                signalled = True
+                on_launched()
+
+        try:
+            return self._execute(plan, grammar, launched)
+        finally:
+            launched()
+
+    @torch.inference_mode()
+    def _execute(
+        self,
+        plan: StepPlan,
+        grammar: Future[GrammarBitmask | None] | None,
+        launched: Callable[[], None],
+    ) -> StepResult:
         self._apply_plan(plan)
         result = StepResult()
         if plan.is_empty:
@@ -207,8 +235,10 @@ class ModelRunner:
         if self._can_replay(inputs):
             assert self.decode_graphs is not None
             logits_all = self.decode_graphs.run(inputs)
+            launched()
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            launched()
             self._prompt_logprobs(inputs, hidden, result)
 
         sampler_out: SamplerOutput | None = None
