@@ -316,8 +316,9 @@ class AsyncEngine:
                     Future() if self.structured.num_requests else None
                 )
                 future = None
+                launched: asyncio.Future[None] | None = None
                 if not plan.is_empty or plan.freed_request_ids:
-                    launched: asyncio.Future[None] = loop.create_future()
+                    launched = loop.create_future()
                     future = loop.run_in_executor(
                         self._executor,
                         self.runner.execute,
@@ -325,13 +326,14 @@ class AsyncEngine:
                         masks,
                         functools.partial(loop.call_soon_threadsafe, _resolve, launched),
                     )
-                    # The step thread builds the inputs and launches the forward first: the
-                    # work below would hold the GIL and delay the launch.
-                    await launched
                 try:
+                    if launched is not None:
+                        # The step thread builds the inputs and launches the forward first:
+                        # the work below would hold the GIL and delay the launch.
+                        await launched
                     grammar_done = self._advance_grammars(pending[0]) if pending else []
                 except BaseException:
-                    if masks is not None:
+                    if masks is not None and not masks.done():
                         masks.set_result(None)  # never leave the runner waiting
                     raise
                 if masks is not None:
