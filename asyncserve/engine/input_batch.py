@@ -53,7 +53,6 @@ def build_step_inputs(
     plan: StepPlan,
     states: dict[str, CachedRequestState],
     block_size: int,
-    device: torch.device,
     staging: HostStaging,
 ) -> StepInputs:
     request_ids = list(plan.num_scheduled_tokens)
@@ -104,7 +103,7 @@ def build_step_inputs(
         seq_lens,
         block_tables.ravel(),
     ]
-    staged = staging.to_device(parts, device)
+    staged = staging.to_device(parts)
     ids_t, positions_t, slots_t, logits_t, cu_t, lens_t, tables_t = staged
     meta = AttentionMetadata(
         slot_mapping=slots_t,
@@ -133,12 +132,13 @@ class HostStaging:
     event recorded after each copy is waited on first (it has almost always passed).
     """
 
-    def __init__(self, pin: bool) -> None:
-        self.pin = pin
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pin = device.type == "cuda"
         self.buffer = torch.empty(0, dtype=torch.int64)
         self.copied: torch.cuda.Event | None = None
 
-    def to_device(self, parts: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    def to_device(self, parts: list[np.ndarray]) -> list[torch.Tensor]:
         """Concatenate `parts` as int64, copy them over at once, return device slices."""
         sizes = [len(part) for part in parts]
         total = sum(sizes)
@@ -150,10 +150,10 @@ class HostStaging:
                 self.buffer = self.buffer.pin_memory()
         host = self.buffer[:total]
         np.concatenate(parts, out=host.numpy(), casting="unsafe")
-        if device.type == "cpu":
+        if self.device.type == "cpu":
             flat = host.clone()
         else:
-            flat = host.to(device, non_blocking=self.pin)
+            flat = host.to(self.device, non_blocking=self.pin)
             if self.pin:
                 self.copied = self.copied or torch.cuda.Event()
                 self.copied.record()

@@ -60,7 +60,7 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self.decode_graphs: DecodeGraphs | None = None
-        self.staging = HostStaging(pin=device.type == "cuda")
+        self.staging = HostStaging(device)
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
 
     # ---- KV pool -------------------------------------------------------------------------
@@ -230,7 +230,7 @@ class ModelRunner:
         result = StepResult()
         if plan.is_empty:
             return result
-        inputs = build_step_inputs(plan, self.states, self.block_size, self.device, self.staging)
+        inputs = build_step_inputs(plan, self.states, self.block_size, self.staging)
         logits_all: torch.Tensor | None = None
         if self._can_replay(inputs):
             assert self.decode_graphs is not None
