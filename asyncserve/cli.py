@@ -122,6 +122,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="fcfs: arrival order; priority: lower `priority` values first, then arrival",
     )
     group.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="plan each step while the one before runs, so the device never waits for "
+        "the host (steps with grammars or penalties wait for their tokens)",
+    )
+    group.add_argument(
         "--enforce-eager", action="store_true", help="no CUDA graphs (GPU only; always on CPU)"
     )
     group.add_argument(
@@ -217,6 +224,7 @@ def engine_config_from_args(args: argparse.Namespace, env: Environment) -> Engin
             max_num_seqs=args.max_num_seqs,
             policy=args.scheduling_policy,
             max_waiting_requests=getattr(args, "max_waiting_requests", None),
+            async_scheduling=args.async_scheduling,
         ),
         enable_cuda_graphs=not args.enforce_eager,
         stream_interval=args.stream_interval,

@@ -43,6 +43,7 @@ class LLM:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
         scheduling_policy: str = "fcfs",
+        async_scheduling: bool = True,
         enforce_eager: bool = False,
     ) -> None:
         config = EngineConfig(
@@ -66,6 +67,7 @@ class LLM:
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_num_seqs=max_num_seqs,
                 policy=scheduling_policy,  # type: ignore[arg-type]
+                async_scheduling=async_scheduling,
             ),
             enable_cuda_graphs=not enforce_eager,
         )

@@ -22,6 +22,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-iters-warmup", type=int, default=2)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="plan each step while the one before runs",
+    )
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--output-json", default=None)
 
@@ -36,6 +42,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=False,
     )

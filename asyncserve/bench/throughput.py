@@ -32,6 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="plan each step while the one before runs",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--peer", choices=["none", "hf"], default="none")
     parser.add_argument("--output-json", default=None)
@@ -50,6 +56,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         seed=args.seed,
     )
     vocab = llm.engine.loaded.arch.vocab_size

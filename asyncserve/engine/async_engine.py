@@ -3,6 +3,11 @@
 Each iteration schedules a step, hands it to a worker thread (the forward pass), and while
 the device works, detokenizes and publishes the previous step's tokens on the event loop.
 The event loop never blocks on the device: it awaits the worker's future.
+
+With async scheduling (the default) the loop plans and launches step N+1 before step N's
+tokens are back, so the device never waits for the host between steps; N+1 reads N's
+tokens on the device. Steps fall back to the plain order while a grammar is live or a
+sampled row applies penalties: both need the real tokens on the host first.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from asyncserve.config import EngineConfig
-from asyncserve.engine.model_runner import ModelRunner
+from asyncserve.engine.model_runner import LaunchedStep, ModelRunner
 from asyncserve.engine.output_processor import OutputProcessor, ParentState
 from asyncserve.engine.request import Request, RequestStatus
 from asyncserve.engine.request_stream import RequestStream
@@ -298,17 +303,28 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         # The last step's requests and result, published while the next step computes.
         pending: tuple[list[Request], StepResult] | None = None
+        # Async scheduling: a launched step whose tokens are not collected yet.
+        in_flight: tuple[StepPlan, asyncio.Future[LaunchedStep]] | None = None
         assert self._wakeup is not None
         try:
             while not self._stopping:
+                if in_flight is not None:
+                    in_flight = await self._overlapped_step(loop, *in_flight)
+                    continue
                 if not self.scheduler.has_unfinished_requests() and pending is None:
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
-                plan = self.scheduler.schedule()
-                for request in self.scheduler.take_errored():
-                    self.structured.remove([request.request_id])
-                    self.output_processor.fail_request(request.request_id, request.error or "")
+                plan = self._schedule()
+                if self._can_overlap():
+                    if not plan.is_empty or plan.freed_request_ids:
+                        in_flight = (plan, await self._launch(loop, plan))
+                    if pending is not None:
+                        self._publish(*pending, self._advance_grammars(pending[0]))
+                        pending = None
+                    if in_flight is None:
+                        await asyncio.sleep(0.001)
+                    continue
                 # With live grammars the runner gets a future of this step's masks: it waits
                 # for it only right before sampling, so the matchers advance by the last
                 # step's tokens, and the masks fill, while the forward already runs.
@@ -352,6 +368,8 @@ class AsyncEngine:
                     self._record_step()
                 else:
                     await asyncio.sleep(0.001)
+            if in_flight is not None:
+                await self._finish_step(loop, in_flight[0], await in_flight[1])
             if pending is not None:
                 self._publish(*pending, self._advance_grammars(pending[0]))
         except Exception as exc:  # a failed step: fail every request, report unhealthy
@@ -361,6 +379,61 @@ class AsyncEngine:
                 self.output_processor.finish_aborted(
                     request_id, reason="error", error=self._dead_reason
                 )
+
+    def _schedule(self) -> StepPlan:
+        plan = self.scheduler.schedule()
+        for request in self.scheduler.take_errored():
+            self.structured.remove([request.request_id])
+            self.output_processor.fail_request(request.request_id, request.error or "")
+        return plan
+
+    def _can_overlap(self) -> bool:
+        """Whether the next step may be planned before the last one's tokens are known."""
+        return self.config.scheduler.async_scheduling and not self.structured.num_requests
+
+    async def _launch(
+        self, loop: asyncio.AbstractEventLoop, plan: StepPlan
+    ) -> asyncio.Future[LaunchedStep]:
+        """Hand `plan` to the step thread; return once its forward pass is enqueued."""
+        launched: asyncio.Future[None] = loop.create_future()
+        future = loop.run_in_executor(
+            self._executor,
+            self.runner.launch,
+            plan,
+            None,
+            functools.partial(loop.call_soon_threadsafe, _resolve, launched),
+        )
+        # Our own Python work would hold the GIL and delay the launch.
+        await launched
+        return future
+
+    async def _overlapped_step(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        plan: StepPlan,
+        launching: asyncio.Future[LaunchedStep],
+    ) -> tuple[StepPlan, asyncio.Future[LaunchedStep]] | None:
+        """Launch the step after `plan` (when it may overlap), then finish `plan`'s step.
+
+        Returns the newly launched step, or None when the next one must wait for tokens.
+        """
+        step = await launching
+        following = None
+        if not step.needs_tokens and self._can_overlap():
+            next_plan = self._schedule()
+            if not next_plan.is_empty or next_plan.freed_request_ids:
+                following = (next_plan, await self._launch(loop, next_plan))
+        await self._finish_step(loop, plan, step)
+        return following
+
+    async def _finish_step(
+        self, loop: asyncio.AbstractEventLoop, plan: StepPlan, step: LaunchedStep
+    ) -> None:
+        """Wait for a launched step's tokens, update the scheduler, publish them."""
+        result = await loop.run_in_executor(self._executor, self.runner.collect, step)
+        updated = self.scheduler.update(plan, result)
+        self._record_step()
+        self._publish(updated, result, self._advance_grammars(updated))
 
     def _publish(self, updated: list[Request], result: StepResult, grammar_done: list[str]) -> None:
         stopped = self.output_processor.process(updated, result, grammar_done)

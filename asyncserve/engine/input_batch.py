@@ -12,6 +12,9 @@ from asyncserve.engine.step import StepPlan
 from asyncserve.models.attention import AttentionMetadata
 from asyncserve.sampling_params import SamplingParams
 
+# Stands for a token sampled by a step still in flight (see model_runner.LaunchedStep).
+PLACEHOLDER_TOKEN = -1
+
 
 @dataclass
 class CachedRequestState:
@@ -24,6 +27,9 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     stop_token_ids: set[int]
+    # While its last output token is a placeholder: the device tensor of sampled ids that
+    # holds it, and the row.
+    in_flight: tuple[torch.Tensor, int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -47,6 +53,11 @@ class StepInputs:
     sample_request_ids: list[str]
     # Row in the flattened tokens whose hidden state feeds each sampled request.
     logits_indices: torch.Tensor  # [num_sample] int64
+    # Input tokens that are placeholders: their rows in input_ids, and the rows of
+    # placeholder_source (the last step's sampled ids) that hold them. None when none.
+    placeholder_index: torch.Tensor | None = None
+    placeholder_rows: torch.Tensor | None = None
+    placeholder_source: torch.Tensor | None = None
 
 
 def build_step_inputs(
@@ -67,6 +78,9 @@ def build_step_inputs(
     max_blocks = 1
     sample_request_ids: list[str] = []
     logits_indices: list[int] = []
+    placeholder_index: list[int] = []
+    placeholder_rows: list[int] = []
+    placeholder_source: torch.Tensor | None = None
     for i, rid in enumerate(request_ids):
         state = states[rid]
         start = state.num_computed_tokens
@@ -79,6 +93,15 @@ def build_step_inputs(
         if end >= state.num_tokens:
             sample_request_ids.append(rid)
             logits_indices.append(int(cu_seqlens[i + 1]) - 1)
+            if state.in_flight is not None:
+                # The last output token is still being sampled by the step before.
+                source, row = state.in_flight
+                if placeholder_source is None:
+                    placeholder_source = source
+                elif source is not placeholder_source:
+                    raise RuntimeError("placeholder tokens from two different steps")
+                placeholder_index.append(int(cu_seqlens[i + 1]) - 1)
+                placeholder_rows.append(row)
 
     block_tables = np.zeros((num_reqs, max_blocks), dtype=np.int32)
     for i, rid in enumerate(request_ids):
@@ -102,9 +125,11 @@ def build_step_inputs(
         cu_seqlens,
         seq_lens,
         block_tables.ravel(),
+        np.asarray(placeholder_index, dtype=np.int64),
+        np.asarray(placeholder_rows, dtype=np.int64),
     ]
     staged = staging.to_device(parts)
-    ids_t, positions_t, slots_t, logits_t, cu_t, lens_t, tables_t = staged
+    ids_t, positions_t, slots_t, logits_t, cu_t, lens_t, tables_t, ph_index_t, ph_rows_t = staged
     meta = AttentionMetadata(
         slot_mapping=slots_t,
         cu_seqlens_q=cu_t.to(torch.int32),
@@ -122,6 +147,9 @@ def build_step_inputs(
         counts=counts,
         sample_request_ids=sample_request_ids,
         logits_indices=logits_t,
+        placeholder_index=ph_index_t if placeholder_index else None,
+        placeholder_rows=ph_rows_t if placeholder_index else None,
+        placeholder_source=placeholder_source,
     )
 
 

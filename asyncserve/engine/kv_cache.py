@@ -107,7 +107,9 @@ class KVCacheManager:
         blocks.extend(new_blocks)
 
         if self.enable_prefix_caching:
-            num_full = total // self.block_size
+            # Only blocks whose tokens are all known get a hash: a token still being sampled
+            # (async scheduling) is hashed with its block on a later step.
+            num_full = min(total, request.num_tokens) // self.block_size
             num_cached = self._num_cached[rid]
             if num_full > num_cached:
                 hashes = self._update_block_hashes(request, num_full)

@@ -1,8 +1,13 @@
 """Model runner: StepPlan -> tensors -> forward -> sampled tokens (StepResult).
 
 It keeps each scheduled request's state (tokens, block table) between steps, so the plan
-carries only diffs for running requests. `execute` is synchronous; the async engine runs it
+carries only diffs for running requests. `launch` enqueues a step (forward, sampling, the
+copy of the sampled ids to the host) and `collect` waits for it; the async engine runs both
 on a worker thread so the event loop never waits on the device.
+
+A sampled token is a placeholder in the request's state from launch to collect. A step
+launched in between (async scheduling) takes that token as input straight from the device
+tensor the sampler wrote.
 """
 
 from __future__ import annotations
@@ -10,12 +15,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 import torch
 
 from asyncserve.config import EngineConfig
 from asyncserve.engine.cuda_graphs import DecodeGraphs
 from asyncserve.engine.input_batch import (
+    PLACEHOLDER_TOKEN,
     CachedRequestState,
     HostStaging,
     StepInputs,
@@ -44,6 +51,22 @@ def step_seed(seed: int, num_output_tokens: int) -> int:
     return (seed * 1_000_003 + num_output_tokens * _GOLDEN) & ((1 << 63) - 1)
 
 
+@dataclass
+class LaunchedStep:
+    """A step whose forward pass and sampling are enqueued; `collect` finishes it."""
+
+    result: StepResult = field(default_factory=StepResult)
+    # Sampled rows, in order: the request's id and state, and where its placeholder sits.
+    rows: list[tuple[str, CachedRequestState, int]] = field(default_factory=list)
+    # The sampled ids on the device (read by a step launched before this one is collected)
+    # and the host copies in flight: ids, top logprob ids, logprobs, ranks.
+    sampled: torch.Tensor | None = None
+    host: list[torch.Tensor | None] = field(default_factory=list)
+    copied: torch.cuda.Event | None = None
+    # A sampled row applies penalties: the next step must see the real tokens first.
+    needs_tokens: bool = False
+
+
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, device: torch.device) -> None:
         self.loaded = loaded
@@ -61,7 +84,6 @@ class ModelRunner:
         self.num_blocks = 0
         self.decode_graphs: DecodeGraphs | None = None
         self.staging = HostStaging(device)
-        self._copied = torch.cuda.Event() if device.type == "cuda" else None
 
     # ---- KV pool -------------------------------------------------------------------------
 
@@ -199,8 +221,17 @@ class ModelRunner:
         grammar: Future[GrammarBitmask | None] | None = None,
         on_launched: Callable[[], object] | None = None,
     ) -> StepResult:
-        """Run one step. `grammar`, when given, resolves to this step's token masks (None when
-        no sampling row is constrained); it is awaited only right before sampling.
+        """Run one step to the end: launch, then collect."""
+        return self.collect(self.launch(plan, grammar, on_launched))
+
+    def launch(
+        self,
+        plan: StepPlan,
+        grammar: Future[GrammarBitmask | None] | None = None,
+        on_launched: Callable[[], object] | None = None,
+    ) -> LaunchedStep:
+        """Enqueue one step. `grammar`, when given, resolves to this step's token masks (None
+        when no sampling row is constrained); it is awaited only right before sampling.
 
         `on_launched` is called once, as soon as the forward pass is enqueued (or the step
         ends without one), so the caller can hold its own Python work until then: with the
@@ -215,22 +246,24 @@ class ModelRunner:
                 on_launched()
 
         try:
-            return self._execute(plan, grammar, launched)
+            return self._launch(plan, grammar, launched)
         finally:
             launched()
 
     @torch.inference_mode()
-    def _execute(
+    def _launch(
         self,
         plan: StepPlan,
         grammar: Future[GrammarBitmask | None] | None,
         launched: Callable[[], None],
-    ) -> StepResult:
+    ) -> LaunchedStep:
         self._apply_plan(plan)
-        result = StepResult()
+        step = LaunchedStep()
         if plan.is_empty:
-            return result
+            return step
         inputs = build_step_inputs(plan, self.states, self.block_size, self.staging)
+        if inputs.placeholder_index is not None:
+            self._fill_placeholders(inputs)
         logits_all: torch.Tensor | None = None
         if self._can_replay(inputs):
             assert self.decode_graphs is not None
@@ -239,7 +272,7 @@ class ModelRunner:
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
             launched()
-            self._prompt_logprobs(inputs, hidden, result)
+            self._prompt_logprobs(inputs, hidden, step.result)
 
         sampler_out: SamplerOutput | None = None
         if inputs.sample_request_ids:
@@ -258,7 +291,65 @@ class ModelRunner:
         for rid, count in zip(inputs.request_ids, inputs.counts, strict=True):
             self.states[rid].num_computed_tokens += count
         if sampler_out is not None:
-            self._collect_samples(inputs, sampler_out, result)
+            self._start_copy(inputs, sampler_out, step)
+        return step
+
+    def _fill_placeholders(self, inputs: StepInputs) -> None:
+        """Input tokens still being sampled by the step before come from its device tensor."""
+        assert inputs.placeholder_index is not None and inputs.placeholder_rows is not None
+        source = inputs.placeholder_source
+        assert source is not None
+        inputs.input_ids[inputs.placeholder_index] = source[inputs.placeholder_rows]
+
+    def _start_copy(self, inputs: StepInputs, out: SamplerOutput, step: LaunchedStep) -> None:
+        """Mark each sampled token as a placeholder and start the one device->host copy."""
+        sampled = out.sampled_token_ids
+        step.sampled = sampled
+        for row, rid in enumerate(inputs.sample_request_ids):
+            state = self.states[rid]
+            step.rows.append((rid, state, len(state.output_token_ids)))
+            state.output_token_ids.append(PLACEHOLDER_TOKEN)
+            state.in_flight = (sampled, row)
+            step.needs_tokens = step.needs_tokens or state.sampling_params.needs_penalties
+        tensors = [sampled, out.logprob_token_ids, out.logprobs, out.sampled_ranks]
+        if self.device.type != "cuda":
+            step.host = tensors
+            return
+        # Into pinned memory without blocking; collect() waits on the event (releasing
+        # the GIL) rather than in a synchronous copy.
+        step.host = [t.to("cpu", non_blocking=True) if t is not None else None for t in tensors]
+        step.copied = torch.cuda.Event()
+        step.copied.record()
+
+    def collect(self, step: LaunchedStep) -> StepResult:
+        """Wait for a launched step's sampled ids; replace its placeholders by them."""
+        result = step.result
+        if step.sampled is None:
+            return result
+        if step.copied is not None:
+            step.copied.synchronize()
+        sampled, lp_ids, lp_vals, ranks = (t.tolist() if t is not None else None for t in step.host)
+        assert sampled is not None
+        for row, (rid, state, index) in enumerate(step.rows):
+            token = int(sampled[row])
+            state.output_token_ids[index] = token
+            if state.in_flight is not None and state.in_flight[0] is step.sampled:
+                state.in_flight = None
+            result.sampled_token_ids[rid] = [token]
+            num_logprobs = state.sampling_params.logprobs
+            if num_logprobs is not None and lp_ids is not None and lp_vals is not None:
+                # Column 0 is the sampled token, then the top-k.
+                entry = {
+                    int(t): float(v)
+                    for t, v in zip(
+                        lp_ids[row][1 : 1 + num_logprobs],
+                        lp_vals[row][1 : 1 + num_logprobs],
+                        strict=True,
+                    )
+                }
+                entry[token] = float(lp_vals[row][0])
+                rank = int(ranks[row]) if ranks is not None else 0
+                result.logprobs[rid] = [(entry, rank)]
         return result
 
     def _can_replay(self, inputs: StepInputs) -> bool:
@@ -280,44 +371,6 @@ class ModelRunner:
             generator=self._generator(state),
             stop_token_ids=state.stop_token_ids,
         )
-
-    def _to_host(self, tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        """Copy to the host. On CUDA the copies land in pinned memory without blocking, and
-        the step thread then waits on an event (releasing the GIL) rather than in a
-        synchronous copy."""
-        if self._copied is None:
-            return tensors
-        host = [t.to("cpu", non_blocking=True) if t is not None else None for t in tensors]
-        self._copied.record()
-        self._copied.synchronize()
-        return host
-
-    def _collect_samples(self, inputs: StepInputs, out: SamplerOutput, result: StepResult) -> None:
-        # The one device->host transfer of the step.
-        host = self._to_host(
-            [out.sampled_token_ids, out.logprob_token_ids, out.logprobs, out.sampled_ranks]
-        )
-        sampled, lp_ids, lp_vals, ranks = (t.tolist() if t is not None else None for t in host)
-        assert sampled is not None
-        for row, rid in enumerate(inputs.sample_request_ids):
-            token = int(sampled[row])
-            state = self.states[rid]
-            state.output_token_ids.append(token)
-            result.sampled_token_ids[rid] = [token]
-            num_logprobs = state.sampling_params.logprobs
-            if num_logprobs is not None and lp_ids is not None and lp_vals is not None:
-                # Column 0 is the sampled token, then the top-k.
-                entry = {
-                    int(t): float(v)
-                    for t, v in zip(
-                        lp_ids[row][1 : 1 + num_logprobs],
-                        lp_vals[row][1 : 1 + num_logprobs],
-                        strict=True,
-                    )
-                }
-                entry[token] = float(lp_vals[row][0])
-                rank = int(ranks[row]) if ranks is not None else 0
-                result.logprobs[rid] = [(entry, rank)]
 
     def _prompt_logprobs(
         self, inputs: StepInputs, hidden: torch.Tensor, result: StepResult

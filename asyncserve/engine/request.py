@@ -50,6 +50,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     # Tokens whose K/V are in the cache (prefix hits included).
     num_computed_tokens: int = 0
+    # Tokens sampled by a step in flight but not yet known here (async scheduling): the
+    # next step already feeds them to the model, straight from the device.
+    num_output_placeholders: int = 0
     # Prompt tokens served from the prefix cache at first scheduling.
     num_cached_tokens: int = -1
     # Chained hashes of this request's full blocks, extended as tokens arrive.

@@ -8,6 +8,12 @@ runs out of blocks, a running request is preempted by recompute (newest under fc
 
 A request that needs more blocks than the whole pool holds can never run: it is finished
 with FINISHED_ERROR instead of looping, and handed to the engine through take_errored().
+
+With async scheduling the next step is planned while the last one still runs: a request
+whose token is being sampled holds a placeholder (num_output_placeholders) that the next
+step already computes. A request that ends on that token (EOS, stop) has one wasted row in
+the next step, whose token update() drops; length limits count placeholders, so nothing is
+ever computed past max_tokens or max_model_len.
 """
 
 from __future__ import annotations
@@ -191,8 +197,8 @@ class Scheduler:
         req_index = 0
         while req_index < len(running) and budget > 0:
             request = running[req_index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0:
+            num_new = min(_num_pending_tokens(request) - request.num_computed_tokens, budget)
+            if num_new <= 0 or self._at_length_limit(request):
                 req_index += 1
                 continue
             if self._never_fits(request.num_computed_tokens + num_new):
@@ -237,6 +243,9 @@ class Scheduler:
             if head is None:
                 break
             request = head
+            if request.num_output_placeholders:
+                # Preempted while its last token was in flight: admitted once it is known.
+                break
             if self._never_fits(request.num_tokens):
                 waiting.pop()
                 self._fail(request)
@@ -284,18 +293,20 @@ class Scheduler:
             freed_request_ids=self._freed_ids,
         )
         self._freed_ids = set()
-        # The plan carries the start positions; from here on the tokens count as computed.
-        for r in scheduled_running:
+        # The plan carries the start positions; from here on the tokens count as computed,
+        # and a request whose chunk reaches its last token awaits the token sampled now.
+        for r in itertools.chain(scheduled_running, scheduled_new):
             r.num_computed_tokens += num_scheduled[r.request_id]
-        for r in scheduled_new:
-            r.num_computed_tokens += num_scheduled[r.request_id]
+            if r.num_computed_tokens >= _num_pending_tokens(r):
+                r.num_output_placeholders += 1
         return plan
 
     def update(self, plan: StepPlan, result: StepResult) -> list[Request]:
         """Append sampled tokens, apply stop rules, release finished requests.
 
         Returns the requests that got tokens this step, finished ones included. Requests
-        finished (e.g. aborted) since the plan was made are skipped.
+        finished (e.g. aborted) since the plan was made are skipped; one preempted since
+        (async scheduling) still gets its token, which was computed before its K/V went.
         """
         sampled = result.sampled_token_ids
         requests = self._requests
@@ -307,12 +318,21 @@ class Scheduler:
             if not token_ids:
                 continue
             request = requests.get(rid)
-            if request is None or request.status != RequestStatus.RUNNING:
+            if request is None or request.is_finished:
                 continue
+            request.num_output_placeholders = max(
+                request.num_output_placeholders - len(token_ids), 0
+            )
+            preempted = request.status == RequestStatus.PREEMPTED
             for token_id in token_ids:
                 request.output_token_ids.append(token_id)
                 if self._check_stop(request, token_id):
-                    any_finished = True
+                    if preempted:
+                        # Its blocks went at preemption; only the waiting queue holds it.
+                        self._waiting.discard(request)
+                        self._release(request)
+                    else:
+                        any_finished = True
                     break
             if request.first_token_time is None:
                 if now is None:
@@ -357,6 +377,15 @@ class Scheduler:
             return True
         return False
 
+    def _at_length_limit(self, request: Request) -> bool:
+        """The tokens in flight already reach max_tokens or max_model_len: nothing more to
+        compute until they are known (and the request finishes)."""
+        pending = request.num_output_placeholders
+        return pending > 0 and (
+            request.num_output_tokens + pending >= request.max_tokens
+            or request.num_tokens + pending >= self.max_model_len
+        )
+
     def _never_fits(self, num_tokens: int) -> bool:
         return -(-num_tokens // self.block_size) > self.num_blocks
 
@@ -384,6 +413,11 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         del self._requests[request.request_id]
         self._freed_ids.add(request.request_id)
+
+
+def _num_pending_tokens(request: Request) -> int:
+    """Known tokens plus the ones being sampled by a step in flight."""
+    return request.num_tokens + request.num_output_placeholders
 
 
 def _priority_key(request: Request) -> tuple[int, float]:

@@ -110,21 +110,41 @@ def check_plan(plan: StepPlan, scheduler: Scheduler) -> None:
     assert list(counts) == order
 
 
+def check_length_limits(plan: StepPlan, scheduler: Scheduler) -> None:
+    """Nothing is computed past max_tokens or max_model_len, tokens in flight included."""
+    for rid in plan.num_scheduled_tokens:
+        request = scheduler.get_request(rid)
+        assert request is not None
+        assert request.num_computed_tokens <= request.num_prompt_tokens + request.max_tokens - 1
+        assert request.num_computed_tokens <= scheduler.max_model_len - 1
+
+
 def run_until_done(
-    scheduler: Scheduler, runner: FakeRunner, max_steps: int = 10_000
+    scheduler: Scheduler,
+    runner: FakeRunner,
+    max_steps: int = 10_000,
+    async_scheduling: bool = False,
 ) -> tuple[list[StepPlan], list[Request]]:
-    """Step until no request is left; returns the plans and the finished requests in order."""
+    """Step until no request is left; returns the plans and the finished requests in order.
+
+    With async_scheduling each step is planned before the scheduler sees the tokens of the
+    step before (the runner holds them already, as the device does)."""
     plans: list[StepPlan] = []
     finished: list[Request] = []
+    in_flight: tuple[StepPlan, StepResult] | None = None
     for _ in range(max_steps):
-        if not scheduler.has_unfinished_requests():
+        if not scheduler.has_unfinished_requests() and in_flight is None:
             return plans, finished
         plan = scheduler.schedule()
         check_plan(plan, scheduler)
+        check_length_limits(plan, scheduler)
         finished.extend(scheduler.take_errored())
         plans.append(plan)
-        result = runner.execute(plan)
-        finished.extend(r for r in scheduler.update(plan, result) if r.is_finished)
+        done: tuple[StepPlan, StepResult] | None = (plan, runner.execute(plan))
+        if async_scheduling:
+            done, in_flight = in_flight, done if plan.num_scheduled_tokens else None
+        if done is not None:
+            finished.extend(r for r in scheduler.update(*done) if r.is_finished)
     raise AssertionError(f"requests still unfinished after {max_steps} steps")
 
 

@@ -29,7 +29,13 @@ def make_prompts(llm: LLM) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference() -> tuple[list[list[int]], list[list[int]]]:
-    llm = LLM(device="cpu", enable_prefix_caching=False, kv_cache_memory=128 << 20)
+    # Alone and one step at a time; the batches below plan ahead (async scheduling).
+    llm = LLM(
+        device="cpu",
+        enable_prefix_caching=False,
+        kv_cache_memory=128 << 20,
+        async_scheduling=False,
+    )
     prompts = make_prompts(llm)
     alone = [llm.generate([p], PARAMS, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     llm.close()

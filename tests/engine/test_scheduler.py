@@ -6,10 +6,12 @@ import pytest
 
 from asyncserve.config import SchedulingPolicy
 from asyncserve.engine.request import Request, RequestStatus
+from asyncserve.engine.step import StepPlan, StepResult
 from tests.engine.fake_runner import (
     BS,
     VOCAB,
     assert_all_blocks_back,
+    check_length_limits,
     check_plan,
     expected_output,
     make_request,
@@ -244,8 +246,14 @@ def test_prefix_caching_disabled() -> None:
 # ------------------------------------------------------------------------ block accounting
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
-def test_random_mix_gives_every_block_back(policy: SchedulingPolicy) -> None:
+def test_random_mix_gives_every_block_back(
+    policy: SchedulingPolicy, async_scheduling: bool
+) -> None:
+    """Random arrivals, aborts, EOS, preemption and prefix hits. With async scheduling each
+    step is planned before the last one's tokens reach the scheduler (the runner, like the
+    device, already holds them)."""
     rng = random.Random(1234)
     scheduler, runner = make_scheduler(num_blocks=24, budget=24, max_seqs=6, policy=policy)
     prefixes = [[rng.randrange(VOCAB) for _ in range(rng.randint(4, 20))] for _ in range(5)]
@@ -265,7 +273,8 @@ def test_random_mix_gives_every_block_back(policy: SchedulingPolicy) -> None:
             ended[request.request_id] = request
 
     steps = 0
-    while pending or scheduler.has_unfinished_requests():
+    in_flight: tuple[StepPlan, StepResult] | None = None
+    while pending or scheduler.has_unfinished_requests() or in_flight:
         steps += 1
         assert steps < 5000
         for _ in range(rng.randint(0, 4)):
@@ -276,14 +285,19 @@ def test_random_mix_gives_every_block_back(policy: SchedulingPolicy) -> None:
             abort_some([rng.choice(live)])
         plan = scheduler.schedule()
         check_plan(plan, scheduler)
+        check_length_limits(plan, scheduler)
         for request in scheduler.take_errored():
             ended[request.request_id] = request
         result = runner.execute(plan)
         if plan.num_scheduled_tokens and rng.random() < 0.1:
             abort_some([rng.choice(list(plan.num_scheduled_tokens))])
-        for request in scheduler.update(plan, result):
-            if request.is_finished:
-                ended[request.request_id] = request
+        done: tuple[StepPlan, StepResult] | None = (plan, result)
+        if async_scheduling:
+            done, in_flight = in_flight, (plan, result) if plan.num_scheduled_tokens else None
+        if done is not None:
+            for request in scheduler.update(*done):
+                if request.is_finished:
+                    ended[request.request_id] = request
 
     assert len(ended) == len(all_requests)
     statuses = {r.status for r in all_requests}
