@@ -67,8 +67,9 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     policy: SchedulingPolicy = "fcfs"
     max_waiting_requests: int | None = None
-    # Plan step N+1 while step N runs (its tokens fed to N+1 on the device).
-    async_scheduling: bool = True
+    # Plan step N+1 while step N runs (its tokens fed to N+1 on the device). None: on with
+    # CUDA; off on CPU, where a step's launch is its whole forward pass and nothing overlaps.
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:

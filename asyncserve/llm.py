@@ -43,7 +43,7 @@ class LLM:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
         scheduling_policy: str = "fcfs",
-        async_scheduling: bool = True,
+        async_scheduling: bool | None = None,
         enforce_eager: bool = False,
     ) -> None:
         config = EngineConfig(

@@ -95,6 +95,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str
     ]  # fmt: skip
     if args.model:
         cmd += ["--model", args.model]
+    cmd += args.serve_arg
     proc = subprocess.Popen(cmd, cwd=REPO)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
@@ -119,6 +120,12 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--kv-cache-memory", default="512M")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--serve-arg",
+        action="append",
+        default=[],
+        help="one more flag for the server, e.g. --serve-arg=--no-async-scheduling",
+    )
     args = parser.parse_args()
     proc = None
     base = args.base_url

@@ -25,8 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="plan each step while the one before runs",
+        default=None,
+        help="plan each step while the one before runs (default: on with CUDA)",
     )
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--output-json", default=None)

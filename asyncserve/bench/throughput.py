@@ -35,8 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="plan each step while the one before runs",
+        default=None,
+        help="plan each step while the one before runs (default: on with CUDA)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--peer", choices=["none", "hf"], default="none")

@@ -4,7 +4,7 @@ Each iteration schedules a step, hands it to a worker thread (the forward pass),
 the device works, detokenizes and publishes the previous step's tokens on the event loop.
 The event loop never blocks on the device: it awaits the worker's future.
 
-With async scheduling (the default) the loop plans and launches step N+1 before step N's
+With async scheduling (the default with CUDA) the loop plans and launches step N+1 before step N's
 tokens are back, so the device never waits for the host between steps; N+1 reads N's
 tokens on the device. Steps fall back to the plain order while a grammar is live or a
 sampled row applies penalties: both need the real tokens on the host first.
@@ -74,6 +74,9 @@ class AsyncEngine:
             loaded.arch.max_position_embeddings,
         )
         self.runner = ModelRunner(loaded, config, self.device)
+        self.async_scheduling = config.scheduler.async_scheduling
+        if self.async_scheduling is None:
+            self.async_scheduling = self.device.type == "cuda"
         num_blocks = self.runner.determine_num_blocks(self.max_model_len)
         self.runner.allocate_kv_cache(num_blocks, self.max_model_len)
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len)
@@ -389,7 +392,7 @@ class AsyncEngine:
 
     def _can_overlap(self) -> bool:
         """Whether the next step may be planned before the last one's tokens are known."""
-        return self.config.scheduler.async_scheduling and not self.structured.num_requests
+        return bool(self.async_scheduling) and not self.structured.num_requests
 
     async def _launch(
         self, loop: asyncio.AbstractEventLoop, plan: StepPlan

@@ -29,7 +29,8 @@ def make_prompts(llm: LLM) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference() -> tuple[list[list[int]], list[list[int]]]:
-    # Alone and one step at a time; the batches below plan ahead (async scheduling).
+    # Alone and one step at a time; the batches below plan ahead (async scheduling, which is
+    # off by default on CPU).
     llm = LLM(
         device="cpu",
         enable_prefix_caching=False,
@@ -51,7 +52,9 @@ def run_batch(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 def test_batched_equals_alone(reference) -> None:  # type: ignore[no-untyped-def]
     prompts, alone = reference
-    llm = LLM(device="cpu", enable_prefix_caching=False, kv_cache_memory=128 << 20)
+    llm = LLM(
+        device="cpu", enable_prefix_caching=False, kv_cache_memory=128 << 20, async_scheduling=True
+    )
     assert run_batch(llm, prompts) == alone
 
 
@@ -63,6 +66,7 @@ def test_small_chunked_prefill_equals_alone(reference) -> None:  # type: ignore[
         max_num_batched_tokens=16,
         max_num_seqs=16,
         kv_cache_memory=128 << 20,
+        async_scheduling=True,
     )
     assert run_batch(llm, prompts) == alone
 
@@ -70,14 +74,18 @@ def test_small_chunked_prefill_equals_alone(reference) -> None:  # type: ignore[
 def test_preemption_equals_alone(reference) -> None:  # type: ignore[no-untyped-def]
     prompts, alone = reference
     # 24 blocks of 16 tokens: far fewer than 32 requests need at once.
-    llm = LLM(device="cpu", enable_prefix_caching=False, num_gpu_blocks_override=24)
+    llm = LLM(
+        device="cpu", enable_prefix_caching=False, num_gpu_blocks_override=24, async_scheduling=True
+    )
     assert run_batch(llm, prompts) == alone
     assert llm.engine.scheduler.num_preemptions_total > 0
 
 
 def test_prefix_cache_hits_equal_alone(reference) -> None:  # type: ignore[no-untyped-def]
     prompts, alone = reference
-    llm = LLM(device="cpu", enable_prefix_caching=True, kv_cache_memory=128 << 20)
+    llm = LLM(
+        device="cpu", enable_prefix_caching=True, kv_cache_memory=128 << 20, async_scheduling=True
+    )
     assert run_batch(llm, prompts) == alone
     # Second pass: every prompt's full blocks are cached now.
     assert run_batch(llm, prompts) == alone

