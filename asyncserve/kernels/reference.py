@@ -133,8 +133,12 @@ def _decode_attention(
     valid = torch.arange(max_ctx, device=query.device)[None, :] < ctx[:, None]
     # Zero the padding so 0-weight x NaN/inf in unused slots cannot reach the output.
     pad = ~valid[:, :, None, None]
-    k = key_cache[blocks].reshape(n, -1, num_kv_heads, head_dim)[:, :max_ctx].masked_fill(pad, 0)
-    v = value_cache[blocks].reshape(n, -1, num_kv_heads, head_dim)[:, :max_ctx].masked_fill(pad, 0)
+    # index_select on the flat block list: much faster on CPU than advanced indexing.
+    flat = blocks.reshape(-1)
+    k = key_cache.index_select(0, flat).view(n, -1, num_kv_heads, head_dim)[:, :max_ctx]
+    v = value_cache.index_select(0, flat).view(n, -1, num_kv_heads, head_dim)[:, :max_ctx]
+    k = k.masked_fill(pad, 0)
+    v = v.masked_fill(pad, 0)
     o = F.scaled_dot_product_attention(
         query[rows].float()[:, :, None, :],  # [n, H, 1, D]
         k.transpose(1, 2).float(),  # [n, Hkv, ctx, D]
