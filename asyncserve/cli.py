@@ -126,8 +126,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="plan each step while the one before runs, so the device never waits for "
-        "the host (steps with grammars or penalties wait for their tokens); default: on "
-        "with CUDA, off on CPU (where a step's launch is its whole forward pass)",
+        "the host (with grammars or penalties only sampling waits for the last tokens); "
+        "default: on with CUDA, off on CPU (where a step's launch is its whole forward pass)",
     )
     group.add_argument(
         "--enforce-eager", action="store_true", help="no CUDA graphs (GPU only; always on CPU)"

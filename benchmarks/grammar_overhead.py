@@ -82,18 +82,12 @@ def run(llm: LLM, batch: int, tokens: int, constrained: bool) -> dict[str, float
     accept = Timer(engine.structured.accept_tokens)
     apply = Timer(structured.apply_grammar_bitmask)
     waits: list[float] = []
-    execute = engine.runner.execute
+    launch_sampling = engine.runner.launch_sampling
     update = engine.scheduler.update
     update_at: list[float] = []
 
-    executes: list[tuple[float, float]] = []
-
-    def timed_execute(plan: Any, grammar: Any = None, *rest: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return execute(plan, None if grammar is None else TimedFuture(grammar, waits), *rest)
-        finally:
-            executes.append((start, time.perf_counter()))
+    def timed_sampling(forwarded: Any, grammar: Any = None) -> Any:
+        return launch_sampling(forwarded, None if grammar is None else TimedFuture(grammar, waits))
 
     def timed_update(*args: Any) -> Any:
         out = update(*args)
@@ -103,14 +97,15 @@ def run(llm: LLM, batch: int, tokens: int, constrained: bool) -> dict[str, float
     engine.runner.model.forward = forward  # type: ignore[method-assign]
     engine.structured.fill = fill  # type: ignore[method-assign]
     engine.structured.accept_tokens = accept  # type: ignore[method-assign]
-    engine.runner.execute = timed_execute  # type: ignore[method-assign]
+    engine.runner.launch_sampling = timed_sampling  # type: ignore[method-assign]
     engine.scheduler.update = timed_update  # type: ignore[method-assign]
     model_runner.apply_grammar_bitmask = apply  # type: ignore[attr-defined]
     try:
         outputs = llm.generate(prompts, params, use_tqdm=False)
     finally:
         del engine.runner.model.forward
-        del engine.structured.fill, engine.structured.accept_tokens, engine.runner.execute
+        del engine.structured.fill, engine.structured.accept_tokens
+        del engine.runner.launch_sampling
         del engine.scheduler.update
         model_runner.apply_grammar_bitmask = apply.fn  # type: ignore[attr-defined]
     assert all(len(o.outputs[0].token_ids) == tokens for o in outputs), "a request ended early"
@@ -124,14 +119,8 @@ def run(llm: LLM, batch: int, tokens: int, constrained: bool) -> dict[str, float
 
     # Replayed CUDA graphs bypass model.forward: then the forward is not timed on its own.
     timed_forward = engine.runner.decode_graphs is None
-    # The step thread's execute, and the event loop's time from one execute's end to the
-    # next one's start (the device idles then).
-    runs = executes[skip:]
-    between = [b[0] - a[1] for a, b in zip(runs, runs[1:], strict=False)]
     return {
         "step": ms(gaps),
-        "execute": ms([end - start for start, end in runs]),
-        "between": ms(between),
         "forward": ms(forward.times[skip + 1 :]) if timed_forward else float("nan"),
         "fill": ms(fill.times[skip:]),
         "wait": ms(waits[skip:]),
@@ -151,6 +140,12 @@ def main() -> None:
     parser.add_argument(
         "--switch-interval", type=float, default=None, help="sys.setswitchinterval (seconds)"
     )
+    parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="default: on with CUDA, off on CPU, as the engine does",
+    )
     args = parser.parse_args()
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
@@ -161,6 +156,7 @@ def main() -> None:
         device=args.device,
         max_model_len=512,
         kv_cache_memory=kv_bytes,
+        async_scheduling=args.async_scheduling,
     )
     run(llm, 8, 4, True)  # warm up: the grammar cache, the llguidance tokenizer
     results: dict[bool, list[dict[str, float]]] = {False: [], True: []}
@@ -177,8 +173,7 @@ def main() -> None:
             f"{label:>26}: step {fields['step']:8.2f}  forward {fields['forward']:8.2f}  "
             f"step-forward {rest[constrained]:6.2f}  fill {fields['fill']:5.2f}  "
             f"wait {fields['wait']:5.2f}  apply {fields['apply']:5.2f}  "
-            f"accept {fields['accept']:5.2f}  execute {fields['execute']:6.2f}  "
-            f"between executes {fields['between']:5.2f}"
+            f"accept {fields['accept']:5.2f}"
         )
     runs = results[True]
     critical = statistics.median(r["wait"] + r["apply"] for r in runs)

@@ -47,7 +47,14 @@ def main() -> None:
     args = parser.parse_args()
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
-    llm = LLM(model=args.model, load_format=args.load_format, max_model_len=args.max_model_len)
+    # One step at a time: the phases below are those the device would wait for without
+    # async scheduling (with it, they run while the step before computes).
+    llm = LLM(
+        model=args.model,
+        load_format=args.load_format,
+        max_model_len=args.max_model_len,
+        async_scheduling=False,
+    )
     engine = llm.engine
     runner = engine.runner
     prompts = random_prompts(args.batch_size, args.input_len, engine.loaded.arch.vocab_size)
@@ -61,7 +68,7 @@ def main() -> None:
         "build_inputs": Timer(model_runner.build_step_inputs),
         "sampling_meta": Timer(model_runner.SamplingMetadata.build),
         "sampler": Timer(runner.sampler),
-        "collect": Timer(runner._collect_samples),
+        "collect": Timer(runner.collect),
         "publish": Timer(engine._publish),
     }
     if runner.decode_graphs is not None:
@@ -98,7 +105,7 @@ def main() -> None:
     meta_build = model_runner.SamplingMetadata.build
     model_runner.SamplingMetadata.build = timers["sampling_meta"]  # type: ignore[method-assign]
     runner.sampler = timers["sampler"]  # type: ignore[assignment]
-    runner._collect_samples = timers["collect"]  # type: ignore[method-assign]
+    runner.collect = timers["collect"]  # type: ignore[method-assign]
     engine._publish = timers["publish"]  # type: ignore[method-assign]
     if runner.decode_graphs is not None:
         runner.decode_graphs.run = timers["replay"]  # type: ignore[method-assign]

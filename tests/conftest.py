@@ -63,9 +63,12 @@ def hf_smollm2(gguf_path: Path):  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="session")
 def smollm2_llm(gguf_path: Path):  # type: ignore[no-untyped-def]
-    """One offline engine on the default model for the suites that only generate with it."""
+    """One offline engine on the default model for the suites that only generate with it.
+
+    Async scheduling is on, as on a GPU (off by default on CPU), so these suites run the
+    steps the way GPU users get them."""
     from asyncserve.llm import LLM
 
-    llm = LLM(device="cpu", max_model_len=512, kv_cache_memory=64 << 20)
+    llm = LLM(device="cpu", max_model_len=512, kv_cache_memory=64 << 20, async_scheduling=True)
     yield llm
     llm.close()

@@ -4,10 +4,10 @@ Each iteration schedules a step, hands it to a worker thread (the forward pass),
 the device works, detokenizes and publishes the previous step's tokens on the event loop.
 The event loop never blocks on the device: it awaits the worker's future.
 
-With async scheduling (the default with CUDA) the loop plans and launches step N+1 before step N's
-tokens are back, so the device never waits for the host between steps; N+1 reads N's
-tokens on the device. Steps fall back to the plain order while a grammar is live or a
-sampled row applies penalties: both need the real tokens on the host first.
+With async scheduling (the default with CUDA) the loop plans and launches step N+1 before
+step N's tokens are back, so the device never waits for the host between steps; N+1 reads
+N's tokens on the device. Where sampling N+1 needs N's tokens on the host (grammar masks,
+penalties), N+1's forward is launched first and its sampling after N is collected.
 """
 
 from __future__ import annotations
@@ -20,11 +20,13 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from asyncserve.config import EngineConfig
-from asyncserve.engine.model_runner import LaunchedStep, ModelRunner
+from asyncserve.engine.model_runner import ForwardedStep, LaunchedStep, ModelRunner
 from asyncserve.engine.output_processor import OutputProcessor, ParentState
 from asyncserve.engine.request import Request, RequestStatus
 from asyncserve.engine.request_stream import RequestStream
@@ -50,6 +52,31 @@ def _copy_future(source: Future[GrammarBitmask], target: Future[GrammarBitmask |
 def _resolve(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
+
+
+async def _filled(masks: Future[GrammarBitmask | None] | None) -> None:
+    """Wait until a step's mask fill is over (the runner usually waited for it already)."""
+    if masks is not None and not masks.done():
+        await asyncio.wrap_future(masks)
+
+
+def _sample_forwarded(
+    runner: ModelRunner,
+    forwarded: Future[ForwardedStep],
+    masks: Future[GrammarBitmask | None] | None,
+) -> LaunchedStep:
+    """Step-thread job: sample a step whose forward was enqueued by an earlier job."""
+    return runner.launch_sampling(forwarded.result(), masks)
+
+
+@dataclass
+class _InFlight:
+    """A launched step whose tokens are not collected yet (async scheduling)."""
+
+    plan: StepPlan
+    launching: asyncio.Future[LaunchedStep]
+    # Its grammar masks; their fill must be over before the matchers advance again.
+    masks: Future[GrammarBitmask | None] | None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -307,40 +334,31 @@ class AsyncEngine:
         # The last step's requests and result, published while the next step computes.
         pending: tuple[list[Request], StepResult] | None = None
         # Async scheduling: a launched step whose tokens are not collected yet.
-        in_flight: tuple[StepPlan, asyncio.Future[LaunchedStep]] | None = None
+        in_flight: _InFlight | None = None
         assert self._wakeup is not None
         try:
             while not self._stopping:
                 if in_flight is not None:
-                    in_flight = await self._overlapped_step(loop, *in_flight)
+                    in_flight = await self._overlapped_step(loop, in_flight)
                     continue
                 if not self.scheduler.has_unfinished_requests() and pending is None:
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
                 plan = self._schedule()
-                if self._can_overlap():
-                    if not plan.is_empty or plan.freed_request_ids:
-                        in_flight = (plan, await self._launch(loop, plan))
-                    if pending is not None:
-                        self._publish(*pending, self._advance_grammars(pending[0]))
-                        pending = None
-                    if in_flight is None:
-                        await asyncio.sleep(0.001)
-                    continue
                 # With live grammars the runner gets a future of this step's masks: it waits
                 # for it only right before sampling, so the matchers advance by the last
                 # step's tokens, and the masks fill, while the forward already runs.
                 masks: Future[GrammarBitmask | None] | None = (
                     Future() if self.structured.num_requests else None
                 )
-                future = None
+                future: asyncio.Future[Any] | None = None
                 launched: asyncio.Future[None] | None = None
                 if not plan.is_empty or plan.freed_request_ids:
                     launched = loop.create_future()
                     future = loop.run_in_executor(
                         self._executor,
-                        self.runner.execute,
+                        self.runner.launch if self.async_scheduling else self.runner.execute,
                         plan,
                         masks,
                         functools.partial(loop.call_soon_threadsafe, _resolve, launched),
@@ -361,18 +379,19 @@ class AsyncEngine:
                 if pending is not None:
                     self._publish(*pending, grammar_done)
                     pending = None
-                if future is not None:
+                if future is None:
+                    await asyncio.sleep(0.001)
+                elif self.async_scheduling:
+                    in_flight = _InFlight(plan, future, masks)
+                else:
                     result = await future
-                    if masks is not None and not masks.done():
-                        # The runner waits for masks it samples with, so this is rare: the
-                        # fill must be over before the matchers advance again.
-                        await asyncio.wrap_future(masks)
+                    await _filled(masks)
                     pending = (self.scheduler.update(plan, result), result)
                     self._record_step()
-                else:
-                    await asyncio.sleep(0.001)
             if in_flight is not None:
-                await self._finish_step(loop, in_flight[0], await in_flight[1])
+                step = await in_flight.launching
+                await _filled(in_flight.masks)
+                await self._finish_step(loop, in_flight.plan, step)
             if pending is not None:
                 self._publish(*pending, self._advance_grammars(pending[0]))
         except Exception as exc:  # a failed step: fail every request, report unhealthy
@@ -390,14 +409,10 @@ class AsyncEngine:
             self.output_processor.fail_request(request.request_id, request.error or "")
         return plan
 
-    def _can_overlap(self) -> bool:
-        """Whether the next step may be planned before the last one's tokens are known."""
-        return bool(self.async_scheduling) and not self.structured.num_requests
-
     async def _launch(
         self, loop: asyncio.AbstractEventLoop, plan: StepPlan
     ) -> asyncio.Future[LaunchedStep]:
-        """Hand `plan` to the step thread; return once its forward pass is enqueued."""
+        """Hand `plan` to the step thread whole; return once its forward pass is enqueued."""
         launched: asyncio.Future[None] = loop.create_future()
         future = loop.run_in_executor(
             self._executor,
@@ -410,24 +425,62 @@ class AsyncEngine:
         await launched
         return future
 
-    async def _overlapped_step(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        plan: StepPlan,
-        launching: asyncio.Future[LaunchedStep],
-    ) -> tuple[StepPlan, asyncio.Future[LaunchedStep]] | None:
-        """Launch the step after `plan` (when it may overlap), then finish `plan`'s step.
+    async def _launch_forward(
+        self, loop: asyncio.AbstractEventLoop, plan: StepPlan
+    ) -> Future[ForwardedStep]:
+        """Hand `plan`'s forward pass to the step thread; return once it is enqueued."""
+        launched: asyncio.Future[None] = loop.create_future()
+        forwarded = self._executor.submit(
+            self.runner.launch_forward,
+            plan,
+            functools.partial(loop.call_soon_threadsafe, _resolve, launched),
+        )
+        await launched
+        return forwarded
 
-        Returns the newly launched step, or None when the next one must wait for tokens.
+    async def _overlapped_step(
+        self, loop: asyncio.AbstractEventLoop, current: _InFlight
+    ) -> _InFlight | None:
+        """Launch the step after `current`, then collect, update and publish `current`.
+
+        Returns the newly launched step, or None when there is nothing to launch.
         """
-        step = await launching
-        following = None
-        if not step.needs_tokens and self._can_overlap():
-            next_plan = self._schedule()
-            if not next_plan.is_empty or next_plan.freed_request_ids:
-                following = (next_plan, await self._launch(loop, next_plan))
-        await self._finish_step(loop, plan, step)
-        return following
+        step = await current.launching
+        # The fill read the matchers; it must be over before they advance again.
+        await _filled(current.masks)
+        plan = self._schedule()
+        if plan.is_empty and not plan.freed_request_ids:
+            await self._finish_step(loop, current.plan, step)
+            return None
+        if not step.needs_tokens and not self.structured.num_requests:
+            # Sampling the next step needs nothing from this one: enqueue it whole.
+            launching = await self._launch(loop, plan)
+            await self._finish_step(loop, current.plan, step)
+            return _InFlight(plan, launching, None)
+        # Sampling the next step needs this step's tokens (grammar masks, penalties): its
+        # forward is enqueued now, its sampling after this step is collected, on the same
+        # step thread, so both overlap the forward.
+        masks: Future[GrammarBitmask | None] | None = (
+            Future() if self.structured.num_requests else None
+        )
+        forwarded = await self._launch_forward(loop, plan)
+        collecting = loop.run_in_executor(self._executor, self.runner.collect, step)
+        launching = loop.run_in_executor(
+            self._executor, _sample_forwarded, self.runner, forwarded, masks
+        )
+        try:
+            result = await collecting
+            updated = self.scheduler.update(current.plan, result)
+            self._record_step()
+            grammar_done = self._advance_grammars(updated)
+        except BaseException:
+            if masks is not None and not masks.done():
+                masks.set_result(None)  # never leave the runner waiting
+            raise
+        if masks is not None:
+            self._fill_masks(plan, masks)
+        self._publish(updated, result, grammar_done)
+        return _InFlight(plan, launching, masks)
 
     async def _finish_step(
         self, loop: asyncio.AbstractEventLoop, plan: StepPlan, step: LaunchedStep

@@ -67,6 +67,17 @@ class LaunchedStep:
     needs_tokens: bool = False
 
 
+@dataclass
+class ForwardedStep:
+    """A step whose forward pass is enqueued; `launch_sampling` samples from it."""
+
+    inputs: StepInputs | None = None
+    # The last hidden states (eager forward) or the sampled rows' logits (replayed graph).
+    hidden: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    step: LaunchedStep = field(default_factory=LaunchedStep)
+
+
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, device: torch.device) -> None:
         self.loaded = loaded
@@ -230,8 +241,13 @@ class ModelRunner:
         grammar: Future[GrammarBitmask | None] | None = None,
         on_launched: Callable[[], object] | None = None,
     ) -> LaunchedStep:
-        """Enqueue one step. `grammar`, when given, resolves to this step's token masks (None
-        when no sampling row is constrained); it is awaited only right before sampling.
+        """Enqueue one step: the forward pass, then sampling (see the two halves below)."""
+        return self.launch_sampling(self.launch_forward(plan, on_launched), grammar)
+
+    def launch_forward(
+        self, plan: StepPlan, on_launched: Callable[[], object] | None = None
+    ) -> ForwardedStep:
+        """Apply the plan, build the inputs and enqueue the forward pass.
 
         `on_launched` is called once, as soon as the forward pass is enqueued (or the step
         ends without one), so the caller can hold its own Python work until then: with the
@@ -246,40 +262,53 @@ class ModelRunner:
                 on_launched()
 
         try:
-            return self._launch(plan, grammar, launched)
+            return self._forward(plan, launched)
         finally:
             launched()
 
     @torch.inference_mode()
-    def _launch(
-        self,
-        plan: StepPlan,
-        grammar: Future[GrammarBitmask | None] | None,
-        launched: Callable[[], None],
-    ) -> LaunchedStep:
+    def _forward(self, plan: StepPlan, launched: Callable[[], None]) -> ForwardedStep:
         self._apply_plan(plan)
-        step = LaunchedStep()
+        forwarded = ForwardedStep()
         if plan.is_empty:
-            return step
+            return forwarded
         inputs = build_step_inputs(plan, self.states, self.block_size, self.staging)
         if inputs.placeholder_index is not None:
             self._fill_placeholders(inputs)
-        logits_all: torch.Tensor | None = None
+        forwarded.inputs = inputs
         if self._can_replay(inputs):
             assert self.decode_graphs is not None
-            logits_all = self.decode_graphs.run(inputs)
+            forwarded.logits = self.decode_graphs.run(inputs)
             launched()
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
             launched()
-            self._prompt_logprobs(inputs, hidden, step.result)
+            forwarded.hidden = hidden
+            self._prompt_logprobs(inputs, hidden, forwarded.step.result)
+        return forwarded
 
+    @torch.inference_mode()
+    def launch_sampling(
+        self, forwarded: ForwardedStep, grammar: Future[GrammarBitmask | None] | None = None
+    ) -> LaunchedStep:
+        """Enqueue sampling after a forward pass and start copying the sampled ids back.
+
+        `grammar`, when given, resolves to this step's token masks (None when no sampling
+        row is constrained); it is waited for only here. Sampling reads the requests' output
+        tokens (penalties, seeds, min_tokens) as they stand now: a step collected between
+        the two halves has replaced its placeholders by then.
+        """
+        step = forwarded.step
+        inputs = forwarded.inputs
+        if inputs is None:
+            return step
         sampler_out: SamplerOutput | None = None
         if inputs.sample_request_ids:
-            if logits_all is not None:
-                logits = logits_all
+            if forwarded.logits is not None:
+                logits = forwarded.logits
             else:
-                logits = self.model.compute_logits(hidden[inputs.logits_indices])
+                assert forwarded.hidden is not None
+                logits = self.model.compute_logits(forwarded.hidden[inputs.logits_indices])
             # Filled on the grammar thread while the forward ran.
             bitmask = grammar.result() if grammar is not None else None
             if bitmask is not None:

@@ -1,5 +1,6 @@
 """Async scheduling on the real model (CPU): planning each step before the last one's tokens
-are back changes no output, whatever the request asks for."""
+are back changes no output, whatever the request asks for (grammars and penalties included,
+whose sampling waits for the last step's tokens)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 
 from asyncserve import SamplingParams
 from asyncserve.llm import LLM
+from asyncserve.sampling_params import StructuredOutputsParams
 
 
 def _prompts_and_params(llm: LLM) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -18,6 +20,7 @@ def _prompts_and_params(llm: LLM) -> tuple[list[list[int]], list[SamplingParams]
         "Once upon a time",
         "The quick brown fox",
         "Water boils at",
+        "The year the tower was built:",
     ]
     prompts = [tokenizer.encode(t) for t in texts]
     params = [
@@ -27,6 +30,12 @@ def _prompts_and_params(llm: LLM) -> tuple[list[list[int]], list[SamplingParams]
         SamplingParams(temperature=0.0, max_tokens=16, repetition_penalty=1.3),  # needs tokens
         SamplingParams(temperature=0.0, max_tokens=12, logprobs=3, min_tokens=6),
         SamplingParams(temperature=0.7, seed=3, max_tokens=10, n=2, ignore_eos=True),
+        # A grammar: while it runs, sampling waits for the tokens the matcher must see.
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=12,
+            structured_outputs=StructuredOutputsParams(regex=r"[a-z]+ [0-9]{2,4}\."),
+        ),
     ]
     return prompts, params
 
