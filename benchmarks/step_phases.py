@@ -69,7 +69,7 @@ def main() -> None:
         "sampling_meta": Timer(model_runner.SamplingMetadata.build),
         "sampler": Timer(runner.sampler),
         "collect": Timer(runner.collect),
-        "publish": Timer(engine._publish),
+        "publish": Timer(engine.step_loop._publish),
     }
     if runner.decode_graphs is not None:
         timers["replay"] = Timer(runner.decode_graphs.run)
@@ -106,7 +106,7 @@ def main() -> None:
     model_runner.SamplingMetadata.build = timers["sampling_meta"]  # type: ignore[method-assign]
     runner.sampler = timers["sampler"]  # type: ignore[assignment]
     runner.collect = timers["collect"]  # type: ignore[method-assign]
-    engine._publish = timers["publish"]  # type: ignore[method-assign]
+    engine.step_loop._publish = timers["publish"]  # type: ignore[method-assign]
     if runner.decode_graphs is not None:
         runner.decode_graphs.run = timers["replay"]  # type: ignore[method-assign]
     try:

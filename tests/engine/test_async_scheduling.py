@@ -53,14 +53,14 @@ def _run(
     prompts, params = _prompts_and_params(llm)
     engine = llm.engine
     overlapped = 0
-    overlapped_step = engine._overlapped_step
+    overlapped_step = engine.step_loop._overlapped_step
 
     async def counting(*args):  # type: ignore[no-untyped-def]
         nonlocal overlapped
         overlapped += 1
         return await overlapped_step(*args)
 
-    engine._overlapped_step = counting  # type: ignore[method-assign]
+    engine.step_loop._overlapped_step = counting  # type: ignore[method-assign]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert engine.num_free_blocks == engine.num_total_blocks, "blocks leaked"
     assert (overlapped > 0) == async_scheduling
