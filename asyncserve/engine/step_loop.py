@@ -17,7 +17,7 @@ import functools
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from asyncserve.engine.model_runner import ForwardedStep, LaunchedStep, ModelRunner
 from asyncserve.engine.output_processor import OutputProcessor
@@ -26,6 +26,8 @@ from asyncserve.engine.scheduler import Scheduler
 from asyncserve.engine.step import StepPlan, StepResult
 from asyncserve.engine.structured import GrammarBitmask, StructuredOutputManager
 from asyncserve.metrics import EngineMetrics
+
+_T = TypeVar("_T")
 
 
 def _copy_future(source: Future[GrammarBitmask], target: Future[GrammarBitmask | None]) -> None:
@@ -117,14 +119,9 @@ class StepLoop:
             future: asyncio.Future[Any] | None = None
             launched: asyncio.Future[None] | None = None
             if not plan.is_empty or plan.freed_request_ids:
-                launched = loop.create_future()
-                future = loop.run_in_executor(
-                    self._executor,
-                    self.runner.launch if self.async_scheduling else self.runner.execute,
-                    plan,
-                    masks,
-                    functools.partial(loop.call_soon_threadsafe, _resolve, launched),
-                )
+                step_fn = self.runner.launch if self.async_scheduling else self.runner.execute
+                job, launched = self._submit_step(loop, step_fn, plan, masks)
+                future = asyncio.wrap_future(job)
             try:
                 if launched is not None:
                     # The step thread builds the inputs and launches the forward first:
@@ -164,34 +161,23 @@ class StepLoop:
             self.output_processor.fail_request(request.request_id, request.error or "")
         return plan
 
-    async def _launch(
-        self, loop: asyncio.AbstractEventLoop, plan: StepPlan
-    ) -> asyncio.Future[LaunchedStep]:
-        """Hand `plan` to the step thread whole; return once its forward pass is enqueued."""
+    def _submit_step(
+        self, loop: asyncio.AbstractEventLoop, fn: Callable[..., _T], *args: Any
+    ) -> tuple[Future[_T], asyncio.Future[None]]:
+        """Queue `fn(*args, on_launched)` on the step thread. Returns its job and a future
+        that resolves once it has enqueued its forward pass."""
         launched: asyncio.Future[None] = loop.create_future()
-        future = loop.run_in_executor(
-            self._executor,
-            self.runner.launch,
-            plan,
-            None,
-            functools.partial(loop.call_soon_threadsafe, _resolve, launched),
-        )
-        # Our own Python work would hold the GIL and delay the launch.
-        await launched
-        return future
+        on_launched = functools.partial(loop.call_soon_threadsafe, _resolve, launched)
+        return self._executor.submit(fn, *args, on_launched), launched
 
-    async def _launch_forward(
-        self, loop: asyncio.AbstractEventLoop, plan: StepPlan
-    ) -> Future[ForwardedStep]:
-        """Hand `plan`'s forward pass to the step thread; return once it is enqueued."""
-        launched: asyncio.Future[None] = loop.create_future()
-        forwarded = self._executor.submit(
-            self.runner.launch_forward,
-            plan,
-            functools.partial(loop.call_soon_threadsafe, _resolve, launched),
-        )
+    async def _launch(
+        self, loop: asyncio.AbstractEventLoop, fn: Callable[..., _T], *args: Any
+    ) -> Future[_T]:
+        """`_submit_step`, returning once the forward pass is enqueued: our own Python work
+        would hold the GIL and delay the launch."""
+        job, launched = self._submit_step(loop, fn, *args)
         await launched
-        return forwarded
+        return job
 
     async def _overlapped_step(
         self, loop: asyncio.AbstractEventLoop, current: _InFlight
@@ -209,7 +195,9 @@ class StepLoop:
             return None
         if not step.needs_tokens and not self.structured.num_requests:
             # Sampling the next step needs nothing from this one: enqueue it whole.
-            launching = await self._launch(loop, plan)
+            launching = asyncio.wrap_future(
+                await self._launch(loop, self.runner.launch, plan, None)
+            )
             await self._finish_step(loop, current.plan, step)
             return _InFlight(plan, launching, None)
         # Sampling the next step needs this step's tokens (grammar masks, penalties): its
@@ -218,7 +206,7 @@ class StepLoop:
         masks: Future[GrammarBitmask | None] | None = (
             Future() if self.structured.num_requests else None
         )
-        forwarded = await self._launch_forward(loop, plan)
+        forwarded = await self._launch(loop, self.runner.launch_forward, plan)
         collecting = loop.run_in_executor(self._executor, self.runner.collect, step)
         launching = loop.run_in_executor(
             self._executor, _sample_forwarded, self.runner, forwarded, masks
