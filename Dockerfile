@@ -9,6 +9,8 @@
 # `docker stop` sends SIGTERM: running requests get --shutdown-timeout seconds (default 30)
 # to finish, so give docker at least that long: `docker stop -t 40`.
 # Build arguments pick the PyTorch build matching the base image's CUDA (12.8 here).
+# torch 2.11.0 is the CUDA build the GPU tests and benchmarks ran with (Triton 3.6); the
+# README's torch==2.13.0 is the CPU wheel for machines without a GPU.
 
 FROM nvidia/cuda:12.8.1-runtime-ubuntu24.04
 

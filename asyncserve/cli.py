@@ -281,13 +281,30 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"asyncserve serve: error: {exc}", file=sys.stderr)
         return 2
     _configure_logging(server_config.log_level)
+    from asyncserve.http.listener import bound_socket
+
+    try:
+        # Before the model loads: a port in use fails in a second, not after the load.
+        sock = bound_socket(server_config.host, server_config.port)
+    except OSError as exc:
+        print(
+            f"asyncserve serve: error: cannot bind {server_config.host}:{server_config.port}: "
+            f"{exc.strerror or exc} (is another server using it?)",
+            file=sys.stderr,
+        )
+        return 1
     from asyncserve.engine.async_engine import AsyncEngine
     from asyncserve.http.server import run_server
     from asyncserve.metrics import EngineMetrics
 
     metrics = EngineMetrics(server_config.served_model_names[0])
-    engine = AsyncEngine.from_config(engine_config, metrics=metrics)
-    return run_server(engine, server_config, metrics)
+    try:
+        engine = AsyncEngine.from_config(engine_config, metrics=metrics)
+    except (ValueError, FileNotFoundError) as exc:
+        sock.close()
+        print(f"asyncserve serve: error: {exc}", file=sys.stderr)
+        return 2
+    return run_server(engine, server_config, metrics, sock)
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:

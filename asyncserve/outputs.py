@@ -41,3 +41,5 @@ class RequestOutput:
     metrics: dict[str, float] = field(default_factory=dict)
     # Set when the request failed (finish_reason "error"): why.
     error: str | None = None
+    # The failure is the server's fault (a bug while processing it), not the request's.
+    internal_error: bool = False

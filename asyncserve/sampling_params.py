@@ -68,8 +68,17 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
+    # Sampling draws only from these token ids.
+    allowed_token_ids: list[int] | None = None
+    # Words never generated: the last token of each word's tokenization is ruled out where
+    # the output so far ends with the rest of it.
+    bad_words: list[str] | None = None
+    # Keep only the last k prompt tokens (-1: as many as max_model_len allows).
+    truncate_prompt_tokens: int | None = None
     # Filled by the engine from the model's generation config; never set by users.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    # Filled by the engine from bad_words with the model's tokenizer.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -156,6 +165,31 @@ class SamplingParams:
             "repetition_penalty",
             f"must be > 0, got {self.repetition_penalty}",
         )
+        if self.allowed_token_ids is not None:
+            _check(
+                isinstance(self.allowed_token_ids, list)
+                and len(self.allowed_token_ids) > 0
+                and all(
+                    isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                    for t in self.allowed_token_ids
+                ),
+                "allowed_token_ids",
+                "must be a non-empty list of non-negative token ids",
+            )
+        if self.bad_words is not None:
+            _check(
+                isinstance(self.bad_words, list)
+                and all(isinstance(w, str) and w.strip() for w in self.bad_words),
+                "bad_words",
+                "must be a list of non-empty strings",
+            )
+        if self.truncate_prompt_tokens is not None:
+            _check(
+                isinstance(self.truncate_prompt_tokens, int)
+                and (self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1),
+                "truncate_prompt_tokens",
+                f"must be -1 or an integer >= 1, got {self.truncate_prompt_tokens}",
+            )
         _check(
             isinstance(self.output_kind, RequestOutputKind),
             "output_kind",
@@ -173,6 +207,11 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+    @property
+    def needs_output_tokens(self) -> bool:
+        """Sampling reads the values of the output tokens so far (not only their count)."""
+        return self.needs_penalties or any(len(w) > 1 for w in self.bad_words_token_ids)
 
     @property
     def max_stop_len(self) -> int:

@@ -105,6 +105,11 @@ class StubEngine:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
+    async def wait_until_dead(self) -> str:
+        # The stub never fails: wait for good (the server cancels this at shutdown).
+        await asyncio.Event().wait()
+        return "unreachable"
+
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must not be empty")

@@ -227,3 +227,44 @@ def test_generate_streams_a_completion() -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Paris" in result.stdout
     assert "Traceback" not in result.stderr
+
+
+def run_serve(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "asyncserve", "serve", *argv],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=timeout,
+    )
+
+
+def test_missing_model_is_one_line(tmp_path: Path) -> None:
+    port = str(free_port())
+    result = run_serve("--model", str(tmp_path / "nonexistent"), "--port", port)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "nonexistent" in errors[0], result.stderr
+
+
+def test_port_in_use_fails_before_loading() -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = str(taken.getsockname()[1])
+        result = run_serve("--port", port, "--host", "127.0.0.1")
+    assert result.returncode == 1
+    assert f"127.0.0.1:{port}" in result.stderr and "in use" in result.stderr
+    # The model was never loaded.
+    assert "loading" not in result.stderr and "Traceback" not in result.stderr
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

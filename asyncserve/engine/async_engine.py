@@ -80,6 +80,8 @@ class AsyncEngine:
         self._wakeup: asyncio.Event | None = None
         self._stopping = False
         self._dead_reason: str | None = None
+        # Set once the step loop has failed for good (see wait_until_dead).
+        self._dead = asyncio.Event()
         logger.info(
             "engine ready: %s on %s, %d KV blocks of %d tokens, max_model_len %d",
             self.model_path,
@@ -126,6 +128,12 @@ class AsyncEngine:
 
     # ---- lifecycle -----------------------------------------------------------------------
 
+    async def wait_until_dead(self) -> str:
+        """Return (with the reason) once the engine has stopped for good after a failure;
+        a normal shutdown never returns here. The server exits non-zero on it."""
+        await self._dead.wait()
+        return self._dead_reason or "the engine stopped"
+
     async def start(self) -> None:
         if self.is_running:
             return
@@ -169,6 +177,12 @@ class AsyncEngine:
                 f"prompt has {n_prompt} tokens but max_model_len is {self.max_model_len}: "
                 "the prompt must be shorter than max_model_len"
             )
+        if params.allowed_token_ids is not None:
+            bad = next((t for t in params.allowed_token_ids if t >= vocab), None)
+            if bad is not None:
+                raise ValueError(
+                    f"allowed_token_ids contains token id {bad} outside the vocabulary [0, {vocab})"
+                )
         if params.structured_outputs is not None:
             # Compiles the grammar (cached): a bad schema, regex or grammar names its field.
             self.structured.validate(params.structured_outputs)
@@ -181,9 +195,33 @@ class AsyncEngine:
                     f"{params.max_tokens} in the completion)"
                 )
 
+    def truncate_prompt(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
+        """The last truncate_prompt_tokens prompt tokens (-1: what max_model_len leaves room
+        for, one token kept for the output)."""
+        keep = params.truncate_prompt_tokens
+        if keep is None:
+            return prompt_ids
+        if keep == -1:
+            keep = self.max_model_len - 1
+        return prompt_ids[-keep:]
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word's token ids at the start of the text and after a space (where the
+        tokenizer spells it with its own tokens), as vLLM rules them out."""
+        out: list[list[int]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
+
     def _child_params(self, params: SamplingParams, index: int) -> SamplingParams:
         child = copy.copy(params)
         child.n = 1
+        if index > 0:
+            # The samples share one prompt: only the first computes its logprobs.
+            child.prompt_logprobs = None
         if params.seed is not None:
             child.seed = params.seed + index
         stop_ids = set(params.stop_token_ids or [])
@@ -214,7 +252,12 @@ class AsyncEngine:
         else:
             prompt_text = None
             prompt_ids = list(prompt)
+        prompt_ids = self.truncate_prompt(prompt_ids, params)
         self.validate_request(prompt_ids, params, strict_max_tokens=False)
+        if params.bad_words:
+            words = params.bad_words
+            params = copy.copy(params)
+            params.bad_words_token_ids = self.bad_words_token_ids(words)
         room = self.max_model_len - len(prompt_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         stream = RequestStream(request_id, params.output_kind)
@@ -281,8 +324,6 @@ class AsyncEngine:
 
     # ---- the step loop -------------------------------------------------------------------
 
-    # ---- the step loop -------------------------------------------------------------------
-
     async def _step_loop(self) -> None:
         assert self._wakeup is not None
         try:
@@ -294,3 +335,4 @@ class AsyncEngine:
                 self.output_processor.finish_aborted(
                     request_id, reason="error", error=self._dead_reason
                 )
+            self._dead.set()

@@ -339,7 +339,7 @@ class ModelRunner:
             step.rows.append((rid, state, len(state.output_token_ids)))
             state.output_token_ids.append(PLACEHOLDER_TOKEN)
             state.in_flight = (sampled, row)
-            step.needs_tokens = step.needs_tokens or state.sampling_params.needs_penalties
+            step.needs_tokens = step.needs_tokens or state.sampling_params.needs_output_tokens
         tensors = [sampled, out.logprob_token_ids, out.logprobs, out.sampled_ranks]
         if self.device.type != "cuda":
             step.host = tensors

@@ -5,6 +5,7 @@ Runs on the event-loop thread while the device computes the next step.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -17,6 +18,8 @@ from asyncserve.metrics import EngineMetrics
 from asyncserve.outputs import CompletionOutput, Logprob, LogprobsDict, RequestOutput
 from asyncserve.sampling_params import RequestOutputKind, SamplingParams
 from asyncserve.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -38,6 +41,15 @@ class ChildState:
 
 
 @dataclass
+class ProcessedStep:
+    """What publishing a step ended: requests stopped by a stop string, and requests whose
+    output processing failed; the scheduler frees both."""
+
+    stopped: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+
+
+@dataclass
 class ParentState:
     request_id: str
     prompt: str | None
@@ -49,6 +61,8 @@ class ParentState:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     error: str | None = None
+    # The error is a fault of the server, not of the request.
+    internal_error: bool = False
 
     @property
     def finished(self) -> bool:
@@ -91,14 +105,16 @@ class OutputProcessor:
 
     def process(
         self, updated: list[Request], result: StepResult, grammar_done: Collection[str] = ()
-    ) -> list[str]:
-        """Publish outputs for the requests that got tokens. Returns ids stopped by a stop string.
+    ) -> ProcessedStep:
+        """Publish outputs for the requests that got tokens.
 
         `grammar_done`: requests stopped because their grammar is complete; their last token
-        is text, not a stop token.
+        is text, not a stop token. A request whose output cannot be processed (a bug, never
+        the engine's state) fails alone: it ends with finish_reason "error" and its ids come
+        back in `failed` for the scheduler to free; the other requests go on.
         """
         now = time.monotonic()
-        stopped: list[str] = []
+        processed = ProcessedStep()
         touched: dict[str, ParentState] = {}
         num_generated = 0
         for request in updated:
@@ -108,31 +124,72 @@ class OutputProcessor:
             parent, child = entry
             if child.finish_reason is not None:
                 continue  # already ended by a stop string; later tokens are discarded
-            new_tokens = request.output_token_ids[child.num_accepted_tokens :]
-            num_generated += len(new_tokens)
-            self._record_timing(parent, child, now, len(new_tokens))
-            self._append_logprobs(child, result, request.request_id)
-            stop_terminated = (
-                request.status == RequestStatus.FINISHED_STOPPED
-                and request.request_id not in grammar_done
-            )
-            stop_str = child.detokenizer.update(new_tokens, stop_terminated)
-            child.num_accepted_tokens += len(new_tokens)
-            if request.request_id in result.prompt_logprobs:
-                self._append_prompt_logprobs(parent, result.prompt_logprobs[request.request_id])
-            if stop_str is not None:
-                child.finish_reason = "stop"
-                child.stop_reason = stop_str
-                stopped.append(request.request_id)
-            elif request.is_finished:
-                child.finish_reason = request.status.finish_reason
-                child.stop_reason = request.stop_reason
+            try:
+                num_generated += self._process_child(
+                    parent, child, request, result, grammar_done, now, processed
+                )
+            except Exception as exc:
+                self._fail_internal(parent, exc, processed)
+                touched.pop(parent.request_id, None)
+                continue
             touched[parent.request_id] = parent
         if self.metrics is not None and num_generated:
             self.metrics.on_tokens(0, num_generated)
         for parent in touched.values():
-            self._publish(parent, now)
-        return stopped
+            if parent.request_id not in self.parents:
+                continue  # failed by a sibling's error above
+            try:
+                self._publish(parent, now)
+            except Exception as exc:
+                self._fail_internal(parent, exc, processed)
+        return processed
+
+    def _process_child(
+        self,
+        parent: ParentState,
+        child: ChildState,
+        request: Request,
+        result: StepResult,
+        grammar_done: Collection[str],
+        now: float,
+        processed: ProcessedStep,
+    ) -> int:
+        """Take one sample's new tokens into its text; returns how many there were."""
+        new_tokens = request.output_token_ids[child.num_accepted_tokens :]
+        self._record_timing(parent, child, now, len(new_tokens))
+        self._append_logprobs(child, result, request.request_id)
+        stop_terminated = (
+            request.status == RequestStatus.FINISHED_STOPPED
+            and request.request_id not in grammar_done
+        )
+        stop_str = child.detokenizer.update(new_tokens, stop_terminated)
+        child.num_accepted_tokens += len(new_tokens)
+        if request.request_id in result.prompt_logprobs:
+            self._append_prompt_logprobs(parent, result.prompt_logprobs[request.request_id])
+        if stop_str is not None:
+            child.finish_reason = "stop"
+            child.stop_reason = stop_str
+            processed.stopped.append(request.request_id)
+        elif request.is_finished:
+            child.finish_reason = request.status.finish_reason
+            child.stop_reason = request.stop_reason
+        return len(new_tokens)
+
+    def _fail_internal(self, parent: ParentState, exc: Exception, processed: ProcessedStep) -> None:
+        """End `parent` with an error after its output processing raised."""
+        logger.exception("processing the output of request %s failed", parent.request_id)
+        error = (
+            f"internal error while processing this request's output: {type(exc).__name__}: {exc}"
+        )
+        processed.failed.extend(
+            c.request.request_id for c in parent.children if not c.request.is_finished
+        )
+        for child in parent.children:
+            if child.finish_reason is None:
+                child.finish_reason = "error"
+        parent.error = error
+        parent.internal_error = True
+        self._publish_failed(parent, time.monotonic())
 
     def finish_aborted(
         self, request_id: str, reason: str = "abort", error: str | None = None
@@ -145,7 +202,11 @@ class OutputProcessor:
             if child.finish_reason is None:
                 child.finish_reason = reason
         parent.error = error
-        self._publish(parent, time.monotonic(), force=True)
+        try:
+            self._publish(parent, time.monotonic(), force=True)
+        except Exception:
+            logger.exception("publishing the end of request %s failed", request_id)
+            self._publish_failed(parent, time.monotonic())
 
     def fail_request(self, child_request_id: str, error: str) -> None:
         entry = self.children.get(child_request_id)
@@ -245,10 +306,32 @@ class OutputProcessor:
             prompt_logprobs=parent.prompt_logprobs,
             num_cached_tokens=max(first.num_cached_tokens, 0),
             error=parent.error,
+            internal_error=parent.internal_error,
         )
         if finished:
             output.metrics = self._finish_metrics(parent, now)
             self._forget(parent)
+        parent.stream.put(output)
+
+    def _publish_failed(self, parent: ParentState, now: float) -> None:
+        """The last output of a request that ended in error, built without the detokenizer
+        or logprobs (they may be what failed)."""
+        output = RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=[
+                CompletionOutput(
+                    index=c.index, text="", token_ids=[], finish_reason=c.finish_reason or "error"
+                )
+                for c in parent.children
+            ],
+            finished=True,
+            error=parent.error,
+            internal_error=parent.internal_error,
+        )
+        output.metrics = self._finish_metrics(parent, now)
+        self._forget(parent)
         parent.stream.put(output)
 
     def _finish_metrics(self, parent: ParentState, now: float) -> dict[str, float]:

@@ -30,6 +30,7 @@ def merge_delta(pending: RequestOutput, new: RequestOutput) -> RequestOutput:
     pending.outputs = sorted(by_index.values(), key=lambda c: c.index)
     pending.finished = new.finished
     pending.error = new.error or pending.error
+    pending.internal_error = new.internal_error or pending.internal_error
     pending.metrics = new.metrics or pending.metrics
     if new.prompt_logprobs is not None:
         pending.prompt_logprobs = new.prompt_logprobs

@@ -56,13 +56,14 @@ class SamplingMetadata:
     output_token_counts: torch.Tensor | None
     # [N, V] bool, token appears in the prompt; set with the repetition penalty.
     prompt_token_mask: torch.Tensor | None
-    # [2, M] int64 (row, token) pairs to mask: stop tokens of rows still below min_tokens.
-    min_tokens_index: torch.Tensor | None
+    # [2, M] int64 (row, token) pairs to rule out: stop tokens of rows still below
+    # min_tokens, and the tokens that would complete one of a row's bad words.
+    banned_token_index: torch.Tensor | None
     # Row index -> the row's own generator (seeded, non-greedy rows only).
     generators: dict[int, torch.Generator]
     # Top logprobs to return: the max over rows that asked; None when no row asked.
     max_num_logprobs: int | None
-    # [N, V] bool from grammar constraints (rows without one all True); None when unused.
+    # [N, V] bool from allowed_token_ids (rows without them all True); None when unused.
     allowed_token_mask: torch.Tensor | None = None
 
     @property
@@ -145,18 +146,13 @@ class SamplingMetadata:
                 prompt_mask.scatter_(0, index, True)
                 prompt_mask = prompt_mask.view(len(rows), vocab_size)
 
-        pairs = [
-            (i, t)
-            for i, row in enumerate(rows)
-            if len(row.output_token_ids) < row.params.min_tokens
-            for t in sorted(row.stop_token_ids)
-            if t < vocab_size
-        ]
-        min_tokens_index = (
+        pairs = _banned_pairs(rows, vocab_size)
+        banned_token_index = (
             _to_device([list(c) for c in zip(*pairs, strict=True)], torch.int64, device)
             if pairs
             else None
         )
+        allowed_token_mask = _allowed_token_mask(params, vocab_size, device)
 
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
@@ -177,10 +173,47 @@ class SamplingMetadata:
             repetition_penalties=floats.get("repetition"),
             output_token_counts=output_counts,
             prompt_token_mask=prompt_mask,
-            min_tokens_index=min_tokens_index,
+            banned_token_index=banned_token_index,
+            allowed_token_mask=allowed_token_mask,
             generators=generators,
             max_num_logprobs=max(wanted) if wanted else None,
         )
+
+
+def _banned_pairs(rows: Sequence[SamplingRow], vocab_size: int) -> list[tuple[int, int]]:
+    """(row, token) pairs no row may sample now: its stop tokens while it is below
+    min_tokens, and the last token of each bad word whose other tokens end its output."""
+    pairs: list[tuple[int, int]] = []
+    for i, row in enumerate(rows):
+        params = row.params
+        if len(row.output_token_ids) < params.min_tokens:
+            pairs.extend((i, t) for t in sorted(row.stop_token_ids) if t < vocab_size)
+        output = row.output_token_ids
+        for word in params.bad_words_token_ids:
+            prefix = len(word) - 1
+            if prefix > len(output) or word[-1] >= vocab_size:
+                continue
+            if prefix == 0 or output[-prefix:] == word[:-1]:
+                pairs.append((i, word[-1]))
+    return pairs
+
+
+def _allowed_token_mask(
+    params: Sequence[SamplingParams], vocab_size: int, device: torch.device
+) -> torch.Tensor | None:
+    """[N, V] True where a row may sample; None when no row restricts its tokens."""
+    if all(p.allowed_token_ids is None for p in params):
+        return None
+    mask = np.ones((len(params), vocab_size), dtype=np.bool_)
+    for i, p in enumerate(params):
+        if p.allowed_token_ids is not None:
+            mask[i] = False
+            ids = np.asarray(p.allowed_token_ids, dtype=np.int64)
+            mask[i, ids[ids < vocab_size]] = True
+    tensor = torch.from_numpy(mask)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def _to_device(data: object, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

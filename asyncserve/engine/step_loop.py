@@ -13,6 +13,7 @@ penalties), N+1's forward is launched first and its sampling after N is collecte
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -41,6 +42,11 @@ def _copy_future(source: Future[GrammarBitmask], target: Future[GrammarBitmask |
 def _resolve(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
+
+
+def _resolve_threadsafe(loop: asyncio.AbstractEventLoop, future: asyncio.Future[None]) -> None:
+    with contextlib.suppress(RuntimeError):  # the loop is already closed: nobody waits
+        loop.call_soon_threadsafe(_resolve, future)
 
 
 async def _filled(masks: Future[GrammarBitmask | None] | None) -> None:
@@ -167,8 +173,12 @@ class StepLoop:
         """Queue `fn(*args, on_launched)` on the step thread. Returns its job and a future
         that resolves once it has enqueued its forward pass."""
         launched: asyncio.Future[None] = loop.create_future()
-        on_launched = functools.partial(loop.call_soon_threadsafe, _resolve, launched)
-        return self._executor.submit(fn, *args, on_launched), launched
+        on_launched = functools.partial(_resolve_threadsafe, loop, launched)
+        job = self._executor.submit(fn, *args, on_launched)
+        # A job that fails before it launches never calls on_launched: its end resolves the
+        # wait, and awaiting the job then raises its error.
+        job.add_done_callback(lambda _: on_launched())
+        return job, launched
 
     async def _launch(
         self, loop: asyncio.AbstractEventLoop, fn: Callable[..., _T], *args: Any
@@ -235,10 +245,13 @@ class StepLoop:
         self._publish(updated, result, self._advance_grammars(updated))
 
     def _publish(self, updated: list[Request], result: StepResult, grammar_done: list[str]) -> None:
-        stopped = self.output_processor.process(updated, result, grammar_done)
-        if stopped:
-            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-            self.structured.remove(stopped)
+        processed = self.output_processor.process(updated, result, grammar_done)
+        if processed.stopped:
+            self.scheduler.finish_requests(processed.stopped, RequestStatus.FINISHED_STOPPED)
+            self.structured.remove(processed.stopped)
+        if processed.failed:
+            self.scheduler.finish_requests(processed.failed, RequestStatus.FINISHED_ERROR)
+            self.structured.remove(processed.failed)
 
     def _fill_masks(self, plan: StepPlan, masks: Future[GrammarBitmask | None]) -> None:
         """Resolve `masks` with the masks of `plan`'s constrained sampling rows (filled on

@@ -3,6 +3,7 @@ and a lifespan that starts the engine's step loop on the server's event loop."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from collections.abc import AsyncIterator
@@ -89,6 +90,16 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     return error_response(500, "Internal server error")
 
 
+async def _stop_when_engine_dies(state: ServerState) -> None:
+    """A server whose engine failed for good stops (and run_server exits non-zero) so that a
+    supervisor restarts it, rather than answering 503 forever."""
+    reason = await state.engine.wait_until_dead()
+    logger.error("the engine stopped: %s; shutting the server down", reason)
+    state.fatal_error = reason
+    if state.request_exit is not None:
+        state.request_exit()
+
+
 def build_app(
     engine: EngineClient,
     config: ServerConfig | None = None,
@@ -106,9 +117,11 @@ def build_app(
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await engine.start()
         logger.info("serving %s as %s", engine.model_path, ", ".join(names))
+        watcher = asyncio.create_task(_stop_when_engine_dies(state))
         try:
             yield
         finally:
+            watcher.cancel()
             await engine.shutdown(timeout=config.shutdown_timeout)
 
     app = Starlette(

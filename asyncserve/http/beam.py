@@ -17,9 +17,9 @@ from starlette.responses import Response
 from asyncserve.beam_search import BeamEngine, BeamSearchParams, beam_search, to_request_output
 from asyncserve.http.errors import APIError, from_value_error
 from asyncserve.http.protocol import (
-    CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    CompletionResponseChoice,
     GenerateRequest,
 )
 from asyncserve.http.serving import PromptInput, ServerState, usage
@@ -96,7 +96,7 @@ async def beam_completion(
         for comp in out.outputs:
             completion_tokens += len(comp.token_ids)
             choices.append(
-                CompletionChoice(
+                CompletionResponseChoice(
                     index=i * n + comp.index,
                     text=prefix + comp.text,
                     logprobs=None,

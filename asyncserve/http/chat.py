@@ -12,7 +12,7 @@ from starlette.responses import Response
 
 from asyncserve.http.chat_prompt import render_chat_prompt
 from asyncserve.http.errors import APIError
-from asyncserve.http.logprobs import chat_logprobs
+from asyncserve.http.logprobs import chat_logprobs, prompt_logprobs
 from asyncserve.http.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -46,11 +46,6 @@ def _check_unsupported(body: ChatCompletionRequest) -> None:
             400,
             "use_beam_search",
         )
-    choice = body.tool_choice
-    if choice is not None and choice not in ("none", "auto"):
-        raise APIError(
-            "tool_choice other than 'none' or 'auto' is not supported", 400, "tool_choice"
-        )
 
 
 class _Job:
@@ -64,6 +59,7 @@ class _Job:
         self.id = f"chatcmpl-{body.request_id or state.new_request_id()}"
         self.created = int(time.time())
         self.engine_id = state.new_request_id()
+        self.token_text = state.token_text_for(body.return_tokens_as_token_ids)
 
     def stream(self, params: SamplingParams) -> AsyncIterator[RequestOutput]:
         self.state.log_request(self.engine_id, self.prompt, params)
@@ -75,9 +71,7 @@ class _Job:
         if not self.body.logprobs:
             return None
         entries = comp.logprobs or [None] * len(comp.token_ids)  # type: ignore[list-item]
-        return chat_logprobs(
-            comp.token_ids, entries, self.state.token_text, self.body.top_logprobs or 0
-        )
+        return chat_logprobs(comp.token_ids, entries, self.token_text, self.body.top_logprobs or 0)
 
     def chunk(self, choices: list[ChatStreamChoice], usage_info: UsageInfo | None = None) -> bytes:
         return sse_event(
@@ -98,7 +92,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     _check_unsupported(body)
     params = chat_params(body, state.engine.generation_config)
     text = render_chat_prompt(state.engine.tokenizer, body)
-    prompt = state.tokenize(text, body.add_special_tokens)
+    prompt = state.truncate(state.tokenize(text, body.add_special_tokens), params)
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     constraint = "response_format" if body.response_format is not None else "structured_outputs"
     state.validate(prompt, params, "messages", max_tokens_param, constraint)
@@ -107,7 +101,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     if body.stream:
         return EventStreamResponse(_stream(job, params))
     final = await cancel_on_disconnect(_final(job.stream(params)), request.receive)
-    if final.error is not None:
+    if final.error is not None and not final.internal_error:
         raise engine_error(final, state.engine)
     choices = [
         ChatChoice(
@@ -127,6 +121,9 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
         model=model,
         choices=choices,
         usage=usage([final], [prompt], completion_tokens),
+        prompt_logprobs=prompt_logprobs(final.prompt_logprobs)
+        if job.body.prompt_logprobs is not None
+        else None,
     )
     return Response(msgspec.json.encode(response), media_type="application/json")
 

@@ -43,7 +43,11 @@ def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     for i, message in enumerate(messages):
         if not message.role:
             raise APIError("role must be a non-empty string", 400, f"messages[{i}].role")
-        entry: dict[str, Any] = {"role": message.role, "content": _message_text(message, i)}
+        content = _message_text(message, i)
+        if content is None and message.role != "assistant":
+            raise APIError("content must be given", 400, f"messages[{i}].content")
+        # An assistant turn that only calls tools has no content; templates concatenate it.
+        entry: dict[str, Any] = {"role": message.role, "content": content or ""}
         if message.name is not None:
             entry["name"] = message.name
         if message.tool_calls is not None:
@@ -94,10 +98,6 @@ def render_chat_prompt(tokenizer: Any, body: ChatCompletionRequest) -> str:
         )
     except ValueError as exc:
         raise APIError(f"the chat template could not be applied: {exc}", 400, "messages") from exc
-    except TypeError as exc:
-        raise APIError(
-            f"the chat template could not be applied: {exc}", 400, "chat_template_kwargs"
-        ) from exc
     except Exception as exc:  # a template raising on these messages (jinja2 errors and the like)
         raise APIError(
             f"the chat template could not be applied: {type(exc).__name__}: {exc}", 400, "messages"

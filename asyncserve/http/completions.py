@@ -12,12 +12,13 @@ from starlette.responses import Response
 
 from asyncserve.http.beam import beam_completion
 from asyncserve.http.errors import APIError
-from asyncserve.http.logprobs import completion_logprobs
+from asyncserve.http.logprobs import completion_logprobs, prompt_logprobs
 from asyncserve.http.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    CompletionResponseChoice,
     CompletionStreamResponse,
     UsageInfo,
 )
@@ -56,6 +57,7 @@ class _Job:
         self.id = f"cmpl-{body.request_id or state.new_request_id()}"
         self.created = int(time.time())
         self.engine_ids = [state.new_request_id() for _ in prompts]
+        self.token_text = state.token_text_for(body.return_tokens_as_token_ids)
 
     def streams(self, params: SamplingParams) -> list[AsyncIterator[RequestOutput]]:
         engine = self.state.engine
@@ -83,7 +85,7 @@ class _Job:
     ) -> CompletionLogprobs | None:
         if self.body.logprobs is None:
             return None
-        token_text = self.state.token_text
+        token_text = self.token_text
         ids = comp.token_ids
         entries = comp.logprobs or [None] * len(ids)  # type: ignore[list-item]
         if not echo:
@@ -116,7 +118,8 @@ async def create_completion(state: ServerState, request: Request) -> Response:
             400,
             "prompt",
         )
-    prompts = [state.tokenize(p, body.add_special_tokens) for p in raw_prompts]
+    prompts = [state.truncate(state.tokenize(p, body.add_special_tokens), params)
+               for p in raw_prompts]  # fmt: skip
     for prompt in prompts:
         state.validate(prompt, params, "prompt")
     state.check_ready(body.priority)
@@ -138,21 +141,24 @@ async def _complete(job: _Job, params: SamplingParams, model: str, request: Requ
 
     finals = await cancel_on_disconnect(collect(), request.receive)
     body = job.body
-    choices: list[CompletionChoice] = []
+    choices: list[CompletionResponseChoice] = []
     completion_tokens = 0
     for i, out in enumerate(finals):
-        if out.error is not None:
+        if out.error is not None and not out.internal_error:
             raise engine_error(out, job.state.engine)
         prefix = job.state.prompt_text(job.prompts[i]) if body.echo else ""
         for comp in sorted(out.outputs, key=lambda c: c.index):
             completion_tokens += len(comp.token_ids)
             choices.append(
-                CompletionChoice(
+                CompletionResponseChoice(
                     index=i * body.n + comp.index,
                     text=prefix + comp.text,
                     logprobs=job.logprobs(i, out, comp, 0, body.echo),
                     finish_reason=comp.finish_reason,
                     stop_reason=comp.stop_reason,
+                    prompt_logprobs=prompt_logprobs(out.prompt_logprobs)
+                    if body.prompt_logprobs is not None
+                    else None,
                 )
             )
     response = CompletionResponse(

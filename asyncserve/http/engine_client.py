@@ -59,6 +59,10 @@ class EngineClient(Protocol):
 
     async def shutdown(self, timeout: float | None = None) -> None: ...
 
+    async def wait_until_dead(self) -> str:
+        """Return the reason once the engine has failed for good (never on a normal stop)."""
+        ...
+
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
 
     def generate(

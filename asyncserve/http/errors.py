@@ -84,6 +84,7 @@ def error_response(
 # msgspec: "Expected `float`, got `str` - at `$.temperature`"
 _AT_PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
 _MISSING = re.compile(r"missing required field `(?P<field>[^`]+)`")
+_UNKNOWN = re.compile(r"unknown field `(?P<field>[^`]+)`")
 
 
 def param_from_path(path: str) -> str | None:
@@ -101,10 +102,17 @@ def from_validation_error(exc: msgspec.ValidationError | msgspec.DecodeError) ->
     path = match.group("path") if match else ""
     message = text[: match.start()] if match else text
     param = param_from_path(path)
-    missing = _MISSING.search(message)
-    if missing is not None:
-        field = missing.group("field")
+    named = _MISSING.search(message) or _UNKNOWN.search(message)
+    if named is not None:
+        field = named.group("field")
         param = f"{param}.{field}" if param else field
+    if _UNKNOWN.search(message) is not None:
+        return APIError(
+            f"{param} is not a supported field: asyncserve does not implement it, so it "
+            "would have no effect",
+            400,
+            param,
+        )
     where = f" (at `{param}`)" if param else ""
     return APIError(f"{message}{where}", 400, param)
 
@@ -147,5 +155,8 @@ _KNOWN_FIELDS = frozenset(
         "frequency_penalty",
         "repetition_penalty",
         "structured_outputs",
+        "allowed_token_ids",
+        "bad_words",
+        "truncate_prompt_tokens",
     }
 )

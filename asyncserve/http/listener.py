@@ -24,13 +24,28 @@ logger = logging.getLogger("uvicorn.error")
 MAX_ACCEPTS_PER_WAKEUP = 1024
 
 
-def listening_socket(host: str, port: int, backlog: int) -> socket.socket:
-    """A non-blocking TCP socket listening on host:port (IPv4 or IPv6, from the host)."""
+def bound_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port (IPv4 or IPv6, from the host), not listening yet.
+
+    Bound before the model loads, so a port in use is reported at once; connections are
+    refused (not queued) until listen()."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def listening_socket(
+    host: str, port: int, backlog: int, sock: socket.socket | None = None
+) -> socket.socket:
+    """A non-blocking socket listening on host:port; `sock`, when given, is already bound."""
+    sock = sock or bound_socket(host, port)
+    try:
         sock.listen(backlog)
         sock.setblocking(False)
     except OSError:
@@ -100,6 +115,9 @@ class EagerAcceptor:
 class EagerAcceptServer(uvicorn.Server):
     """uvicorn's Server with the listening socket served by an EagerAcceptor."""
 
+    # Bound by the caller before the model loaded (see bound_socket); else bound here.
+    bound: socket.socket | None = None
+
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         if sockets is not None or self.config.uds is not None or self.config.fd is not None:
             await super().startup(sockets)
@@ -116,7 +134,7 @@ class EagerAcceptServer(uvicorn.Server):
             return protocol
 
         try:
-            sock = listening_socket(config.host, config.port, config.backlog)
+            sock = listening_socket(config.host, config.port, config.backlog, self.bound)
         except OSError as exc:
             logger.error(exc)
             await self.lifespan.shutdown()

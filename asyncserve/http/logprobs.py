@@ -13,19 +13,31 @@ from asyncserve.http.protocol import (
     ChatLogprobEntry,
     ChatLogprobs,
     CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
     TopLogprob,
 )
 from asyncserve.outputs import Logprob, LogprobsDict
 
 
 class TokenText:
-    """Token id -> its text, from the engine's decoded_token or the tokenizer (memoized)."""
+    """Token id -> its text, from the engine's decoded_token or the tokenizer (memoized);
+    "token_id:<id>" instead with as_ids (vLLM's return_tokens_as_token_ids)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, as_ids: bool = False) -> None:
         self._tokenizer = tokenizer
         self._cache: dict[int, str] = {}
+        self.as_ids = as_ids
+
+    def with_ids(self) -> TokenText:
+        """The same tokenizer and cache, spelling tokens as "token_id:<id>"."""
+        other = TokenText(self._tokenizer, as_ids=True)
+        other._cache = self._cache
+        return other
 
     def __call__(self, token_id: int, logprob: Logprob | None = None) -> str:
+        if self.as_ids:
+            return f"token_id:{token_id}"
         if logprob is not None and logprob.decoded_token is not None:
             return logprob.decoded_token
         text = self._cache.get(token_id)
@@ -98,3 +110,20 @@ def chat_logprobs(
             )
         )
     return ChatLogprobs(content=content)
+
+
+def prompt_logprobs(entries: Sequence[LogprobsDict | None] | None) -> PromptLogprobs | None:
+    """The engine's prompt logprobs in vLLM's response shape."""
+    if entries is None:
+        return None
+    return [
+        None
+        if entry is None
+        else {
+            tid: PromptLogprob(
+                logprob=_finite(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token
+            )
+            for tid, lp in entry.items()
+        }
+        for entry in entries
+    ]

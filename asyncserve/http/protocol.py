@@ -39,8 +39,11 @@ class ResponseFormat(msgspec.Struct, kw_only=True):
     json_schema: dict[str, Any] | None = None
 
 
-class SamplingFields(msgspec.Struct, kw_only=True):
-    """Fields every generation endpoint shares; None means "the model's default"."""
+class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Fields every generation endpoint shares; None means "the model's default".
+
+    An unknown field is a 400 naming it: a client must never believe a constraint applied
+    that asyncserve does not implement."""
 
     model: str | None = None
     n: Count = 1
@@ -54,7 +57,10 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     seed: Int64 | None = None
+    # Informational only in OpenAI's API (they change nothing in the output).
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
     # vLLM extras.
     top_k: Count | None = None
     min_p: float | None = None
@@ -69,6 +75,17 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     request_id: str | None = None
     structured_outputs: StructuredOutputsRequest | None = None
     response_format: ResponseFormat | None = None
+    # vLLM's older names for structured_outputs' json, regex, choice and grammar.
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    allowed_token_ids: list[Int64] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: Count | None = None
+    prompt_logprobs: Count | None = None
+    # Tokens in logprobs as "token_id:<id>" (for tokens that are not valid UTF-8 alone).
+    return_tokens_as_token_ids: bool = False
     # Beam search (vLLM): best_of (or n) beams, the best n returned.
     use_beam_search: bool = False
     length_penalty: float = 1.0
@@ -84,7 +101,6 @@ class CompletionRequest(SamplingFields, kw_only=True):
     echo: bool = False
     suffix: str | None = None
     add_special_tokens: bool = True
-    prompt_logprobs: Count | None = None
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
@@ -118,7 +134,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class GenerateRequest(msgspec.Struct, kw_only=True):
+class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """POST /generate (legacy): the reply holds prompt + completion for each of n samples."""
 
     prompt: str | list[Int64]
@@ -169,12 +185,28 @@ class CompletionChoice(msgspec.Struct):
     stop_reason: int | str | None = None
 
 
+class PromptLogprob(msgspec.Struct):
+    """vLLM's shape of one candidate at one prompt position."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
+
+
+# Per prompt position (None for the first): token id -> its logprob.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
+class CompletionResponseChoice(CompletionChoice):
+    prompt_logprobs: PromptLogprobs | None = None
+
+
 class CompletionResponse(msgspec.Struct):
     id: str
     object: str
     created: int
     model: str
-    choices: list[CompletionChoice]
+    choices: list[CompletionResponseChoice]
     usage: UsageInfo | None
     system_fingerprint: str | None = None
 
@@ -227,6 +259,7 @@ class ChatCompletionResponse(msgspec.Struct):
     choices: list[ChatChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(msgspec.Struct, omit_defaults=True):

@@ -64,7 +64,7 @@ async def generate(state: ServerState, request: Request) -> Response:
         return last
 
     out = await cancel_on_disconnect(final(), request.receive)
-    if out.error is not None:
+    if out.error is not None and not out.internal_error:
         raise engine_error(out, state.engine)
     return _json(GenerateResponse(text=_texts(prefix, out)))
 

@@ -75,8 +75,36 @@ def _check_common(body: SamplingFields | GenerateRequest) -> None:
             )
 
 
+_GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def _guided(body: SamplingFields) -> StructuredOutputsParams | None:
+    """vLLM's older guided_* fields: each one is a structured_outputs constraint."""
+    given = [name for name in _GUIDED_FIELDS if getattr(body, name) is not None]
+    if not given:
+        return None
+    if len(given) > 1 or body.structured_outputs is not None or body.response_format is not None:
+        others = given + [
+            name for name in ("structured_outputs", "response_format") if getattr(body, name)
+        ]
+        raise APIError(f"give one output constraint, got {', '.join(others)}", 400, given[0])
+    try:
+        return StructuredOutputsParams(
+            json=body.guided_json,
+            regex=body.guided_regex,
+            choice=body.guided_choice,
+            grammar=body.guided_grammar,
+        )
+    except ValueError as exc:
+        raise APIError(str(exc), 400, given[0]) from exc
+
+
 def structured_outputs(body: SamplingFields) -> StructuredOutputsParams | None:
-    """The request's output constraint: vLLM's structured_outputs or OpenAI's response_format."""
+    """The request's output constraint: vLLM's structured_outputs (or its older guided_*
+    fields) or OpenAI's response_format."""
+    guided = _guided(body)
+    if guided is not None:
+        return guided
     fmt = body.response_format
     request = body.structured_outputs
     if fmt is not None and fmt.type != "text":
@@ -150,6 +178,10 @@ def _shared(body: SamplingFields, output_kind: RequestOutputKind) -> dict[str, A
         "repetition_penalty": body.repetition_penalty,
         "skip_special_tokens": body.skip_special_tokens,
         "spaces_between_special_tokens": body.spaces_between_special_tokens,
+        "allowed_token_ids": body.allowed_token_ids,
+        "bad_words": body.bad_words,
+        "truncate_prompt_tokens": body.truncate_prompt_tokens,
+        "prompt_logprobs": body.prompt_logprobs,
         "output_kind": output_kind,
     }
 
@@ -169,10 +201,26 @@ def completion_params(
     return _build(fields, generation_config)
 
 
+def _check_tools(body: ChatCompletionRequest) -> None:
+    if body.tools:
+        raise APIError(
+            "tools: tool calling is not supported yet; send the request without tools",
+            400,
+            "tools",
+        )
+    if body.tool_choice not in (None, "none"):
+        raise APIError(
+            "tool_choice: tool calling is not supported yet (only 'none' is accepted)",
+            400,
+            "tool_choice",
+        )
+
+
 def chat_params(
     body: ChatCompletionRequest, generation_config: Mapping[str, Any]
 ) -> SamplingParams:
     _check_common(body)
+    _check_tools(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError("top_logprobs requires logprobs to be true", 400, "top_logprobs")
     renames = {"logprobs": "top_logprobs"}

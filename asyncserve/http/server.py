@@ -11,6 +11,7 @@ import importlib.util
 import logging
 import math
 import signal
+import socket
 from types import FrameType
 from typing import Any
 
@@ -80,11 +81,18 @@ def _swallow(signum: int, frame: FrameType | None) -> None:
 
 
 def run_server(
-    engine: EngineClient, config: ServerConfig, metrics: EngineMetrics | None = None
+    engine: EngineClient,
+    config: ServerConfig,
+    metrics: EngineMetrics | None = None,
+    sock: socket.socket | None = None,
 ) -> int:
-    """Serve until SIGTERM/SIGINT; returns the exit code (0 after a graceful shutdown)."""
+    """Serve until SIGTERM/SIGINT; returns the exit code (0 after a graceful shutdown, 1 when
+    the engine failed for good). `sock`: config's host:port, bound already."""
     app = build_app(engine, config, metrics)
     server = EagerAcceptServer(uvicorn_config(app, config))
+    server.bound = sock
+    state = app.state.asyncserve
+    state.request_exit = lambda: setattr(server, "should_exit", True)
     previous = {sig: signal.signal(sig, _swallow) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         server.run()
@@ -93,5 +101,8 @@ def run_server(
             signal.signal(sig, handler)
     if not server.started:
         logger.error("the server did not start (is %s:%d in use?)", config.host, config.port)
+        return 1
+    if state.fatal_error is not None:
+        logger.error("exiting with status 1: the engine stopped (%s)", state.fatal_error)
         return 1
     return 0

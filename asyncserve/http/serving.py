@@ -7,6 +7,7 @@ import itertools
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -39,6 +40,10 @@ class ServerState:
     model_names: tuple[str, ...]
     metrics: EngineMetrics
     created: int = field(default_factory=lambda: int(time.time()))
+    # Set when the engine failed for good: the server stops and exits non-zero.
+    fatal_error: str | None = None
+    # Asks the HTTP server to stop (set by run_server).
+    request_exit: Callable[[], None] | None = None
     _ids: itertools.count[int] = field(default_factory=itertools.count)
 
     def __post_init__(self) -> None:
@@ -112,6 +117,21 @@ class ServerState:
             return PromptInput(prompt, list(ids))
         return PromptInput(None, prompt)
 
+    def truncate(self, prompt: PromptInput, params: SamplingParams) -> PromptInput:
+        """The prompt's last truncate_prompt_tokens tokens (-1: as many as max_model_len
+        leaves room for), as the engine will see it."""
+        keep = params.truncate_prompt_tokens
+        if keep is None:
+            return prompt
+        if keep == -1:
+            keep = self.engine.max_model_len - 1
+        if len(prompt.token_ids) <= keep:
+            return prompt
+        return PromptInput(None, prompt.token_ids[-keep:])
+
+    def token_text_for(self, return_tokens_as_token_ids: bool) -> TokenText:
+        return self.token_text.with_ids() if return_tokens_as_token_ids else self.token_text
+
     def prompt_text(self, prompt: PromptInput) -> str:
         if prompt.text is None:
             prompt.text = self.engine.tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
@@ -165,8 +185,12 @@ def usage(
 
 
 def engine_error(output: RequestOutput, engine: EngineClient) -> APIError:
-    """A request the engine ended with an error: 503 if the engine died, else 400."""
+    """A request the engine ended with an error: 503 if the engine died, an internal error
+    (sent only inside a stream: a non-streaming response carries finish_reason "error"
+    instead), else 400."""
     message = output.error or "the request failed in the engine"
+    if output.internal_error:
+        return APIError(message, 500, code="internal_error")
     if not engine.is_running:
         return APIError(f"the engine stopped: {message}", 503, headers={"Retry-After": "5"})
     return APIError(message, 400, code="request_failed")

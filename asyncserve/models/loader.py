@@ -11,6 +11,7 @@ import contextlib
 import importlib.util
 import json
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -214,9 +215,11 @@ def _load_tokenizer(
 
 
 def load_model(config: ModelConfig, device: torch.device) -> LoadedModel:
-    """Load config.model (or the default model) onto `device`."""
+    """Load config.model (or the default model) onto `device`; each phase is logged."""
+    start = time.monotonic()
     path = Path(config.model) if config.model is not None else Path(default_model_path())
     kind, source = _find_source(path)
+    logger.info("loading %s (%s) onto %s", source, kind, device)
     gguf_file: GGUFFile | None = None
     root: Path | None
     if kind == "gguf":
@@ -233,14 +236,24 @@ def load_model(config: ModelConfig, device: torch.device) -> LoadedModel:
         )
     dtype = resolve_dtype(config.dtype, arch.torch_dtype, device)
     tokenizer = _load_tokenizer(config, root, gguf_file, arch)
+    logger.info("tokenizer ready (%.1f s); building %s in %s", time.monotonic() - start,
+                arch.architecture, dtype)  # fmt: skip
     model = _build_model(arch, device, dtype)
+    logger.info("reading %s weights (%.1f s)", config.load_format, time.monotonic() - start)
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
     elif gguf_file is not None:
         model.load_weights(iter_gguf_weights(gguf_file, arch))
     elif root is not None:
         model.load_weights(_iter_safetensors(_safetensors_files(root), device))
-    logger.info("loaded %s (%s, %s) from %s", arch.architecture, dtype, config.load_format, source)
+    logger.info(
+        "loaded %s (%s, %s) from %s in %.1f s",
+        arch.architecture,
+        dtype,
+        config.load_format,
+        source,
+        time.monotonic() - start,
+    )
     return LoadedModel(
         model=model,
         arch=arch,

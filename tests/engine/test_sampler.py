@@ -311,14 +311,13 @@ def test_mixed_greedy_and_random_rows(device: torch.device) -> None:
     assert len(random_tokens) > 10
 
 
-def test_allowed_token_mask(device: torch.device) -> None:
+def test_allowed_token_ids(device: torch.device) -> None:
     logits = torch.tensor(PROBS, device=device).log().repeat(4000, 1)
-    allowed = torch.zeros_like(logits, dtype=torch.bool)
-    allowed[:, [2, 5, 6]] = True
-    allowed[0] = True  # an unconstrained row
-    rows = [row(SamplingParams(temperature=0.0))] + [row() for _ in range(3999)]
+    restricted = SamplingParams(allowed_token_ids=[2, 5, 6])
+    rows = [row(SamplingParams(temperature=0.0))] + [row(restricted) for _ in range(3999)]
     meta = SamplingMetadata.build(rows, len(PROBS), device)
-    meta.allowed_token_mask = allowed
+    assert meta.allowed_token_mask is not None
+    assert bool(meta.allowed_token_mask[0].all())  # an unrestricted row
     torch.manual_seed(0)
     samples = Sampler()(logits, meta).sampled_token_ids
     assert int(samples[0]) == 0
@@ -327,13 +326,31 @@ def test_allowed_token_mask(device: torch.device) -> None:
     assert_matches(samples[1:], expected / expected.sum())
 
 
+def test_bad_words_rule_out_the_completing_token(device: torch.device) -> None:
+    """A one-token bad word is never sampled; a two-token one only after its first token."""
+    params = SamplingParams(temperature=0.0)
+    params.bad_words_token_ids = [[0], [3, 1]]
+    logits = torch.tensor(PROBS, device=device).log().repeat(2, 1)
+    rows = [
+        SamplingRow(params, [5], [2], None),  # output ends with 2: only [0] applies
+        SamplingRow(params, [5], [2, 3], None),  # ends with 3: token 1 completes [3, 1]
+    ]
+    meta = SamplingMetadata.build(rows, len(PROBS), device)
+    assert meta.banned_token_index is not None
+    assert sorted(zip(*meta.banned_token_index.tolist(), strict=True)) == [(0, 0), (1, 0), (1, 1)]
+    sampled = Sampler()(logits, meta).sampled_token_ids.tolist()
+    order = sorted(range(len(PROBS)), key=lambda t: -PROBS[t])
+    assert sampled[0] == next(t for t in order if t != 0)
+    assert sampled[1] == next(t for t in order if t not in (0, 1))
+
+
 def test_metadata_leaves_unused_features_off() -> None:
     device = torch.device("cpu")
     greedy = SamplingMetadata.build([row(SamplingParams(temperature=0.0))] * 3, 10, device)
     assert greedy.all_greedy and not greedy.all_random
     assert greedy.temperature is None and greedy.greedy_mask is None
     assert greedy.no_top_k and greedy.no_top_p and greedy.no_min_p and greedy.no_penalties
-    assert greedy.min_tokens_index is None and greedy.max_num_logprobs is None
+    assert greedy.banned_token_index is None and greedy.max_num_logprobs is None
 
     rows = [
         row(SamplingParams(top_k=100, logprobs=2)),

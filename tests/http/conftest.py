@@ -150,9 +150,10 @@ def wait_idle(client: httpx.Client, timeout: float = 30.0) -> dict[str, Any]:
 
 
 def sse_events(raw: str) -> list[str]:
-    """The `data:` payloads of an SSE body, checking the framing on the way."""
+    """The `data:` payloads of an SSE body, checking the framing on the way. Comment events
+    (`: keep-alive`, sent on streams idle for a while) are valid SSE and skipped."""
     assert raw.endswith("\n\n"), raw[-200:]
-    events = raw.split("\n\n")[:-1]
+    events = [e for e in raw.split("\n\n")[:-1] if not e.startswith(":")]
     for event in events:
         assert event.startswith("data: "), event[:200]
         assert "\n" not in event, event[:200]
