@@ -8,6 +8,8 @@ that skips every field it does not name.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 DONE = b"[DONE]"
@@ -57,7 +59,7 @@ class StreamChunk(msgspec.Struct):
 
     choices: list[msgspec.Raw] | None = None
     usage: _Usage | None = None
-    error: msgspec.Raw | None = None
+    error: Any = None  # an error event mid-stream; its shape varies by server
 
 
 _decoder = msgspec.json.Decoder(StreamChunk)

@@ -129,7 +129,7 @@ class _StreamProtocol(asyncio.Protocol):
             self._finish(f"bad event {payload[:100]!r}: {exc}")
             return
         if chunk.error is not None:
-            self._finish(f"error event: {bytes(chunk.error)[:200]!r}")
+            self._finish(f"error event: {str(chunk.error)[:200]}")
             return
         if chunk.usage is not None and chunk.usage.completion_tokens:
             record.output_tokens = chunk.usage.completion_tokens
