@@ -1,10 +1,8 @@
-"""Fixed benchmark inputs: random token-id prompts from a seed, and summary statistics."""
+"""Fixed benchmark inputs: random token-id prompts and output lengths from a seed."""
 
 from __future__ import annotations
 
 import random
-import statistics
-from dataclasses import dataclass
 
 
 def random_prompts(
@@ -32,21 +30,3 @@ def output_lengths(
     if output_len_max is None:
         return [output_len] * num_prompts
     return [rng.randint(output_len, output_len_max) for _ in range(num_prompts)]
-
-
-@dataclass
-class Summary:
-    mean: float
-    median: float
-    p99: float
-
-    @classmethod
-    def of(cls, values: list[float]) -> Summary:
-        if not values:
-            return cls(float("nan"), float("nan"), float("nan"))
-        ordered = sorted(values)
-        p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
-        return cls(statistics.fmean(ordered), statistics.median(ordered), p99)
-
-    def ms(self) -> str:
-        return f"mean {self.mean * 1e3:.2f} ms, median {self.median * 1e3:.2f} ms, p99 {self.p99 * 1e3:.2f} ms"
