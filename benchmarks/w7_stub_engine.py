@@ -3,7 +3,7 @@
 For benchmarks/w7_http.py only: it measures the HTTP layer (parsing, SSE framing, the event
 loop) without a model. It follows AsyncEngine's public interface, and like the real engine it
 has one step loop that publishes every running request's token each tick through the real
-per-request mailbox (asyncserve.engine.request_stream.RequestStream).
+per-request mailbox (asyncserve.output.request_stream.RequestStream).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncserve.config import EngineConfig
-from asyncserve.engine.request_stream import RequestStream
+from asyncserve.output.request_stream import RequestStream
 from asyncserve.outputs import CompletionOutput, RequestOutput
 from asyncserve.sampling_params import RequestOutputKind, SamplingParams
 

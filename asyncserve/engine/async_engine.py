@@ -13,17 +13,17 @@ from collections.abc import AsyncIterator
 import torch
 
 from asyncserve.config import EngineConfig
-from asyncserve.engine.model_runner import ModelRunner
-from asyncserve.engine.output_processor import OutputProcessor, ParentState
-from asyncserve.engine.request import Request, RequestStatus
-from asyncserve.engine.request_stream import RequestStream
-from asyncserve.engine.scheduler import Scheduler
+from asyncserve.core.grammar import StructuredOutputManager
+from asyncserve.core.request import Request, RequestStatus
+from asyncserve.core.scheduler import Scheduler
 from asyncserve.engine.step_loop import StepLoop
-from asyncserve.engine.structured import StructuredOutputManager
 from asyncserve.metrics import EngineMetrics
 from asyncserve.models.loader import LoadedModel, load_model
+from asyncserve.output.output_processor import OutputProcessor, ParentState
+from asyncserve.output.request_stream import RequestStream
 from asyncserve.outputs import RequestOutput
 from asyncserve.sampling_params import SamplingParams
+from asyncserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

@@ -20,13 +20,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from asyncserve.engine.model_runner import ForwardedStep, LaunchedStep, ModelRunner
-from asyncserve.engine.output_processor import OutputProcessor
-from asyncserve.engine.request import Request, RequestStatus
-from asyncserve.engine.scheduler import Scheduler
-from asyncserve.engine.step import StepPlan, StepResult
-from asyncserve.engine.structured import GrammarBitmask, StructuredOutputManager
+from asyncserve.core.grammar import StructuredOutputManager
+from asyncserve.core.request import Request, RequestStatus
+from asyncserve.core.scheduler import Scheduler
+from asyncserve.core.step import GrammarBitmask, StepPlan, StepResult
 from asyncserve.metrics import EngineMetrics
+from asyncserve.output.output_processor import OutputProcessor
+from asyncserve.worker.model_runner import ForwardedStep, LaunchedStep, ModelRunner
 
 _T = TypeVar("_T")
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from asyncserve import SamplingParams
-from asyncserve.engine.output_processor import OutputProcessor
 from asyncserve.llm import LLM
+from asyncserve.output.output_processor import OutputProcessor
 
 
 def assert_pool_whole(llm: LLM) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncserve.engine.structured import mask_logits_, unpack_bitmask_numpy
+from asyncserve.worker.grammar_mask import mask_logits_, unpack_bitmask_numpy
 
 pytest.importorskip("triton", reason="triton is not installed")
 

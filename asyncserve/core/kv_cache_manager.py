@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from asyncserve.engine.block_pool import BlockPool, KVBlock, hash_block
-from asyncserve.engine.request import Request
+from asyncserve.core.block_pool import BlockPool, KVBlock, hash_block
+from asyncserve.core.request import Request
 
 
 class KVCacheManager:

@@ -9,8 +9,8 @@ from typing import Any, cast
 import pytest
 from tokenizers import Tokenizer
 
-from asyncserve.engine.detokenizer import IncrementalDetokenizer, decode_token
 from asyncserve.models.gguf_loader import open_gguf
+from asyncserve.output.detokenizer import IncrementalDetokenizer, decode_token
 from asyncserve.sampling_params import SamplingParams
 from asyncserve.tokenizer import Tokenizer as AsyncserveTokenizer
 

@@ -20,20 +20,20 @@ from dataclasses import dataclass, field
 import torch
 
 from asyncserve.config import EngineConfig
-from asyncserve.engine.cuda_graphs import DecodeGraphs
-from asyncserve.engine.input_batch import (
+from asyncserve.core.step import GrammarBitmask, StepPlan, StepResult
+from asyncserve.models.attention import AttentionMetadata
+from asyncserve.models.loader import LoadedModel
+from asyncserve.worker.cuda_graphs import DecodeGraphs
+from asyncserve.worker.grammar_mask import apply_grammar_bitmask
+from asyncserve.worker.input_batch import (
     PLACEHOLDER_TOKEN,
     CachedRequestState,
     HostStaging,
     StepInputs,
     build_step_inputs,
 )
-from asyncserve.engine.sampler import Sampler, SamplerOutput
-from asyncserve.engine.sampling_metadata import SamplingMetadata, SamplingRow
-from asyncserve.engine.step import StepPlan, StepResult
-from asyncserve.engine.structured import GrammarBitmask, apply_grammar_bitmask
-from asyncserve.models.attention import AttentionMetadata
-from asyncserve.models.loader import LoadedModel
+from asyncserve.worker.sampler import Sampler, SamplerOutput
+from asyncserve.worker.sampling_metadata import SamplingMetadata, SamplingRow
 
 logger = logging.getLogger(__name__)
 

@@ -25,10 +25,10 @@ from collections import deque
 from collections.abc import Iterable
 
 from asyncserve.config import CacheConfig, SchedulerConfig
-from asyncserve.engine.block_pool import BlockPool
-from asyncserve.engine.kv_cache import KVCacheManager
-from asyncserve.engine.request import Request, RequestStatus
-from asyncserve.engine.step import NewRequestData, RunningRequestData, StepPlan, StepResult
+from asyncserve.core.block_pool import BlockPool
+from asyncserve.core.kv_cache_manager import KVCacheManager
+from asyncserve.core.request import Request, RequestStatus
+from asyncserve.core.step import NewRequestData, RunningRequestData, StepPlan, StepResult
 
 
 class _WaitingQueue:

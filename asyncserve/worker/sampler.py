@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncserve.engine.logprobs import gather_logprobs
-from asyncserve.engine.sampling_metadata import SamplingMetadata
+from asyncserve.worker.logprobs import gather_logprobs
+from asyncserve.worker.sampling_metadata import SamplingMetadata
 
 _NEG_INF = float("-inf")
 # Keeps exponential draws away from 0, where probs / q would give inf or nan.

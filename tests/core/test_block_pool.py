@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncserve.engine.block_pool import BlockPool, KVBlock, hash_block
+from asyncserve.core.block_pool import BlockPool, KVBlock, hash_block
 
 
 def cache(pool: BlockPool, blocks: list[KVBlock], hashes: list[int]) -> None:

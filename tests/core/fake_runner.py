@@ -17,9 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from asyncserve.config import CacheConfig, SchedulerConfig, SchedulingPolicy
-from asyncserve.engine.request import Request
-from asyncserve.engine.scheduler import Scheduler
-from asyncserve.engine.step import StepPlan, StepResult
+from asyncserve.core.request import Request
+from asyncserve.core.scheduler import Scheduler
+from asyncserve.core.step import StepPlan, StepResult
 from asyncserve.sampling_params import SamplingParams
 
 # Small blocks and vocabulary keep scheduler tests readable.

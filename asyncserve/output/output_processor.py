@@ -10,11 +10,11 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from asyncserve.engine.detokenizer import IncrementalDetokenizer, decode_token
-from asyncserve.engine.request import Request, RequestStatus
-from asyncserve.engine.request_stream import RequestStream
-from asyncserve.engine.step import StepResult
+from asyncserve.core.request import Request, RequestStatus
+from asyncserve.core.step import StepResult
 from asyncserve.metrics import EngineMetrics
+from asyncserve.output.detokenizer import IncrementalDetokenizer, decode_token
+from asyncserve.output.request_stream import RequestStream
 from asyncserve.outputs import CompletionOutput, Logprob, LogprobsDict, RequestOutput
 from asyncserve.sampling_params import RequestOutputKind, SamplingParams
 from asyncserve.tokenizer import Tokenizer

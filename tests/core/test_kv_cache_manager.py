@@ -1,8 +1,8 @@
 from __future__ import annotations
 
-from asyncserve.engine.block_pool import BlockPool, hash_block
-from asyncserve.engine.kv_cache import KVCacheManager
-from asyncserve.engine.request import Request
+from asyncserve.core.block_pool import BlockPool, hash_block
+from asyncserve.core.kv_cache_manager import KVCacheManager
+from asyncserve.core.request import Request
 from asyncserve.sampling_params import SamplingParams
 
 BS = 4

@@ -8,19 +8,17 @@ import pytest
 import torch
 from llguidance import LLMatcher
 
-from asyncserve.engine.request import Request, RequestStatus
-from asyncserve.engine.step import StepPlan
-from asyncserve.engine.structured import (
-    GrammarBitmask,
-    StructuredOutputManager,
+from asyncserve.core.grammar import StructuredOutputManager, validate_structured_outputs
+from asyncserve.core.request import Request, RequestStatus
+from asyncserve.core.step import GrammarBitmask, StepPlan
+from asyncserve.sampling_params import SamplingParams, StructuredOutputsParams
+from asyncserve.tokenizer import Tokenizer
+from asyncserve.worker.grammar_mask import (
     apply_grammar_bitmask,
     apply_token_bitmask_,
     mask_logits_,
     unpack_bitmask_numpy,
-    validate_structured_outputs,
 )
-from asyncserve.sampling_params import SamplingParams, StructuredOutputsParams
-from asyncserve.tokenizer import Tokenizer
 
 VOCAB = 49152
 EOS = 2

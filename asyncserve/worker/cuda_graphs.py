@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from asyncserve.engine.input_batch import StepInputs
 from asyncserve.models.attention import AttentionMetadata
 from asyncserve.models.llama import LlamaForCausalLM
+from asyncserve.worker.input_batch import StepInputs
 
 logger = logging.getLogger(__name__)
 

@@ -5,9 +5,9 @@ import random
 import pytest
 
 from asyncserve.config import SchedulingPolicy
-from asyncserve.engine.request import Request, RequestStatus
-from asyncserve.engine.step import StepPlan, StepResult
-from tests.engine.fake_runner import (
+from asyncserve.core.request import Request, RequestStatus
+from asyncserve.core.step import StepPlan, StepResult
+from tests.core.fake_runner import (
     BS,
     VOCAB,
     assert_all_blocks_back,

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from asyncserve.sampling_params import SamplingParams
 
 
@@ -56,3 +58,15 @@ class StepResult:
     # request id -> per prompt position (the first has none): top-k logprobs and the rank of
     # the actual next prompt token; filled chunk by chunk.
     prompt_logprobs: dict[str, list[tuple[dict[int, float], int]]] = field(default_factory=dict)
+
+
+@dataclass
+class GrammarBitmask:
+    """Packed allowed-token masks for the constrained rows of one step.
+
+    Row i of `bitmask` ([R, ceil(V / 32)] int32, host memory, pinned on CUDA) belongs to
+    `request_ids[i]`; bit t % 32 of word t // 32 is set when token t is allowed.
+    """
+
+    request_ids: list[str]
+    bitmask: torch.Tensor

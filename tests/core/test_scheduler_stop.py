@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from asyncserve.engine.request import Request, RequestStatus
-from asyncserve.engine.step import StepResult
-from tests.engine.fake_runner import (
+from asyncserve.core.request import Request, RequestStatus
+from asyncserve.core.step import StepResult
+from tests.core.fake_runner import (
     assert_all_blocks_back,
     expected_output,
     make_request,

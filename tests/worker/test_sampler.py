@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from asyncserve.engine.sampler import Sampler, SamplerOutput, process_logits
-from asyncserve.engine.sampling_metadata import SamplingMetadata, SamplingRow
 from asyncserve.sampling_params import SamplingParams
+from asyncserve.worker.sampler import Sampler, SamplerOutput, process_logits
+from asyncserve.worker.sampling_metadata import SamplingMetadata, SamplingRow
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # A distribution with no near-ties at the top-p boundaries used below.

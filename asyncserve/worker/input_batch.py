@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from asyncserve.engine.request import token_slice
-from asyncserve.engine.step import StepPlan
+from asyncserve.core.request import token_slice
+from asyncserve.core.step import StepPlan
 from asyncserve.models.attention import AttentionMetadata
 from asyncserve.sampling_params import SamplingParams
 

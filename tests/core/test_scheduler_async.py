@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from asyncserve.engine.request import RequestStatus
-from tests.engine.fake_runner import (
+from asyncserve.core.request import RequestStatus
+from tests.core.fake_runner import (
     assert_all_blocks_back,
     check_plan,
     expected_output,
