@@ -18,73 +18,17 @@ ever computed past max_tokens or max_model_len.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import time
-from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from asyncserve.config import CacheConfig, SchedulerConfig
 from asyncserve.core.block_pool import BlockPool
 from asyncserve.core.kv_cache_manager import KVCacheManager
 from asyncserve.core.request import Request, RequestStatus
 from asyncserve.core.step import NewRequestData, RunningRequestData, StepPlan, StepResult
-
-
-class _WaitingQueue:
-    """Waiting requests in admission order: fcfs (deque) or (priority, arrival) (heap).
-
-    Requests finished while waiting are dropped lazily when they reach the head, so an
-    abort is O(1); `len` counts only live requests.
-    """
-
-    def __init__(self, priority: bool) -> None:
-        self._priority = priority
-        self._fifo: deque[Request] = deque()
-        self._heap: list[tuple[int, float, int, Request]] = []
-        self._seq = itertools.count()
-        self._live = 0
-
-    def __len__(self) -> int:
-        return self._live
-
-    def push(self, request: Request) -> None:
-        self._live += 1
-        if self._priority:
-            entry = (request.priority, request.arrival_time, next(self._seq), request)
-            heapq.heappush(self._heap, entry)
-        else:
-            self._fifo.append(request)
-
-    def push_front(self, request: Request) -> None:
-        """A preempted request: first in line under fcfs, by its key under priority."""
-        if self._priority:
-            self.push(request)
-        else:
-            self._live += 1
-            self._fifo.appendleft(request)
-
-    def peek(self) -> Request | None:
-        if self._priority:
-            heap = self._heap
-            while heap and heap[0][3].is_finished:
-                heapq.heappop(heap)
-            return heap[0][3] if heap else None
-        fifo = self._fifo
-        while fifo and fifo[0].is_finished:
-            fifo.popleft()
-        return fifo[0] if fifo else None
-
-    def pop(self) -> Request:
-        """Remove the head; call right after peek() returned it."""
-        self._live -= 1
-        if self._priority:
-            return heapq.heappop(self._heap)[3]
-        return self._fifo.popleft()
-
-    def discard(self, request: Request) -> None:
-        """Account for a request finished while waiting; the caller sets its status."""
-        self._live -= 1
+from asyncserve.core.waiting_queue import WaitingQueue
 
 
 class Scheduler:
@@ -109,7 +53,7 @@ class Scheduler:
             self.block_pool, cache_config.block_size, cache_config.enable_prefix_caching
         )
         self._requests: dict[str, Request] = {}
-        self._waiting = _WaitingQueue(self._priority)
+        self._waiting = WaitingQueue(self._priority)
         self._running: list[Request] = []
         # Requests the runner must forget, gathered until the next plan.
         self._freed_ids: set[str] = set()
@@ -185,64 +129,69 @@ class Scheduler:
     # ------------------------------------------------------------------------- scheduling
 
     def schedule(self) -> StepPlan:
-        kv = self.kv_cache_manager
-        budget = self.max_num_batched_tokens
-        running = self._running
-        num_scheduled: dict[str, int] = {}
-        scheduled_running: list[Request] = []
-        new_block_ids: dict[str, list[int]] = {}
-        preempted = False
+        """Plan one step: running requests first, then waiting ones (none if this step had
+        to preempt), within the token and sequence budgets."""
+        step = _StepBudget(self.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted:
+            self._schedule_waiting(step)
+        return self._make_plan(step)
 
-        # Running requests first, in order.
-        req_index = 0
-        while req_index < len(running) and budget > 0:
-            request = running[req_index]
-            num_new = min(_num_pending_tokens(request) - request.num_computed_tokens, budget)
+    def _schedule_running(self, step: _StepBudget) -> None:
+        """Give each running request its next tokens (a decode 1, a prompt a chunk), in order;
+        when blocks run out, preempt until they fit (the request itself, last)."""
+        running = self._running
+        index = 0
+        while index < len(running) and step.budget > 0:
+            request = running[index]
+            num_new = min(_num_pending_tokens(request) - request.num_computed_tokens, step.budget)
             if num_new <= 0 or self._at_length_limit(request):
-                req_index += 1
+                index += 1
                 continue
             if self._never_fits(request.num_computed_tokens + num_new):
-                running.pop(req_index)
-                kv.free(request)
+                running.pop(index)
+                self.kv_cache_manager.free(request)
                 self._fail(request)
                 continue
-            while True:
-                block_ids = kv.allocate_slots(request, num_new)
-                if block_ids is not None:
-                    break
-                if self._priority:
-                    victim = max(running, key=_priority_key)
-                    victim_index = running.index(victim)
-                    running.pop(victim_index)
-                    if victim_index < req_index:
-                        # Already scheduled this step: give its tokens back.
-                        req_index -= 1
-                        scheduled_running.remove(victim)
-                        budget += num_scheduled.pop(victim.request_id)
-                        del new_block_ids[victim.request_id]
-                else:
-                    victim = running.pop()
-                self._preempt(victim)
-                preempted = True
-                if victim is request:
-                    break
+            block_ids, index = self._allocate_or_preempt(request, num_new, index, step)
             if block_ids is None:
-                # It preempted itself; anything after it waits for the next step.
-                break
-            scheduled_running.append(request)
-            num_scheduled[request.request_id] = num_new
-            new_block_ids[request.request_id] = block_ids
-            budget -= num_new
-            req_index += 1
+                break  # it preempted itself; anything after it waits for the next step
+            step.add_running(request, num_new, block_ids)
+            index += 1
 
-        # Then waiting requests, in queue order, unless this step preempted anyone.
-        scheduled_new: list[Request] = []
+    def _allocate_or_preempt(
+        self, request: Request, num_new: int, index: int, step: _StepBudget
+    ) -> tuple[list[int] | None, int]:
+        """Blocks for `num_new` more tokens of running[index], preempting victims (newest
+        under fcfs, worst (priority, arrival) under priority) until they fit. Returns the
+        new block ids (None when the request preempted itself) and its index now."""
+        running = self._running
+        while True:
+            block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            if block_ids is not None:
+                return block_ids, index
+            if self._priority:
+                victim = max(running, key=_priority_key)
+                victim_index = running.index(victim)
+                running.pop(victim_index)
+                if victim_index < index:
+                    index -= 1  # scheduled already this step: its tokens go back
+                    step.remove_running(victim)
+            else:
+                victim = running.pop()
+            self._preempt(victim)
+            step.preempted = True
+            if victim is request:
+                return None, index
+
+    def _schedule_waiting(self, step: _StepBudget) -> None:
+        """Admit waiting requests in queue order while budget, seats and blocks last."""
+        kv = self.kv_cache_manager
         waiting = self._waiting
-        while not preempted and budget > 0 and len(running) < self.max_num_seqs:
-            head = waiting.peek()
-            if head is None:
+        while step.budget > 0 and len(self._running) < self.max_num_seqs:
+            request = waiting.peek()
+            if request is None:
                 break
-            request = head
             if request.num_output_placeholders:
                 # Preempted while its last token was in flight: admitted once it is known.
                 break
@@ -251,10 +200,9 @@ class Scheduler:
                 self._fail(request)
                 continue
             hit_blocks, num_hit = kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_hit, budget)
+            num_new = min(request.num_tokens - num_hit, step.budget)
             if kv.allocate_slots(request, num_new, hit_blocks) is None:
-                # fcfs: never admit past a request that does not fit.
-                break
+                break  # never admit past a request that does not fit
             waiting.pop()
             kv.record_prefix_lookup(request, num_hit)
             request.num_computed_tokens = num_hit
@@ -263,11 +211,11 @@ class Scheduler:
                 request.first_scheduled_time = time.monotonic()
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
-            running.append(request)
-            scheduled_new.append(request)
-            num_scheduled[request.request_id] = num_new
-            budget -= num_new
+            self._running.append(request)
+            step.add_new(request, num_new)
 
+    def _make_plan(self, step: _StepBudget) -> StepPlan:
+        kv = self.kv_cache_manager
         plan = StepPlan(
             new_requests=[
                 NewRequestData(
@@ -278,27 +226,29 @@ class Scheduler:
                     block_ids=kv.get_block_ids(r.request_id),
                     num_computed_tokens=r.num_computed_tokens,
                 )
-                for r in scheduled_new
+                for r in step.new
             ],
             running_requests=[
                 RunningRequestData(
                     request_id=r.request_id,
-                    new_block_ids=new_block_ids[r.request_id],
+                    new_block_ids=step.new_block_ids[r.request_id],
                     num_computed_tokens=r.num_computed_tokens,
                 )
-                for r in scheduled_running
+                for r in step.running
             ],
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            num_scheduled_tokens=step.num_scheduled,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - step.budget,
             freed_request_ids=self._freed_ids,
         )
         self._freed_ids = set()
         # The plan carries the start positions; from here on the tokens count as computed,
         # and a request whose chunk reaches its last token awaits the token sampled now.
-        for r in itertools.chain(scheduled_running, scheduled_new):
-            r.num_computed_tokens += num_scheduled[r.request_id]
+        for r in itertools.chain(step.running, step.new):
+            r.num_computed_tokens += step.num_scheduled[r.request_id]
             if r.num_computed_tokens >= _num_pending_tokens(r):
                 r.num_output_placeholders += 1
+            if r.sampling_params.needs_output_tokens:
+                plan.needs_output_tokens = True
         return plan
 
     def update(self, plan: StepPlan, result: StepResult) -> list[Request]:
@@ -355,20 +305,11 @@ class Scheduler:
     def _check_stop(self, request: Request, token_id: int) -> bool:
         """vLLM's rules: stop tokens count once min_tokens are out; then length limits."""
         params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
-            if token_id == request.eos_token_id and not params.ignore_eos:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = None
-                return True
-            if params.stop_token_ids and token_id in params.stop_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = token_id
-                return True
-            # Extra EOS ids the engine adds from the generation config obey ignore_eos.
-            if not params.ignore_eos and token_id in params.all_stop_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = token_id
-                return True
+        if request.num_output_tokens >= params.min_tokens and token_id in params.all_stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            # vLLM reports the model's own EOS as no stop reason, any other stop id as itself.
+            request.stop_reason = None if token_id == request.eos_token_id else token_id
+            return True
         if (
             request.num_output_tokens >= request.max_tokens
             or request.num_tokens >= self.max_model_len
@@ -413,6 +354,34 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         del self._requests[request.request_id]
         self._freed_ids.add(request.request_id)
+
+
+@dataclass
+class _StepBudget:
+    """What one schedule() call has handed out so far."""
+
+    budget: int
+    preempted: bool = False
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    running: list[Request] = field(default_factory=list)
+    new: list[Request] = field(default_factory=list)
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+
+    def add_running(self, request: Request, num_new: int, block_ids: list[int]) -> None:
+        self.running.append(request)
+        self.num_scheduled[request.request_id] = num_new
+        self.new_block_ids[request.request_id] = block_ids
+        self.budget -= num_new
+
+    def remove_running(self, request: Request) -> None:
+        self.running.remove(request)
+        self.budget += self.num_scheduled.pop(request.request_id)
+        del self.new_block_ids[request.request_id]
+
+    def add_new(self, request: Request, num_new: int) -> None:
+        self.new.append(request)
+        self.num_scheduled[request.request_id] = num_new
+        self.budget -= num_new
 
 
 def _num_pending_tokens(request: Request) -> int:

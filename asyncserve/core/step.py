@@ -42,6 +42,9 @@ class StepPlan:
     total_num_scheduled_tokens: int = 0
     # Requests the runner must forget (finished, aborted or preempted since the last step).
     freed_request_ids: set[str] = field(default_factory=set)
+    # A scheduled request samples from its output tokens' values (penalties, bad words): with
+    # a step in flight, this one samples only after that step's tokens are collected.
+    needs_output_tokens: bool = False
 
     @property
     def is_empty(self) -> bool:

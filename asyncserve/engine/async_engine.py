@@ -7,16 +7,17 @@ import asyncio
 import contextlib
 import copy
 import logging
-import time
 from collections.abc import AsyncIterator
 
 import torch
 
 from asyncserve.config import EngineConfig
 from asyncserve.core.grammar import StructuredOutputManager
-from asyncserve.core.request import Request, RequestStatus
+from asyncserve.core.request import Request
 from asyncserve.core.scheduler import Scheduler
+from asyncserve.engine.engine_core import EngineCore
 from asyncserve.engine.step_loop import StepLoop
+from asyncserve.executor.uniproc import UniProcExecutor
 from asyncserve.metrics import EngineMetrics
 from asyncserve.models.loader import LoadedModel, load_model
 from asyncserve.output.output_processor import OutputProcessor, ParentState
@@ -50,32 +51,25 @@ class AsyncEngine:
             loaded.arch.max_position_embeddings,
         )
         self.runner = ModelRunner(loaded, config, self.device)
-        num_blocks = self.runner.determine_num_blocks(self.max_model_len)
-        self.runner.allocate_kv_cache(num_blocks, self.max_model_len)
+        self.executor = UniProcExecutor(self.runner)
+        num_blocks = self.executor.determine_num_blocks(self.max_model_len)
+        self.executor.allocate_kv_cache(num_blocks, self.max_model_len)
+        self.num_blocks = num_blocks
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer, config.stream_interval, metrics)
-        eos_ids = list(loaded.generation_config.get("eos_token_id") or loaded.arch.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos_ids:
-            eos_ids.insert(0, self.tokenizer.eos_token_id)
-        self.eos_token_ids: list[int] = eos_ids
+        self.eos_token_ids = eos_token_ids(loaded, self.tokenizer.eos_token_id)
         # Grammar matchers; masks are filled on its own thread while the forward runs.
         self.structured = StructuredOutputManager(
             self.tokenizer.backend,
             loaded.arch.vocab_size,
-            eos_ids,
+            self.eos_token_ids,
             pin_memory=self.device.type == "cuda",
         )
+        self.core = EngineCore(self.scheduler, self.structured, self.output_processor, metrics)
         async_scheduling = config.scheduler.async_scheduling
         if async_scheduling is None:
             async_scheduling = self.device.type == "cuda"
-        self.step_loop = StepLoop(
-            self.scheduler,
-            self.runner,
-            self.structured,
-            self.output_processor,
-            metrics,
-            async_scheduling,
-        )
+        self.step_loop = StepLoop(self.core, self.executor, async_scheduling)
         self._loop_task: asyncio.Task[None] | None = None
         self._wakeup: asyncio.Event | None = None
         self._stopping = False
@@ -120,7 +114,7 @@ class AsyncEngine:
 
     @property
     def num_total_blocks(self) -> int:
-        return self.runner.num_blocks
+        return self.num_blocks
 
     @property
     def num_free_blocks(self) -> int:
@@ -145,11 +139,9 @@ class AsyncEngine:
         """Let running requests finish for up to `timeout` seconds, abort the rest, stop."""
         if self._loop_task is None:
             return
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.output_processor.parents and self.is_running:
-            if deadline is not None and time.monotonic() >= deadline:
-                break
-            await asyncio.sleep(0.01)
+        if self.is_running:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.core.idle.wait(), timeout)
         for request_id in list(self.output_processor.parents):
             await self.abort(request_id)
         self._stopping = True
@@ -224,15 +216,11 @@ class AsyncEngine:
             child.prompt_logprobs = None
         if params.seed is not None:
             child.seed = params.seed + index
-        stop_ids = set(params.stop_token_ids or [])
+        # What stops the request (once min_tokens are out), and what min_tokens masks: the
+        # request's stop ids and, unless ignore_eos, every EOS id of the model.
+        child.all_stop_token_ids = set(params.stop_token_ids or [])
         if not params.ignore_eos:
-            # Every EOS id of the model stops; min_tokens masks them all.
-            child.all_stop_token_ids = stop_ids | set(self.eos_token_ids)
-        else:
-            child.all_stop_token_ids = stop_ids
-        child.stop_token_ids = sorted(
-            stop_ids | (set(self.eos_token_ids[1:]) if not params.ignore_eos else set())
-        )
+            child.all_stop_token_ids |= set(self.eos_token_ids)
         return child
 
     def add_request(
@@ -282,12 +270,7 @@ class AsyncEngine:
                     max_tokens=max_tokens,
                 )
             )
-        if params.structured_outputs is not None:
-            for request in requests:
-                self.structured.add_request(request.request_id, params.structured_outputs)
-        self.output_processor.add(parent, requests)
-        for request in requests:
-            self.scheduler.add_request(request)
+        self.core.add(parent, requests)
         if self._wakeup is not None:
             self._wakeup.set()
         return stream
@@ -313,13 +296,7 @@ class AsyncEngine:
                 await self.abort(request_id)
 
     async def abort(self, request_id: str) -> None:
-        child_ids = self.output_processor.child_ids(request_id)
-        if not child_ids:
-            return
-        self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
-        self.structured.remove(child_ids)
-        self.output_processor.finish_aborted(request_id)
-        if self._wakeup is not None:
+        if self.core.abort(request_id) and self._wakeup is not None:
             self._wakeup.set()
 
     # ---- the step loop -------------------------------------------------------------------
@@ -331,8 +308,14 @@ class AsyncEngine:
         except Exception as exc:  # a failed step: fail every request, report unhealthy
             logger.exception("step loop failed")
             self._dead_reason = f"{type(exc).__name__}: {exc}"
-            for request_id in list(self.output_processor.parents):
-                self.output_processor.finish_aborted(
-                    request_id, reason="error", error=self._dead_reason
-                )
+            self.core.fail_all(self._dead_reason)
             self._dead.set()
+
+
+def eos_token_ids(loaded: LoadedModel, tokenizer_eos: int | None) -> list[int]:
+    """The model's EOS ids, the generation config's first (it may list several), then the
+    tokenizer's; the first is the one vLLM reports as no stop reason."""
+    ids = list(loaded.generation_config.get("eos_token_id") or loaded.arch.eos_token_ids)
+    if tokenizer_eos is not None and tokenizer_eos not in ids:
+        ids.insert(0, tokenizer_eos)
+    return ids

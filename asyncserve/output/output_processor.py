@@ -191,27 +191,37 @@ class OutputProcessor:
         parent.internal_error = True
         self._publish_failed(parent, time.monotonic())
 
-    def finish_aborted(
-        self, request_id: str, reason: str = "abort", error: str | None = None
-    ) -> None:
-        """End a request from outside the step (abort or error) and tell its reader."""
-        parent = self.parents.get(request_id)
-        if parent is None:
-            return
-        for child in parent.children:
+    def siblings(self, child_ids: list[str]) -> list[str]:
+        """Every sample of the requests these samples belong to."""
+        out: list[str] = []
+        for parent_id in dict.fromkeys(self.children[c][0].request_id for c in child_ids
+                                       if c in self.children):  # fmt: skip
+            out.extend(self.child_ids(parent_id))
+        return out
+
+    def finish(self, child_ids: list[str], reason: str, error: str | None = None) -> None:
+        """End these samples from outside the step (abort, error, grammar end) and publish
+        each request whose samples have all ended. Samples already ended keep their reason."""
+        touched: dict[str, ParentState] = {}
+        for child_id in child_ids:
+            entry = self.children.get(child_id)
+            if entry is None:
+                continue
+            parent, child = entry
             if child.finish_reason is None:
                 child.finish_reason = reason
-        parent.error = error
-        try:
-            self._publish(parent, time.monotonic(), force=True)
-        except Exception:
-            logger.exception("publishing the end of request %s failed", request_id)
-            self._publish_failed(parent, time.monotonic())
-
-    def fail_request(self, child_request_id: str, error: str) -> None:
-        entry = self.children.get(child_request_id)
-        if entry is not None:
-            self.finish_aborted(entry[0].request_id, reason="error", error=error)
+            if error is not None and parent.error is None:
+                parent.error = error
+            touched[parent.request_id] = parent
+        now = time.monotonic()
+        for parent in touched.values():
+            if not parent.finished:
+                continue
+            try:
+                self._publish(parent, now, force=True)
+            except Exception:
+                logger.exception("publishing the end of request %s failed", parent.request_id)
+                self._publish_failed(parent, now)
 
     # ---- internals -----------------------------------------------------------------------
 

@@ -21,7 +21,6 @@ import torch
 
 from asyncserve.config import EngineConfig
 from asyncserve.core.step import GrammarBitmask, StepPlan, StepResult
-from asyncserve.models.attention import AttentionMetadata
 from asyncserve.models.loader import LoadedModel
 from asyncserve.worker.cuda_graphs import DecodeGraphs
 from asyncserve.worker.grammar_mask import apply_grammar_bitmask
@@ -32,13 +31,12 @@ from asyncserve.worker.input_batch import (
     StepInputs,
     build_step_inputs,
 )
+from asyncserve.worker.kv_pool import allocate_kv_caches, determine_num_blocks
 from asyncserve.worker.sampler import Sampler, SamplerOutput
 from asyncserve.worker.sampling_metadata import SamplingMetadata, SamplingRow
 
 logger = logging.getLogger(__name__)
 
-# KV pool on CPU when no byte budget is given.
-DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 _GOLDEN = 0x9E3779B97F4A7C15
 
 
@@ -63,8 +61,6 @@ class LaunchedStep:
     sampled: torch.Tensor | None = None
     host: list[torch.Tensor | None] = field(default_factory=list)
     copied: torch.cuda.Event | None = None
-    # A sampled row applies penalties: the next step must see the real tokens first.
-    needs_tokens: bool = False
 
 
 @dataclass
@@ -98,90 +94,15 @@ class ModelRunner:
 
     # ---- KV pool -------------------------------------------------------------------------
 
-    def kv_block_bytes(self) -> int:
-        arch = self.arch
-        element = torch.tensor([], dtype=self.dtype).element_size()
-        per_layer = 2 * self.block_size * arch.num_key_value_heads * arch.head_dim * element
-        return per_layer * arch.num_hidden_layers
-
     def determine_num_blocks(self, max_model_len: int) -> int:
-        cache = self.config.cache
-        if cache.num_blocks_override is not None:
-            return cache.num_blocks_override
-        block_bytes = self.kv_block_bytes()
-        if cache.kv_cache_memory is not None:
-            budget = cache.kv_cache_memory
-        elif self.device.type == "cuda":
-            budget = self._free_gpu_bytes_after_profile()
-        else:
-            budget = DEFAULT_CPU_KV_CACHE_BYTES
-        num_blocks = budget // block_bytes
-        # No point holding more than every seat filled to the longest sequence.
-        blocks_per_seq = -(-max_model_len // self.block_size)
-        num_blocks = min(num_blocks, self.config.scheduler.max_num_seqs * blocks_per_seq + 1)
-        if num_blocks < 1:
-            raise ValueError(
-                f"kv cache budget of {budget} bytes holds no block of {block_bytes} bytes; "
-                "raise kv_cache_memory or gpu_memory_utilization"
-            )
-        return int(num_blocks)
-
-    def _free_gpu_bytes_after_profile(self) -> int:
-        """Run the largest step once, then give the KV pool what the utilization target leaves."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self._profile_run()
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        free, total = torch.cuda.mem_get_info(self.device)
-        # Memory used by other processes / non-torch allocations counts against the target.
-        non_torch = total - free - torch.cuda.memory_reserved(self.device)
-        budget = int(total * self.config.cache.gpu_memory_utilization) - peak - max(non_torch, 0)
-        if self.config.enable_cuda_graphs:
-            # Decode graphs keep their own activations and logits outside the profiled peak.
-            rows = min(self.config.scheduler.max_num_seqs, 512)
-            budget -= rows * self.vocab_size * 4 * 2 + (512 << 20)
-        logger.info(
-            "GPU memory: total %.1f GiB, peak step %.1f GiB, KV budget %.1f GiB",
-            total / 2**30,
-            peak / 2**30,
-            budget / 2**30,
-        )
-        return max(budget, 0)
-
-    def _profile_run(self) -> None:
-        num_tokens = self.config.scheduler.max_num_batched_tokens
-        num_blocks = -(-num_tokens // self.block_size)
-        caches = self._make_caches(num_blocks)
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(num_tokens, device=self.device, dtype=torch.int64),
-            cu_seqlens_q=torch.tensor([0, num_tokens], device=self.device, dtype=torch.int32),
-            seq_lens=torch.tensor([num_tokens], device=self.device, dtype=torch.int32),
-            block_tables=torch.arange(num_blocks, device=self.device, dtype=torch.int32)[None],
-            max_seqlen_q=num_tokens,
-            max_seqlen_k=num_tokens,
-        )
-        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        pos = torch.arange(num_tokens, dtype=torch.int64, device=self.device)
-        with torch.inference_mode():
-            hidden = self.model(ids, pos, caches, meta)
-            rows = min(self.config.scheduler.max_num_seqs, num_tokens)
-            self.model.compute_logits(hidden[:rows])
-        del caches, hidden
-
-    def _make_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        arch = self.arch
-        shape = (num_blocks, self.block_size, arch.num_key_value_heads, arch.head_dim)
-        return [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(arch.num_hidden_layers)
-        ]
+        """How many KV blocks this device holds (see worker/kv_pool.py)."""
+        return determine_num_blocks(self.model, self.arch, self.config, self.dtype, self.device,
+                                    max_model_len)  # fmt: skip
 
     def allocate_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
-        self.kv_caches = self._make_caches(num_blocks)
+        self.kv_caches = allocate_kv_caches(
+            self.arch, num_blocks, self.block_size, self.dtype, self.device
+        )
         self.num_blocks = num_blocks
         if self.device.type == "cuda" and self.config.enable_cuda_graphs:
             self.decode_graphs = DecodeGraphs(
@@ -225,24 +146,6 @@ class ModelRunner:
             self.generators[state.request_id] = gen
         gen.manual_seed(step_seed(seed, len(state.output_token_ids)))
         return gen
-
-    def execute(
-        self,
-        plan: StepPlan,
-        grammar: Future[GrammarBitmask | None] | None = None,
-        on_launched: Callable[[], object] | None = None,
-    ) -> StepResult:
-        """Run one step to the end: launch, then collect."""
-        return self.collect(self.launch(plan, grammar, on_launched))
-
-    def launch(
-        self,
-        plan: StepPlan,
-        grammar: Future[GrammarBitmask | None] | None = None,
-        on_launched: Callable[[], object] | None = None,
-    ) -> LaunchedStep:
-        """Enqueue one step: the forward pass, then sampling (see the two halves below)."""
-        return self.launch_sampling(self.launch_forward(plan, on_launched), grammar)
 
     def launch_forward(
         self, plan: StepPlan, on_launched: Callable[[], object] | None = None
@@ -339,7 +242,6 @@ class ModelRunner:
             step.rows.append((rid, state, len(state.output_token_ids)))
             state.output_token_ids.append(PLACEHOLDER_TOKEN)
             state.in_flight = (sampled, row)
-            step.needs_tokens = step.needs_tokens or state.sampling_params.needs_output_tokens
         tensors = [sampled, out.logprob_token_ids, out.logprobs, out.sampled_ranks]
         if self.device.type != "cuda":
             step.host = tensors

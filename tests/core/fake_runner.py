@@ -175,10 +175,13 @@ def make_request(
     **params: object,
 ) -> Request:
     tokens = list(range(1, prompt + 1)) if isinstance(prompt, int) else list(prompt)
+    sampling = SamplingParams(max_tokens=max_tokens, **params)  # type: ignore[arg-type]
+    if eos is not None and not sampling.ignore_eos:
+        sampling.all_stop_token_ids.add(eos)  # as the engine adds the model's EOS ids
     return Request(
         rid,
         tokens,
-        SamplingParams(max_tokens=max_tokens, **params),  # type: ignore[arg-type]
+        sampling,
         eos_token_id=eos,
         priority=priority,
         arrival_time=arrival,

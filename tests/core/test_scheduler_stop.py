@@ -27,8 +27,9 @@ def stop_case(
     """Run one 3-token prompt on scripted sampled tokens, one list per step."""
     scheduler, _ = make_scheduler(max_model_len=max_model_len)
     request = make_request("r", 3, **kwargs)  # type: ignore[arg-type]
-    # What the engine adds from the model's generation config.
-    request.sampling_params.all_stop_token_ids |= extra_eos
+    # What the engine adds from the model's generation config (unless ignore_eos).
+    if not request.sampling_params.ignore_eos:
+        request.sampling_params.all_stop_token_ids |= extra_eos
     scheduler.add_request(request)
     for sampled in tokens:
         if request.is_finished:

@@ -52,15 +52,16 @@ def _run(
     )
     prompts, params = _prompts_and_params(llm)
     engine = llm.engine
+    # Steps launched while the one before was still in flight (never one at a time).
     overlapped = 0
-    overlapped_step = engine.step_loop._overlapped_step
+    launch = engine.step_loop._launch
 
-    async def counting(*args):  # type: ignore[no-untyped-def]
+    async def counting(loop, plan, prev):  # type: ignore[no-untyped-def]
         nonlocal overlapped
-        overlapped += 1
-        return await overlapped_step(*args)
+        overlapped += prev is not None
+        return await launch(loop, plan, prev)
 
-    engine.step_loop._overlapped_step = counting  # type: ignore[method-assign]
+    engine.step_loop._launch = counting  # type: ignore[method-assign]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert engine.num_free_blocks == engine.num_total_blocks, "blocks leaked"
     assert (overlapped > 0) == async_scheduling

@@ -22,14 +22,14 @@ def main() -> int:
             model=ModelConfig(max_model_len=512), cache=CacheConfig(kv_cache_memory=32 << 20)
         )
     )
-    execute = engine.runner.execute
+    launch_forward = engine.runner.launch_forward
 
-    def failing_execute(plan: Any, *args: Any) -> Any:
+    def failing_launch_forward(plan: Any, *args: Any) -> Any:
         if any(r.sampling_params.max_tokens == FAIL_MARKER for r in plan.new_requests):
             raise RuntimeError("device fault")
-        return execute(plan, *args)
+        return launch_forward(plan, *args)
 
-    engine.runner.execute = failing_execute  # type: ignore[method-assign]
+    engine.runner.launch_forward = failing_launch_forward  # type: ignore[method-assign]
     return run_server(engine, ServerConfig(port=port, shutdown_timeout=2))
 
 

@@ -1,0 +1,145 @@
+"""The engine process's request bookkeeping: scheduler, grammar matchers, outputs, metrics.
+
+`finish` is the one place a request is ended from outside a step (abort, error, stop string,
+completed grammar, a request that can never fit, a dead engine): it frees the request's
+blocks, drops its matcher, publishes its last output and counts it in the metrics. Requests
+that end inside a step (EOS, length) are ended by `Scheduler.update` and published by the
+output processor in the same `publish` call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+
+from asyncserve.core.grammar import StructuredOutputManager
+from asyncserve.core.request import Request, RequestStatus
+from asyncserve.core.scheduler import Scheduler
+from asyncserve.core.step import StepPlan, StepResult
+from asyncserve.metrics import EngineMetrics
+from asyncserve.output.output_processor import OutputProcessor, ParentState
+
+
+class EngineCore:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        structured: StructuredOutputManager,
+        output_processor: OutputProcessor,
+        metrics: EngineMetrics | None,
+    ) -> None:
+        self.scheduler = scheduler
+        self.structured = structured
+        self.output_processor = output_processor
+        self.metrics = metrics
+        # Set while no request is live (a draining shutdown waits for it).
+        self.idle = asyncio.Event()
+        self.idle.set()
+        # Scheduler counters already reported to metrics.
+        self._seen_preemptions = 0
+        self._seen_queries = 0
+        self._seen_hits = 0
+
+    # ---- requests in and out ---------------------------------------------------------------
+
+    def add(self, parent: ParentState, requests: list[Request]) -> None:
+        constraint = parent.params.structured_outputs
+        if constraint is not None:
+            for request in requests:
+                self.structured.add_request(request.request_id, constraint)
+        self.output_processor.add(parent, requests)
+        for request in requests:
+            self.scheduler.add_request(request)
+        self.idle.clear()
+
+    def finish(
+        self, child_ids: Iterable[str], status: RequestStatus, error: str | None = None
+    ) -> None:
+        """End these samples (request ids as the scheduler knows them). An error ends every
+        sample of the same request: a request has one error."""
+        ids = list(child_ids)
+        if status == RequestStatus.FINISHED_ERROR:
+            ids = self.output_processor.siblings(ids) or ids
+        if not ids:
+            return
+        self.scheduler.finish_requests(ids, status)
+        self.structured.remove(ids)
+        self.output_processor.finish(ids, status.finish_reason or "abort", error)
+        self._check_idle()
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request by the id it was added with; False when it is not live."""
+        child_ids = self.output_processor.child_ids(request_id)
+        self.finish(child_ids, RequestStatus.FINISHED_ABORTED)
+        return bool(child_ids)
+
+    def fail_all(self, error: str) -> None:
+        """The engine cannot go on: every live request ends with `error`."""
+        for request_id in list(self.output_processor.parents):
+            self.finish(
+                self.output_processor.child_ids(request_id), RequestStatus.FINISHED_ERROR, error
+            )
+
+    @property
+    def num_live_requests(self) -> int:
+        return len(self.output_processor.parents)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- one step --------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        plan = self.scheduler.schedule()
+        for request in self.scheduler.take_errored():
+            self.finish([request.request_id], RequestStatus.FINISHED_ERROR, request.error)
+        return plan
+
+    def update(self, plan: StepPlan, result: StepResult) -> tuple[list[Request], list[str]]:
+        """Take a step's tokens: the scheduler's stop rules, then the grammar matchers (the
+        next step's masks depend on these tokens). Returns the requests that got tokens and
+        the ids whose grammar completed ("stop"; their last token is text)."""
+        updated = self.scheduler.update(plan, result)
+        self._record_step()
+        return updated, self._advance_grammars(updated)
+
+    def publish(self, updated: list[Request], result: StepResult, grammar_done: list[str]) -> None:
+        """Detokenize and publish a step's tokens; end what a stop string or a failure ended."""
+        processed = self.output_processor.process(updated, result, grammar_done)
+        if processed.stopped:
+            self.finish(processed.stopped, RequestStatus.FINISHED_STOPPED)
+        if processed.failed:
+            self.finish(processed.failed, RequestStatus.FINISHED_ERROR)
+        self._check_idle()
+
+    def _check_idle(self) -> None:
+        if not self.output_processor.parents:
+            self.idle.set()
+
+    def _advance_grammars(self, updated: list[Request]) -> list[str]:
+        if not self.structured.num_requests:
+            return []
+        accepted = self.structured.accept_tokens(updated)
+        if accepted.stopped:
+            # Ended in the scheduler now; their outputs go out with this step's publish.
+            self.scheduler.finish_requests(accepted.stopped, RequestStatus.FINISHED_STOPPED)
+            self.structured.remove(accepted.stopped)
+        for request_id, error in accepted.errored:
+            self.finish([request_id], RequestStatus.FINISHED_ERROR, error)
+        return accepted.stopped
+
+    def _record_step(self) -> None:
+        if self.metrics is None:
+            return
+        s = self.scheduler
+        self.metrics.on_step(s.num_running, s.num_waiting, s.kv_cache_usage)
+        preemptions = s.num_preemptions_total - self._seen_preemptions
+        if preemptions:
+            self.metrics.on_preemptions(preemptions)
+        self._seen_preemptions = s.num_preemptions_total
+        queries = s.prefix_cache_queries - self._seen_queries
+        hits = s.prefix_cache_hits - self._seen_hits
+        if queries:
+            self.metrics.on_prefix_cache(queries, hits)
+        self._seen_queries = s.prefix_cache_queries
+        self._seen_hits = s.prefix_cache_hits

@@ -1,0 +1,63 @@
+"""The seam between the engine process and its device workers.
+
+The step loop plans a step (a StepPlan, plain data) and hands it to an executor; what comes
+back is a future of the StepResult. A step runs in three stages so that async scheduling can
+interleave them (see engine/step_loop.py):
+
+  launch_forward(plan)          apply the plan, build inputs, enqueue the forward pass
+  launch_sampling(fwd, masks)   sample (after the grammar masks arrive), start the copy back
+  collect(launched)             wait for the sampled ids: the StepResult
+
+Each stage returns a concurrent future at once; stages run in submission order on every
+worker. Calls that are not steps (KV pool sizing, allocation, profiling) go to every worker
+through collective_rpc.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from asyncserve.core.step import GrammarBitmask, StepPlan, StepResult
+
+# The masks of a step's constrained rows, filled while its forward runs (None: no row is).
+MasksFuture = Future[GrammarBitmask | None]
+
+
+class Executor(ABC):
+    """Runs StepPlans on the workers; every method returns without waiting for a device."""
+
+    @abstractmethod
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        """Call `method(*args)` on every worker's runner, in step order; one result each."""
+
+    @abstractmethod
+    def launch_forward(self, plan: StepPlan, on_launched: Callable[[], None]) -> Future[Any]:
+        """Enqueue the plan's forward pass. `on_launched` is called (on any thread) once the
+        forward is enqueued on the device, or the stage ended without one."""
+
+    @abstractmethod
+    def launch_sampling(self, forwarded: Future[Any], masks: MasksFuture | None) -> Future[Any]:
+        """Enqueue sampling for a launched forward; waits for `masks` on the worker."""
+
+    @abstractmethod
+    def collect(self, launched: Future[Any]) -> Future[StepResult]:
+        """The sampled tokens of a launched step."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop the workers; pending stages are dropped."""
+
+    def execute(self, plan: StepPlan, masks: MasksFuture | None = None) -> Future[StepResult]:
+        """One whole step: forward, sampling, collect."""
+        forwarded = self.launch_forward(plan, lambda: None)
+        return self.collect(self.launch_sampling(forwarded, masks))
+
+    def determine_num_blocks(self, max_model_len: int) -> int:
+        """KV blocks every worker can hold: the smallest of theirs."""
+        return min(self.collective_rpc("determine_num_blocks", max_model_len))
+
+    def allocate_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
+        self.collective_rpc("allocate_kv_cache", num_blocks, max_model_len)

@@ -1,0 +1,122 @@
+"""The KV pool of one device: how many blocks fit, and the per-layer K/V tensors.
+
+On CUDA the largest step (max_num_batched_tokens) runs once first, so the pool gets what
+gpu_memory_utilization leaves after the model's weights and its peak activations.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from asyncserve.config import EngineConfig
+from asyncserve.models.arch_config import ArchConfig
+from asyncserve.models.attention import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+# KV pool on CPU when no byte budget is given.
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def kv_block_bytes(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
+    element = torch.tensor([], dtype=dtype).element_size()
+    per_layer = 2 * block_size * arch.num_key_value_heads * arch.head_dim * element
+    return per_layer * arch.num_hidden_layers
+
+
+def allocate_kv_caches(
+    arch: ArchConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> KVCaches:
+    """One (key, value) pair of [num_blocks, block_size, kv_heads, head_dim] per layer."""
+    shape = (num_blocks, block_size, arch.num_key_value_heads, arch.head_dim)
+    return [
+        (
+            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device),
+        )
+        for _ in range(arch.num_hidden_layers)
+    ]
+
+
+def determine_num_blocks(
+    model: Any,
+    arch: ArchConfig,
+    config: EngineConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int,
+) -> int:
+    cache = config.cache
+    if cache.num_blocks_override is not None:
+        return cache.num_blocks_override
+    block_bytes = kv_block_bytes(arch, cache.block_size, dtype)
+    if cache.kv_cache_memory is not None:
+        budget = cache.kv_cache_memory
+    elif device.type == "cuda":
+        budget = _free_gpu_bytes_after_profile(model, arch, config, dtype, device)
+    else:
+        budget = DEFAULT_CPU_KV_CACHE_BYTES
+    num_blocks = budget // block_bytes
+    # No point holding more than every seat filled to the longest sequence.
+    blocks_per_seq = -(-max_model_len // cache.block_size)
+    num_blocks = min(num_blocks, config.scheduler.max_num_seqs * blocks_per_seq + 1)
+    if num_blocks < 1:
+        raise ValueError(
+            f"kv cache budget of {budget} bytes holds no block of {block_bytes} bytes; "
+            "raise kv_cache_memory or gpu_memory_utilization"
+        )
+    return int(num_blocks)
+
+
+def _free_gpu_bytes_after_profile(
+    model: Any, arch: ArchConfig, config: EngineConfig, dtype: torch.dtype, device: torch.device
+) -> int:
+    """Run the largest step once, then give the KV pool what the utilization target leaves."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    _profile_run(model, arch, config, dtype, device)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    free, total = torch.cuda.mem_get_info(device)
+    # Memory used by other processes / non-torch allocations counts against the target.
+    non_torch = total - free - torch.cuda.memory_reserved(device)
+    budget = int(total * config.cache.gpu_memory_utilization) - peak - max(non_torch, 0)
+    if config.enable_cuda_graphs:
+        # Decode graphs keep their own activations and logits outside the profiled peak.
+        rows = min(config.scheduler.max_num_seqs, 512)
+        budget -= rows * arch.vocab_size * 4 * 2 + (512 << 20)
+    logger.info(
+        "GPU memory: total %.1f GiB, peak step %.1f GiB, KV budget %.1f GiB",
+        total / 2**30,
+        peak / 2**30,
+        budget / 2**30,
+    )
+    return max(budget, 0)
+
+
+def _profile_run(
+    model: Any, arch: ArchConfig, config: EngineConfig, dtype: torch.dtype, device: torch.device
+) -> None:
+    num_tokens = config.scheduler.max_num_batched_tokens
+    block_size = config.cache.block_size
+    num_blocks = -(-num_tokens // block_size)
+    caches = allocate_kv_caches(arch, num_blocks, block_size, dtype, device)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(num_tokens, device=device, dtype=torch.int64),
+        cu_seqlens_q=torch.tensor([0, num_tokens], device=device, dtype=torch.int32),
+        seq_lens=torch.tensor([num_tokens], device=device, dtype=torch.int32),
+        block_tables=torch.arange(num_blocks, device=device, dtype=torch.int32)[None],
+        max_seqlen_q=num_tokens,
+        max_seqlen_k=num_tokens,
+    )
+    ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+    pos = torch.arange(num_tokens, dtype=torch.int64, device=device)
+    with torch.inference_mode():
+        hidden = model(ids, pos, caches, meta)
+        rows = min(config.scheduler.max_num_seqs, num_tokens)
+        model.compute_logits(hidden[:rows])
+    del caches, hidden
