@@ -256,3 +256,59 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(x[..., :d]) * x[..., d:] with d = x.shape[-1] // 2."""
     d = x.shape[-1] // 2
     return F.silu(x[..., :d]) * x[..., d:]
+
+
+def moe_route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str = "softmax"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k experts per token: router_logits [T, E] -> (weights [T, k] fp32, ids [T, k] int32).
+
+    Scores are softmax (Mixtral, Qwen-MoE, GraniteMoE) or sigmoid over the logits, in fp32;
+    renormalize rescales each token's k weights to sum to 1.
+    """
+    logits = router_logits.float()
+    if scoring == "softmax":
+        scores = logits.softmax(-1)
+    elif scoring == "sigmoid":
+        scores = logits.sigmoid()
+    else:
+        raise ValueError(f"MoE router scoring {scoring!r} is not supported (softmax, sigmoid)")
+    weights, ids = torch.topk(scores, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Sum over each token's k experts of weight * down(silu(gate(x)) * up(x)).
+
+    hidden [T, H]; w13 [E_local, 2I, H] (gate rows, then up rows); w2 [E_local, H, I];
+    topk_weights [T, k]; topk_ids [T, k] global expert ids. expert_map [E] int32 maps a global
+    expert to its local index, or -1 for an expert another rank holds (its term is left out).
+    """
+    num_tokens, top_k = topk_ids.shape
+    out = torch.zeros(num_tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+    ids = topk_ids.long()
+    if expert_map is not None:
+        ids = expert_map.long()[ids]
+    flat_ids = ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids[flat_ids >= 0], minlength=w13.shape[0]).tolist()
+    start = int((flat_ids < 0).sum())  # the other ranks' experts sort first
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        picks = order[start : start + count]  # flat (token, slot) indices
+        start += count
+        tokens = picks // top_k
+        x = F.linear(hidden[tokens], w13[expert])
+        y = F.linear(silu_and_mul(x), w2[expert])
+        out.index_add_(0, tokens, y.float() * topk_weights.reshape(-1)[picks, None].float())
+    return out.to(hidden.dtype)
