@@ -71,18 +71,22 @@ def test_old_rope_scaling_type_key() -> None:
     assert c.rope_scaling == {"rope_type": "linear", "factor": 4.0}
 
 
-def test_mistral_sliding_window() -> None:
+def test_mistral_sliding_window_applies_in_attention() -> None:
     mistral = base(architectures=["MistralForCausalLM"], model_type="mistral")
-    assert (
-        ArchConfig.from_hf_dict({**mistral, "sliding_window": None}).max_position_embeddings == 512
-    )
-    assert (
-        ArchConfig.from_hf_dict({**mistral, "sliding_window": 4096}).max_position_embeddings == 512
-    )
-    # A window smaller than the context caps the usable context at the window.
-    assert (
-        ArchConfig.from_hf_dict({**mistral, "sliding_window": 128}).max_position_embeddings == 128
-    )
+    assert ArchConfig.from_hf_dict({**mistral, "sliding_window": None}).sliding_window is None
+    windowed = ArchConfig.from_hf_dict({**mistral, "sliding_window": 128})
+    assert windowed.max_position_embeddings == 512
+    assert windowed.layer_window(0) == windowed.layer_window(1) == 128
+
+
+def test_qwen2_sliding_window_caps_the_context() -> None:
+    # Qwen2 windows only some layers; not applied per layer, so the context stops at it.
+    qwen2 = base(architectures=["Qwen2ForCausalLM"], model_type="qwen2", sliding_window=128)
+    c = ArchConfig.from_hf_dict({**qwen2, "use_sliding_window": True})
+    assert c.max_position_embeddings == 128 and c.sliding_window is None
+    assert ArchConfig.from_hf_dict(qwen2).max_position_embeddings == 128
+    off = ArchConfig.from_hf_dict({**qwen2, "use_sliding_window": False})
+    assert off.max_position_embeddings == 512
 
 
 def test_architecture_from_model_type_when_unlisted() -> None:
