@@ -81,7 +81,6 @@ class ArchConfig:
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()
     rope_local_theta: float | None = None  # rotary base of sliding layers (Gemma 3)
-    attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
     # Granite: embeddings, each residual branch and the logits are scaled.
     embedding_multiplier: float = 1.0
@@ -248,10 +247,11 @@ def _family_fields(arch: str, d: dict[str, Any]) -> dict[str, Any]:
         )
     elif arch == "Qwen3MoeForCausalLM":
         out["moe"] = MoEArch(
-            num_experts=_int(d, "num_experts"),
+            # Hub configs say num_experts; transformers 5 writes num_local_experts.
+            num_experts=_int(d, "num_experts", d.get("num_local_experts")),
             top_k=_int(d, "num_experts_per_tok"),
             intermediate_size=_int(d, "moe_intermediate_size"),
-            renormalize=bool(d.get("norm_topk_prob", True)),
+            renormalize=bool(d.get("norm_topk_prob", False)),  # HF's default
             decoder_sparse_step=_int(d, "decoder_sparse_step", 1),
             mlp_only_layers=tuple(int(i) for i in d.get("mlp_only_layers") or ()),
         )
@@ -281,6 +281,8 @@ def _gemma3_fields(d: dict[str, Any]) -> dict[str, Any]:
         # Older configs give the pattern: every n-th layer is global.
         pattern = _int(d, "sliding_window_pattern", 6)
         layer_types = [SLIDING if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    # attn_logit_softcapping is left out, as HF's Gemma 3 leaves it out: Gemma 3 replaced
+    # Gemma 2's attention soft cap by q/k norms, and released configs set it to null.
     local_theta = d.get("rope_local_base_freq", 10000.0)
     params = d.get("rope_parameters")
     if isinstance(params, dict) and SLIDING in params:
@@ -295,7 +297,6 @@ def _gemma3_fields(d: dict[str, Any]) -> dict[str, Any]:
         "layer_types": tuple(str(t) for t in layer_types),
         "rope_local_theta": float(local_theta),
         "attention_scale": float(d.get("query_pre_attn_scalar", 256)) ** -0.5,
-        "attn_logit_softcap": _optional_float(d.get("attn_logit_softcapping")),
         "final_logit_softcap": _optional_float(d.get("final_logit_softcapping")),
     }
 

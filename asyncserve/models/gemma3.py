@@ -8,8 +8,9 @@ Differences from Llama:
 - Sliding layers attend to the last sliding_window positions with their own rotary base
   (rope_local_base_freq, no scaling); global layers use rope_theta and rope_scaling.
 - Embeddings are scaled by sqrt(hidden_size) (rounded to the model dtype, as HF does),
-  scores by query_pre_attn_scalar ** -0.5, and attention / final logits are soft-capped
-  when the config sets the caps. The MLP is GELU (tanh) gated.
+  scores by query_pre_attn_scalar ** -0.5, and the final logits soft-capped when the
+  config sets final_logit_softcapping (attn_logit_softcapping is ignored, as HF ignores it:
+  Gemma 3 has q/k norms instead). The MLP is GELU (tanh) gated.
 """
 
 from __future__ import annotations

@@ -131,10 +131,11 @@ def _longrope_cache(
     """LongRoPE (Phi-3): per-frequency factors, the short ones within the original context
     and the long ones past it, and cos/sin scaled by the attention factor.
 
-    HF switches the whole sequence to the long factors once it outgrows the original context;
-    here the switch is per position, so cached keys never need recomputing. The two agree
-    for every sequence that stays within the original context, and for each token past it
-    once the prompt itself fits inside it.
+    HF switches the whole sequence to the long factors once it outgrows the original context
+    (its Phi-3 generate drops the KV cache at that point and recomputes every key); a paged
+    cache keeps its keys, so here the switch is per position: positions past the original
+    context use the long factors, earlier ones keep the short. Equal to HF for sequences
+    within the original context (4096 tokens for Phi-3-mini).
     """
     exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
     tables = []

@@ -68,7 +68,6 @@ class LlamaAttention(nn.Module):
             scale,
             ops,
             sliding_window=config.layer_window(layer),
-            softcap=config.attn_logit_softcap,
         )
 
     def forward(
