@@ -110,3 +110,66 @@ def test_architecture_from_model_type_when_unlisted() -> None:
 def test_bad_configs_raise_naming_the_field(overrides: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         ArchConfig.from_hf_dict(base(**overrides))
+
+
+def test_gemma3_hub_layout() -> None:
+    """An older Gemma 3 config: window pattern instead of layer_types, local rope base,
+    linear scaling for the global layers, head tied by default."""
+    c = ArchConfig.from_hf_dict(
+        base(
+            architectures=["Gemma3ForCausalLM"],
+            model_type="gemma3_text",
+            num_hidden_layers=6,
+            head_dim=32,
+            sliding_window=512,
+            sliding_window_pattern=3,
+            rope_theta=1e6,
+            rope_local_base_freq=1e4,
+            rope_scaling={"rope_type": "linear", "factor": 8.0},
+            query_pre_attn_scalar=256,
+            hidden_activation="gelu_pytorch_tanh",
+        )
+    )
+    assert [c.layer_window(i) for i in range(6)] == [512, 512, None, 512, 512, None]
+    assert c.rope_theta == 1e6 and c.rope_local_theta == 1e4
+    assert c.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert c.attention_scale == 256**-0.5 and c.qk_norm and c.tie_word_embeddings
+    assert c.max_position_embeddings == 512  # the window no longer caps the context
+
+
+def test_qwen3_moe_hub_layout() -> None:
+    c = ArchConfig.from_hf_dict(
+        base(
+            architectures=["Qwen3MoeForCausalLM"],
+            num_experts=128,
+            num_experts_per_tok=8,
+            moe_intermediate_size=768,
+            norm_topk_prob=True,
+            decoder_sparse_step=2,
+            mlp_only_layers=[3],
+            num_hidden_layers=6,
+        )
+    )
+    assert c.moe is not None and c.moe.renormalize and c.moe.num_experts == 128
+    assert [c.moe.is_sparse(i) for i in range(6)] == [False, True, False, False, False, True]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"architectures": ["OPTForCausalLM"], "ffn_dim": 32, "enable_bias": False}, "OPT"),
+        (
+            {"architectures": ["OPTForCausalLM"], "ffn_dim": 32, "activation_function": "gelu"},
+            "gelu",
+        ),
+        ({"architectures": ["Gemma3ForCausalLM"], "use_bidirectional_attention": True}, "bidir"),
+        ({"architectures": ["Gemma3ForCausalLM"], "hidden_activation": "silu"}, "silu"),
+        ({"architectures": ["MixtralForCausalLM"]}, "num_local_experts"),
+        ({"architectures": ["Phi3ForCausalLM"], "rope_scaling": {"type": "yarn"}}, "yarn"),
+        ({"architectures": ["Phi3ForCausalLM"], "rope_scaling": {"type": "su"}}, "original_max"),
+    ],
+)
+def test_unsupported_family_options_raise_one_line(overrides: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match) as info:
+        ArchConfig.from_hf_dict(base(**overrides))
+    assert "\n" not in str(info.value)
