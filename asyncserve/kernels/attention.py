@@ -16,6 +16,10 @@ each program's key range into NUM_SPLITS parts that write unnormalised partial r
 (accumulator, running max and sum, in fp32); a second kernel merges them. Output rows of
 tokens past cu_seqlens_q[-1] (padding) are left unspecified, as in the reference.
 
+A sliding window (W > 0) hides keys at positions <= p - W from a query at position p; a
+program skips the key tiles that no query of its q-block can see. Soft-capping (Gemma) maps
+each score s to c * tanh(s / c) before the softmax.
+
 All cache offsets are computed in int64: ``block_id * stride`` overflows int32 on a pool
 of more than 2**31 elements.
 """
@@ -76,6 +80,8 @@ def _unified_attention_kernel(
     seq_lens_ptr,  # [B] int32
     block_tables_ptr,  # [B, max_blocks_per_seq] int32
     qk_scale,  # softmax scale * log2(e)
+    sliding_window,  # W: keys at positions <= p - W are hidden (SLIDING only)
+    softcap,  # c of c * tanh(s / c) (SOFTCAP only)
     num_seqs,
     num_heads,
     stride_q_tok,
@@ -97,6 +103,8 @@ def _unified_attention_kernel(
     BLOCK_Q: tl.constexpr,  # query tokens per program
     TILE_N: tl.constexpr,  # keys per iteration
     NUM_SPLITS: tl.constexpr,  # 1: write the output; >1: write partials for the merge
+    SLIDING: tl.constexpr,  # a sliding window applies
+    SOFTCAP: tl.constexpr,  # scores are soft-capped
     IEEE_DOT: tl.constexpr,  # fp32 inputs: exact fp32 dots instead of tf32
     UPCAST: tl.constexpr,  # Triton's CPU interpreter: dot operands in fp32 (numpy has no bf16)
 ):
@@ -133,12 +141,17 @@ def _unified_attention_kernel(
     # Keys this q-block can see: up to its last query token (causal), at most seq_len.
     kv_end = tl.minimum(seq_len, ctx_len + (q_block_local + 1) * BLOCK_Q)
     num_tiles = tl.cdiv(kv_end, TILE_N)
+    first_tile = 0
+    if SLIDING:
+        # The q-block's first query sees keys from its position - W + 1 on; later ones less.
+        first_key = tl.maximum(ctx_len + q_block_local * BLOCK_Q - sliding_window + 1, 0)
+        first_tile = first_key // TILE_N
     if NUM_SPLITS == 1:
-        tile_lo = 0
+        tile_lo = first_tile
         tile_hi = num_tiles
     else:
-        per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-        tile_lo = split * per_split
+        per_split = tl.cdiv(num_tiles - first_tile, NUM_SPLITS)
+        tile_lo = first_tile + split * per_split
         tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -165,8 +178,16 @@ def _unified_attention_kernel(
         if UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, k, input_precision="ieee") if IEEE_DOT else tl.dot(q, k)
-        s = s * qk_scale  # [BLOCK_M, TILE_N] fp32
-        s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
+        if SOFTCAP:
+            # c * tanh(x / c) with tanh(y) = 1 - 2 / (exp(2y) + 1): exact at both infinities.
+            s = s * (qk_scale / _LOG2E) / softcap
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s) + 1.0)) * _LOG2E
+        else:
+            s = s * qk_scale  # [BLOCK_M, TILE_N] fp32
+        visible = k_pos[None, :] <= q_pos[:, None]
+        if SLIDING:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+        s = tl.where(visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # Rows that have seen no key yet keep -inf; shift them by 0 to avoid inf - inf.
@@ -226,8 +247,8 @@ def _merge_splits_kernel(
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     m = tl.load(part_max_ptr + base + offs_s)
     l_s = tl.load(part_sum_ptr + base + offs_s)
-    # Split 0 always holds key 0, which every query sees, so the max is finite; empty
-    # splits carry -inf and get weight 0.
+    # Some split holds each query's own key, which it always sees, so the max is finite;
+    # splits with no visible key carry -inf and get weight 0.
     m_max = tl.max(m, 0)
     w = tl.exp2(m - m_max)
     denom = tl.sum(w * l_s, 0)
@@ -291,6 +312,8 @@ def paged_attention(
     scale: float,
     config: AttentionConfig,
     num_splits: int,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """unified_attention with explicit tiles and split-KV factor (tests and benchmarks)."""
     num_tokens, num_heads, head_dim = query.shape
@@ -307,6 +330,8 @@ def paged_attention(
         raise ValueError("key_cache and value_cache need a contiguous last dimension")
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     if query.stride(-1) != 1:
         query = query.contiguous()
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
@@ -340,6 +365,8 @@ def paged_attention(
         seq_lens,  # [B] int32
         block_tables,  # [B, max_blocks_per_seq] int32
         scale * _LOG2E,  # qk_scale
+        sliding_window or 0,  # W
+        softcap or 0.0,  # c
         num_seqs,  # B
         num_heads,  # H
         query.stride(0),  # stride_q_tok
@@ -361,6 +388,8 @@ def paged_attention(
         BLOCK_Q=block_q,  # query tokens per program
         TILE_N=config.tile_n,  # keys per iteration
         NUM_SPLITS=num_splits,  # split-KV factor
+        SLIDING=sliding_window is not None,
+        SOFTCAP=softcap is not None,
         IEEE_DOT=query.dtype == torch.float32,  # exact fp32 dots for fp32 inputs
         UPCAST=query.device.type != "cuda",  # interpreter on CPU tensors
         num_warps=config.num_warps,
@@ -393,6 +422,8 @@ def unified_attention(
     scale: float,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal paged attention over a batch mixing prefill chunks and decodes.
 
@@ -406,6 +437,9 @@ def unified_attention(
         max_seqlen_q = num_tokens
     if max_seqlen_k is None:
         max_seqlen_k = block_tables.shape[1] * block_size
+    if sliding_window is not None:
+        # Split-KV is sized by the keys a query reads, which the window bounds.
+        max_seqlen_k = min(max_seqlen_k, sliding_window + max_seqlen_q)
     config = default_config(num_heads // max(1, num_kv_heads), max_seqlen_q)
     num_splits = choose_num_splits(
         seq_lens.shape[0],
@@ -425,4 +459,6 @@ def unified_attention(
         scale,
         config,
         num_splits,
+        sliding_window,
+        softcap,
     )

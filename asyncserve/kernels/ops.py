@@ -21,6 +21,8 @@ class KernelOps:
     fused_add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     silu_and_mul: Callable[..., torch.Tensor]
+    moe_route: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    fused_moe: Callable[..., torch.Tensor]
 
 
 REFERENCE_OPS = KernelOps(
@@ -31,6 +33,8 @@ REFERENCE_OPS = KernelOps(
     fused_add_rms_norm=reference.fused_add_rms_norm,
     rotary_embedding=reference.rotary_embedding,
     silu_and_mul=reference.silu_and_mul,
+    moe_route=reference.moe_route,
+    fused_moe=reference.fused_moe,
 )
 
 

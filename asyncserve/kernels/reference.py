@@ -11,9 +11,15 @@ Shapes (T = tokens in the step, B = sequences, D = head dim):
   cu_seqlens_q     [B + 1] int32: query tokens of sequence b are query[cu[b]:cu[b+1]]
   seq_lens         [B] int32: context length of sequence b including this step's tokens
   block_tables     [B, max_blocks_per_seq] int32
+
+Attention options shared by every attention kernel:
+  sliding_window   None, or W: a query at position p sees only keys at positions > p - W
+  softcap          None, or c: scores become c * tanh(score / c) before the softmax (Gemma)
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -46,14 +52,18 @@ def unified_attention(
     scale: float,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of a batch mixing prefill chunks and decodes over the paged cache.
 
     Query token i of sequence b sits at position seq_lens[b] - q_len_b + i and attends to
-    every cached key at positions <= its own. The K/V of this step's tokens must already be
-    stored. max_seqlen_* are hints for kernels; the reference ignores them.
+    every cached key at positions <= its own (and inside the sliding window, if any). The K/V
+    of this step's tokens must already be stored. max_seqlen_* are hints for kernels; the
+    reference ignores them.
     """
     del max_seqlen_q, max_seqlen_k
+    options = AttentionOptions(sliding_window, softcap)
     out = torch.empty_like(query)
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
@@ -61,7 +71,7 @@ def unified_attention(
     decodes = [b for b, n in enumerate(q_lens) if n == 1]
     if len(decodes) > 1:
         _decode_attention(
-            query, key_cache, value_cache, cu, lens, block_tables, scale, decodes, out
+            query, key_cache, value_cache, cu, lens, block_tables, scale, decodes, out, options
         )
         done = set(decodes)
     else:
@@ -71,7 +81,7 @@ def unified_attention(
             continue
         q_start, q_end = cu[b], cu[b + 1]
         k, v = _gather_context(key_cache, value_cache, block_tables[b], ctx_len)
-        out[q_start:q_end] = _attend(query[q_start:q_end], k, v, ctx_len, scale)
+        out[q_start:q_end] = _attend(query[q_start:q_end], k, v, ctx_len, scale, options)
     return out
 
 
@@ -86,25 +96,68 @@ def _gather_context(
     return k, v
 
 
+class AttentionOptions(NamedTuple):
+    sliding_window: int | None
+    softcap: float | None
+
+
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ctx_len: int,
+    scale: float,
+    options: AttentionOptions,
 ) -> torch.Tensor:
     """Causal attention of q_len query tokens at the end of a ctx_len context, in fp32."""
     q_len, num_heads, _ = q.shape
     mask = None
-    if q_len > 1:
+    if q_len > 1 or options.sliding_window is not None:
         q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
         k_pos = torch.arange(ctx_len, device=q.device)
-        mask = k_pos[None, :] <= q_pos[:, None]
-    o = F.scaled_dot_product_attention(
+        mask = _visible(q_pos[:, None], k_pos[None, :], options.sliding_window)
+    o = _sdpa(
         q.transpose(0, 1).float(),
         k.transpose(0, 1).float(),
         v.transpose(0, 1).float(),
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=num_heads != k.shape[1],
+        mask,
+        scale,
+        options.softcap,
     )
     return o.transpose(0, 1).to(q.dtype)
+
+
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Which keys each query sees: causal, and within the last `window` positions."""
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask = mask & (k_pos > q_pos - window)
+    return mask
+
+
+def _sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """q [..., H, Q, D], k and v [..., Hkv, K, D] (fp32) -> [..., H, Q, D]."""
+    num_heads, num_kv_heads = q.shape[-3], k.shape[-3]
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads
+        )
+    # SDPA has no soft-capping: the scores are formed explicitly.
+    group = num_heads // num_kv_heads
+    k = k.repeat_interleave(group, dim=-3)
+    v = v.repeat_interleave(group, dim=-3)
+    scores = (q @ k.transpose(-1, -2)) * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1) @ v
 
 
 def _decode_attention(
@@ -117,10 +170,10 @@ def _decode_attention(
     scale: float,
     decodes: list[int],
     out: torch.Tensor,
+    options: AttentionOptions,
 ) -> None:
     """Every one-token sequence in one batched call: contexts padded to the longest, masked."""
     _, block_size, num_kv_heads, head_dim = key_cache.shape
-    num_heads = query.shape[1]
     rows = torch.tensor([cu[b] for b in decodes], device=query.device)
     ctx = torch.tensor([lens[b] for b in decodes], device=query.device)
     max_ctx = int(max(lens[b] for b in decodes))
@@ -130,7 +183,14 @@ def _decode_attention(
     used = torch.arange(num_blocks, device=query.device)[None, :] * block_size < ctx[:, None]
     blocks = torch.where(used, blocks, 0)
     n = len(decodes)
-    valid = torch.arange(max_ctx, device=query.device)[None, :] < ctx[:, None]
+    k_pos = torch.arange(max_ctx, device=query.device)[None, :]
+    valid = k_pos < ctx[:, None]
+    # The window hides old keys from the query; they stay finite, so no zeroing needed.
+    visible = (
+        valid
+        if options.sliding_window is None
+        else valid & (k_pos >= ctx[:, None] - options.sliding_window)
+    )
     # Zero the padding so 0-weight x NaN/inf in unused slots cannot reach the output.
     pad = ~valid[:, :, None, None]
     # index_select on the flat block list: much faster on CPU than advanced indexing.
@@ -139,13 +199,13 @@ def _decode_attention(
     v = value_cache.index_select(0, flat).view(n, -1, num_kv_heads, head_dim)[:, :max_ctx]
     k = k.masked_fill(pad, 0)
     v = v.masked_fill(pad, 0)
-    o = F.scaled_dot_product_attention(
+    o = _sdpa(
         query[rows].float()[:, :, None, :],  # [n, H, 1, D]
         k.transpose(1, 2).float(),  # [n, Hkv, ctx, D]
         v.transpose(1, 2).float(),
-        attn_mask=valid[:, None, None, :],
-        scale=scale,
-        enable_gqa=num_heads != num_kv_heads,
+        visible[:, None, None, :],
+        scale,
+        options.softcap,
     )
     out[rows] = o[:, :, 0, :].to(query.dtype)
 
@@ -196,3 +256,59 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(x[..., :d]) * x[..., d:] with d = x.shape[-1] // 2."""
     d = x.shape[-1] // 2
     return F.silu(x[..., :d]) * x[..., d:]
+
+
+def moe_route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str = "softmax"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k experts per token: router_logits [T, E] -> (weights [T, k] fp32, ids [T, k] int32).
+
+    Scores are softmax (Mixtral, Qwen-MoE, GraniteMoE) or sigmoid over the logits, in fp32;
+    renormalize rescales each token's k weights to sum to 1.
+    """
+    logits = router_logits.float()
+    if scoring == "softmax":
+        scores = logits.softmax(-1)
+    elif scoring == "sigmoid":
+        scores = logits.sigmoid()
+    else:
+        raise ValueError(f"MoE router scoring {scoring!r} is not supported (softmax, sigmoid)")
+    weights, ids = torch.topk(scores, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Sum over each token's k experts of weight * down(silu(gate(x)) * up(x)).
+
+    hidden [T, H]; w13 [E_local, 2I, H] (gate rows, then up rows); w2 [E_local, H, I];
+    topk_weights [T, k]; topk_ids [T, k] global expert ids. expert_map [E] int32 maps a global
+    expert to its local index, or -1 for an expert another rank holds (its term is left out).
+    """
+    num_tokens, top_k = topk_ids.shape
+    out = torch.zeros(num_tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+    ids = topk_ids.long()
+    if expert_map is not None:
+        ids = expert_map.long()[ids]
+    flat_ids = ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids[flat_ids >= 0], minlength=w13.shape[0]).tolist()
+    start = int((flat_ids < 0).sum())  # the other ranks' experts sort first
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        picks = order[start : start + count]  # flat (token, slot) indices
+        start += count
+        tokens = picks // top_k
+        x = F.linear(hidden[tokens], w13[expert])
+        y = F.linear(silu_and_mul(x), w2[expert])
+        out.index_add_(0, tokens, y.float() * topk_weights.reshape(-1)[picks, None].float())
+    return out.to(hidden.dtype)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from asyncserve.kernels.activation import silu_and_mul
 from asyncserve.kernels.attention import unified_attention
 from asyncserve.kernels.kv_store import store_kv
+from asyncserve.kernels.moe import fused_moe, moe_route
 from asyncserve.kernels.norm import fused_add_rms_norm, rms_norm
 from asyncserve.kernels.ops import KernelOps
 from asyncserve.kernels.rope import rotary_embedding
@@ -17,4 +18,6 @@ TRITON_OPS = KernelOps(
     fused_add_rms_norm=fused_add_rms_norm,
     rotary_embedding=rotary_embedding,
     silu_and_mul=silu_and_mul,
+    moe_route=moe_route,
+    fused_moe=fused_moe,
 )

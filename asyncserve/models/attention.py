@@ -32,8 +32,19 @@ class AttentionMetadata:
 
 
 class Attention(nn.Module):
+    """One layer's attention. sliding_window (keys older than the last W positions are not
+    seen) and softcap (c * tanh(score / c)) are per layer: Gemma 3 mixes windowed and global
+    layers."""
+
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, ops: KernelOps
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        ops: KernelOps,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -45,6 +56,8 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.ops = ops
+        self.sliding_window = sliding_window
+        self.softcap = softcap
 
     def forward(
         self,
@@ -67,5 +80,7 @@ class Attention(nn.Module):
             self.scale,
             meta.max_seqlen_q,
             meta.max_seqlen_k,
+            sliding_window=self.sliding_window,
+            softcap=self.softcap,
         )
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -2,7 +2,9 @@
 
 llama.cpp stores Llama's q/k projection rows permuted (convert_hf_to_gguf's `permute`) so its
 rotary kernel can use interleaved pairs; we undo that so the weights fit HF's rotate-half
-layout. Qwen2/Qwen3 files are written unpermuted.
+layout. Qwen2/Qwen3/Qwen3-MoE/Gemma 3 files are written unpermuted. Stacked expert tensors
+(ffn_*_exps) are yielded one expert at a time under HF's per-expert names, and Gemma 3's norm
+weights, which llama.cpp stores as 1 + weight, go back to HF's convention.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ _GGUF_ARCHS = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 # GGUF archs whose q/k rows convert_hf_to_gguf permutes.
 _PERMUTED_QK = {"llama", "mistral"}
@@ -46,7 +50,19 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
+# Gemma's ffn_norm is the norm before the MLP; Llama's sits after attention (the same place).
+_GEMMA3_NAMES = {**_BLOCK_NAMES, "ffn_norm": "pre_feedforward_layernorm"}
+# Stacked experts [E, out, in] -> HF's per-expert projection.
+_EXPERT_NAMES = {
+    "ffn_gate_exps": "gate_proj",
+    "ffn_up_exps": "up_proj",
+    "ffn_down_exps": "down_proj",
+}
+_GEMMA3_NORM_SHIFT = 1.0  # convert_hf_to_gguf adds it to every Gemma 3 norm weight
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
@@ -116,7 +132,7 @@ def gguf_hf_config(g: GGUFFile) -> dict[str, Any]:
     elif key("rope.scaling.type") not in (None, "none"):
         raise ValueError(f"{g.path}: rope scaling {key('rope.scaling.type')!r} is not supported")
     head_dim = key("attention.key_length")
-    return {
+    config = {
         "architectures": [_GGUF_ARCHS[arch]],
         "model_type": arch,
         "vocab_size": vocab_size,
@@ -136,16 +152,55 @@ def gguf_hf_config(g: GGUFFile) -> dict[str, Any]:
         # Quantized weights are dequantized; their source precision is nearest to fp16.
         "torch_dtype": "float16",
     }
+    if arch == "qwen3moe":
+        moe_ff = key("expert_feed_forward_length")
+        config.update(
+            num_experts=key("expert_count"),
+            num_experts_per_tok=key("expert_used_count"),
+            moe_intermediate_size=moe_ff,
+            # llama.cpp renormalises Qwen3-MoE's top-k weights unless told otherwise.
+            norm_topk_prob=bool(key("expert_weights_norm", True)),
+            intermediate_size=key("feed_forward_length") or moe_ff,
+        )
+    elif arch == "gemma3":
+        config.update(_gemma3_config(key, config))
+    return config
 
 
-def _hf_name(gguf_name: str) -> str:
+def _gemma3_config(key: Any, config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3 fields llama.cpp writes, or fixes in code where it writes none."""
+    layers = int(config["num_hidden_layers"])
+    pattern = key("attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):  # newer files: one flag per layer, True for sliding
+        layer_types = ["sliding_attention" if p else "full_attention" for p in pattern]
+    else:
+        layer_types = [
+            "sliding_attention" if (i + 1) % int(pattern) else "full_attention"
+            for i in range(layers)
+        ]
+    # llama.cpp scales queries by hidden / heads for the 27B model (62 layers), else head_dim.
+    scalar = config["hidden_size"] // config["num_attention_heads"] if layers == 62 else None
+    return {
+        "sliding_window": key("attention.sliding_window"),
+        "layer_types": layer_types,
+        "rope_local_base_freq": float(key("rope.freq_base_swa", 10000.0)),
+        "query_pre_attn_scalar": scalar or config["head_dim"],
+        "hidden_activation": "gelu_pytorch_tanh",
+    }
+
+
+def _hf_name(gguf_name: str, arch: str = "llama") -> str:
+    """HF name of a GGUF tensor; for stacked experts, with "{expert}" left to fill."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _GEMMA3_NAMES if arch == "gemma3" else _BLOCK_NAMES
     match = _BLOCK_RE.match(gguf_name)
-    if match is None or match.group(2) not in _BLOCK_NAMES:
+    if match is None or (match.group(2) not in names and match.group(2) not in _EXPERT_NAMES):
         raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
     layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+    if part in _EXPERT_NAMES:
+        return f"model.layers.{layer}.mlp.experts.{{expert}}.{_EXPERT_NAMES[part]}.{kind}"
+    return f"model.layers.{layer}.{names[part]}.{kind}"
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -159,7 +214,7 @@ def iter_gguf_weights(g: GGUFFile, config: ArchConfig) -> Iterator[tuple[str, to
     """Yield (HF name, fp32 CPU tensor) one tensor at a time, dequantized and unpermuted."""
     permuted = g.architecture in _PERMUTED_QK
     for t in g.reader.tensors:
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, g.architecture)
         try:
             values = gguf.quants.dequantize(t.data, t.tensor_type)
         except NotImplementedError as e:
@@ -172,6 +227,13 @@ def iter_gguf_weights(g: GGUFFile, config: ArchConfig) -> Iterator[tuple[str, to
         elif permuted and ".self_attn.k_proj." in name:
             values = _unpermute(values, config.num_key_value_heads)
         values = np.ascontiguousarray(values, dtype=np.float32)
+        if g.architecture == "gemma3" and name.endswith("norm.weight"):
+            values = values - _GEMMA3_NORM_SHIFT
         if not values.flags.writeable:  # an F32 tensor is a view of the read-only map
             values = values.copy()
-        yield name, torch.from_numpy(values)
+        tensor = torch.from_numpy(values)
+        if "{expert}" in name:
+            for expert in range(tensor.shape[0]):
+                yield name.format(expert=expert), tensor[expert]
+        else:
+            yield name, tensor

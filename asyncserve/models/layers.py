@@ -1,4 +1,4 @@
-"""Building blocks of decoder-only models: linear, RMSNorm, rotary, gated MLP, embedding.
+"""Building blocks of decoder-only models: linear, norms, rotary, gated MLP, embedding.
 
 Parameters are created uninitialised (torch.empty) on the current default device and dtype:
 every weight is either loaded or filled by the dummy initialiser, so an init pass would be
@@ -57,6 +57,19 @@ class RMSNorm(nn.Module):
         return self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
+class LayerNorm(nn.Module):
+    """LayerNorm with weight and bias (OPT)."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+
 def _inv_freq(head_dim: int, base: float) -> torch.Tensor:
     # Same expression as HF, so the cache is bit-identical to its rotary embedding.
     exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
@@ -97,6 +110,9 @@ def compute_cos_sin_cache(
         rope_type = rope_scaling.get("rope_type") or rope_scaling.get("type")
     inv_freq = _inv_freq(head_dim, base)
     positions = torch.arange(max_position, dtype=torch.float32)
+    if rope_type == "longrope":
+        assert rope_scaling is not None
+        return _longrope_cache(head_dim, base, positions, rope_scaling).to(dtype)
     if rope_scaling is None or rope_type in (None, "default"):
         pass
     elif rope_type == "llama3":
@@ -107,6 +123,34 @@ def compute_cos_sin_cache(
         raise ValueError(f"rope_scaling type {rope_type!r} is not supported")
     freqs = torch.outer(positions, inv_freq)
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
+
+
+def _longrope_cache(
+    rotary_dim: int, base: float, positions: torch.Tensor, scaling: dict[str, Any]
+) -> torch.Tensor:
+    """LongRoPE (Phi-3): per-frequency factors, the short ones within the original context
+    and the long ones past it, and cos/sin scaled by the attention factor.
+
+    HF switches the whole sequence to the long factors once it outgrows the original context
+    (its Phi-3 generate drops the KV cache at that point and recomputes every key); a paged
+    cache keeps its keys, so here the switch is per position: positions past the original
+    context use the long factors, earlier ones keep the short. Equal to HF for sequences
+    within the original context (4096 tokens for Phi-3-mini).
+    """
+    exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
+    tables = []
+    for key in ("short_factor", "long_factor"):
+        factors = torch.tensor(scaling[key], dtype=torch.float32)
+        if factors.numel() != rotary_dim // 2:
+            raise ValueError(
+                f"longrope {key} has {factors.numel()} entries, need {rotary_dim // 2}"
+            )
+        inv_freq = 1.0 / (factors * base**exponent)  # HF's expression, for identical tables
+        tables.append(torch.outer(positions, inv_freq))
+    long_ctx = positions[:, None] >= scaling["original_max_position_embeddings"]
+    freqs = torch.where(long_ctx, tables[1], tables[0])
+    mscale = float(scaling["attention_factor"])
+    return torch.cat((freqs.cos() * mscale, freqs.sin() * mscale), dim=-1)
 
 
 class RotaryEmbedding(nn.Module):
@@ -135,17 +179,32 @@ class RotaryEmbedding(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up fused into one projection."""
+    """down(act(gate(x)) * up(x)) with gate and up fused into one projection; act is SiLU
+    or, for Gemma, GELU with the tanh approximation."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, ops: KernelOps) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, ops: KernelOps, activation: str = "silu"
+    ) -> None:
         super().__init__()
         self.ops = ops
         self.intermediate_size = intermediate_size
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size)
         self.down_proj = Linear(intermediate_size, hidden_size)
+        if activation == "silu":
+            self.act_and_mul = ops.silu_and_mul
+        elif activation == "gelu_pytorch_tanh":
+            self.act_and_mul = gelu_tanh_and_mul
+        else:
+            raise ValueError(f"MLP activation {activation!r} is not supported")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(x[..., :d]) * x[..., d:]: two elementwise torch ops, on any device."""
+    d = x.shape[-1] // 2
+    return F.gelu(x[..., :d], approximate="tanh") * x[..., d:]
 
 
 class VocabEmbedding(nn.Module):

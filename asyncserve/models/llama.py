@@ -1,4 +1,6 @@
-"""Llama-family decoder: Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm).
+"""Llama-family decoder: Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm);
+also the base of the families that differ from it only in config values or in their MLP
+(Granite, Phi-3, Mixtral, Qwen3-MoE).
 
 Parameter names follow HF's with q/k/v fused into `qkv_proj` and gate/up into `gate_up_proj`;
 load_weights takes HF checkpoint names and fills the fused slices.
@@ -14,6 +16,7 @@ from torch import nn
 from asyncserve.kernels.ops import KernelOps
 from asyncserve.models.arch_config import ArchConfig
 from asyncserve.models.attention import Attention, AttentionMetadata
+from asyncserve.models.base import CausalLM
 from asyncserve.models.layers import (
     GatedMLP,
     Linear,
@@ -23,6 +26,8 @@ from asyncserve.models.layers import (
     VocabEmbedding,
     compute_logits,
 )
+from asyncserve.models.moe import ExpertPlacement
+from asyncserve.models.weights import Target, load_checkpoint
 
 # HF name fragment -> (fused parameter fragment, shard index within the fused rows).
 _FUSED_SHARDS: dict[str, tuple[str, int]] = {
@@ -35,7 +40,9 @@ _FUSED_SHARDS: dict[str, tuple[str, int]] = {
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ArchConfig, rotary: RotaryEmbedding, ops: KernelOps) -> None:
+    def __init__(
+        self, config: ArchConfig, layer: int, rotary: RotaryEmbedding, ops: KernelOps
+    ) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -53,8 +60,14 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
         # Shared by every layer: one cos/sin table per model, not per layer.
         self.rotary_emb = rotary
+        scale = config.attention_scale or self.head_dim**-0.5
         self.attn = Attention(
-            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, ops
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            scale,
+            ops,
+            sliding_window=config.layer_window(layer),
         )
 
     def forward(
@@ -67,7 +80,7 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None and self.k_norm is not None:
-            # Qwen3 normalises each head's query and key before rotary.
+            # Qwen3 and Gemma 3 normalise each head's query and key before rotary.
             q = self.q_norm(q.reshape(-1, self.head_dim))
             k = self.k_norm(k.reshape(-1, self.head_dim))
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
@@ -78,12 +91,21 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ArchConfig, rotary: RotaryEmbedding, ops: KernelOps) -> None:
+    def __init__(
+        self,
+        config: ArchConfig,
+        layer: int,
+        rotary: RotaryEmbedding,
+        ops: KernelOps,
+        mlp: nn.Module,
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary, ops)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, ops)
+        self.self_attn = LlamaAttention(config, layer, rotary, ops)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        # Granite scales each branch before it joins the residual stream.
+        self.residual_multiplier = config.residual_multiplier
 
     def forward(
         self,
@@ -100,23 +122,29 @@ class LlamaDecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        if self.residual_multiplier != 1.0:
+            hidden = hidden * self.residual_multiplier
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        hidden = self.mlp(hidden)
+        if self.residual_multiplier != 1.0:
+            hidden = hidden * self.residual_multiplier
+        return hidden, residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ArchConfig, ops: KernelOps) -> None:
+    def __init__(self, config: ArchConfig, ops: KernelOps, mlps: list[nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embedding_multiplier = config.embedding_multiplier
         rotary = RotaryEmbedding(
-            config.head_dim,
+            config.rotary_dim,
             config.max_position_embeddings,
             config.rope_theta,
             config.rope_scaling,
             ops,
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary, ops) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, rotary, ops, mlp) for i, mlp in enumerate(mlps)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
@@ -128,6 +156,8 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        if self.embedding_multiplier != 1.0:
+            hidden = hidden * self.embedding_multiplier
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
@@ -137,17 +167,27 @@ class LlamaModel(nn.Module):
         return hidden
 
 
-class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ArchConfig, ops: KernelOps) -> None:
+class LlamaForCausalLM(CausalLM):
+    """Subclasses change the MLP of a layer (make_mlp) and where checkpoint tensors go
+    (route); everything else follows the config."""
+
+    def __init__(
+        self, config: ArchConfig, ops: KernelOps, placement: ExpertPlacement | None = None
+    ) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, ops)
+        self.placement = placement
+        mlps = [self.make_mlp(config, ops, i) for i in range(config.num_hidden_layers)]
+        self.model = LlamaModel(config, ops, mlps)
         # A tied head is the embedding module itself, so the tie survives .to() and to_empty().
         self.lm_head: LMHead | VocabEmbedding
         if config.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
             self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+
+    def make_mlp(self, config: ArchConfig, ops: KernelOps, layer: int) -> nn.Module:
+        return GatedMLP(config.hidden_size, config.intermediate_size, ops)
 
     def forward(
         self,
@@ -157,65 +197,39 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """input_ids, positions [T] int64 -> final-normed hidden states [T, hidden]."""
-        if len(kv_caches) != self.config.num_hidden_layers:
-            raise ValueError(
-                f"kv_caches must hold one (key, value) pair per layer "
-                f"({self.config.num_hidden_layers}), got {len(kv_caches)}"
-            )
+        self.check_caches(kv_caches)
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32."""
-        return compute_logits(hidden, self.lm_head.weight)
+        logits = compute_logits(hidden, self.lm_head.weight)
+        if self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling
+        return logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into this model's (fused) parameters, converting dtype and
         device on the way. Returns the parameter names filled; raises ValueError on an unknown
         name, a shape mismatch, or a parameter left without a value."""
-        params = dict(self.named_parameters())
-        filled: set[str] = set()
-        fused_parts: dict[str, set[int]] = {}
-        for hf_name, tensor in weights:
-            if "rotary_emb.inv_freq" in hf_name:
-                continue  # recomputed from the config
-            if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue  # some tied checkpoints still carry a copy
-            name, shard = _fused_target(hf_name)
-            param = params.get(name)
-            if param is None:
-                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the model")
-            target = param.data if shard is None else self._shard(param.data, name, shard)
-            if tuple(target.shape) != tuple(tensor.shape):
-                raise ValueError(
-                    f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(target.shape)}"
-                )
-            target.copy_(tensor)
-            if shard is None:
-                filled.add(name)
-            else:
-                fused_parts.setdefault(name, set()).add(shard)
-        for name, shards in fused_parts.items():
-            if len(shards) == (3 if ".qkv_proj." in name else 2):
-                filled.add(name)
-        missing = sorted(set(params) - filled)
-        if missing:
-            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-            raise ValueError(f"checkpoint is missing {len(missing)} weights: {shown}")
-        return filled
+        return load_checkpoint(self, weights, self.route)
 
-    def _shard(self, data: torch.Tensor, name: str, shard: int) -> torch.Tensor:
-        """The rows of a fused parameter that one HF tensor fills."""
-        if ".qkv_proj." in name:
-            sizes = [self.config.q_size, self.config.kv_size, self.config.kv_size]
-        else:
-            sizes = [self.config.intermediate_size] * 2
-        start = sum(sizes[:shard])
-        return data[start : start + sizes[shard]]
+    def route(self, hf_name: str) -> Target | None:
+        """Where one HF checkpoint tensor goes; None to skip it."""
+        return fused_target(self.config, hf_name)
 
 
-def _fused_target(hf_name: str) -> tuple[str, int | None]:
+def fused_target(config: ArchConfig, hf_name: str) -> Target | None:
+    """Target of an HF tensor in a model that fuses q/k/v and gate/up; None to skip it."""
+    if "rotary_emb.inv_freq" in hf_name:
+        return None  # recomputed from the config
+    if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+        return None  # some tied checkpoints still carry a copy
     for fragment, (fused, shard) in _FUSED_SHARDS.items():
         if fragment in hf_name:
-            return hf_name.replace(fragment, fused), shard
-    return hf_name, None
+            if fused == ".qkv_proj.":
+                sizes = [config.q_size, config.kv_size, config.kv_size]
+            else:
+                sizes = [config.intermediate_size] * 2
+            rows = (sum(sizes[:shard]), sizes[shard])
+            return Target(hf_name.replace(fragment, fused), rows=rows)
+    return Target(hf_name)

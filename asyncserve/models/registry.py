@@ -7,8 +7,10 @@ it does not need, and so arch_config.py can name the supported set without an im
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
-from torch import nn
+if TYPE_CHECKING:  # base imports arch_config, which imports this module
+    from asyncserve.models.base import CausalLM
 
 # architecture -> (module under asyncserve.models, class name)
 _MODELS: dict[str, tuple[str, str]] = {
@@ -16,6 +18,13 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
+    "GraniteForCausalLM": ("granite", "GraniteForCausalLM"),
+    "GraniteMoeForCausalLM": ("granite", "GraniteMoeForCausalLM"),
+    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+    "OPTForCausalLM": ("opt", "OPTForCausalLM"),
 }
 
 # model_type -> architecture, for configs that do not list "architectures".
@@ -24,6 +33,13 @@ MODEL_TYPE_TO_ARCH: dict[str, str] = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "granitemoe": "GraniteMoeForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "opt": "OPTForCausalLM",
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
@@ -35,11 +51,11 @@ def unsupported_message(arch: str) -> str:
     )
 
 
-def resolve_model_class(arch: str) -> type[nn.Module]:
+def resolve_model_class(arch: str) -> type[CausalLM]:
     """The class implementing `arch`; ValueError naming it and the supported ones otherwise."""
     entry = _MODELS.get(arch)
     if entry is None:
         raise ValueError(unsupported_message(arch))
     module = importlib.import_module(f"asyncserve.models.{entry[0]}")
-    cls: type[nn.Module] = getattr(module, entry[1])
+    cls: type[CausalLM] = getattr(module, entry[1])
     return cls

@@ -96,3 +96,36 @@ def test_split_heuristic() -> None:
     # Prefill chunks in the batch: no split.
     prefill = attention.default_config(4, 512)
     assert attention.choose_num_splits(1, 8, 512, 32768, prefill, 132) == 1
+
+
+@pytest.mark.parametrize(
+    ("window", "softcap", "num_splits"),
+    [(5, None, 1), (16, None, 4), (None, 3.0, 1), (7, 2.0, 2)],
+)
+def test_sliding_window_and_softcap(
+    device: torch.device, window: int | None, softcap: float | None, num_splits: int
+) -> None:
+    """Windows shorter than the chunks and contexts (some tiles skipped, split-KV partly
+    empty), and soft-capped scores large enough for the cap to bind."""
+    batch = make_batch(Q_LENS, CTX_LENS, 4, 2, 32, 8, torch.float32, device, seed=11)
+    batch.query = batch.query * 4
+    config = attention.AttentionConfig(block_m=16, tile_n=16, num_warps=4, num_stages=2)
+    out = attention.paged_attention(
+        *batch.args(), 0.25, config, num_splits, sliding_window=window, softcap=softcap
+    )
+    ref = reference.unified_attention(*batch.args(), 0.25, sliding_window=window, softcap=softcap)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < TOL[torch.float32]
+    plain = reference.unified_attention(*batch.args(), 0.25)
+    assert rel_err(plain, ref) > 1e-2  # the options change the result
+
+
+def test_reference_window_equals_truncated_context(device: torch.device) -> None:
+    """A windowed decode equals full attention over only the last `window` keys."""
+    batch = make_batch([1], [30], 4, 2, 32, 8, torch.float32, device, seed=2)
+    windowed = reference.unified_attention(*batch.args(), 0.2, sliding_window=6)
+    k = batch.key_cache[batch.block_tables[0, :4].long()].reshape(-1, 2, 32)[25:31]
+    v = batch.value_cache[batch.block_tables[0, :4].long()].reshape(-1, 2, 32)[25:31]
+    scores = torch.einsum("hd,khd->hk", batch.query[0], k.repeat_interleave(2, dim=1)) * 0.2
+    expected = torch.einsum("hk,khd->hd", scores.softmax(-1), v.repeat_interleave(2, dim=1))
+    torch.testing.assert_close(windowed[0], expected, atol=1e-5, rtol=0)

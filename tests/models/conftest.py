@@ -10,8 +10,8 @@ import torch
 
 from asyncserve.config import ModelConfig
 from asyncserve.models.attention import AttentionMetadata
+from asyncserve.models.base import CausalLM
 from asyncserve.models.gguf_loader import GGUFFile, open_gguf
-from asyncserve.models.llama import LlamaForCausalLM
 from asyncserve.models.loader import LoadedModel, load_model
 
 BLOCK_SIZE = 4
@@ -28,11 +28,11 @@ def smollm2(gguf_path: Path) -> LoadedModel:
 
 
 def new_kv_caches(
-    model: LlamaForCausalLM, num_blocks: int, block_size: int = BLOCK_SIZE
+    model: CausalLM, num_blocks: int, block_size: int = BLOCK_SIZE
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     c = model.config
     shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
-    dtype = model.model.embed_tokens.weight.dtype
+    dtype = next(model.parameters()).dtype
     return [
         (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
         for _ in range(c.num_hidden_layers)
@@ -41,7 +41,7 @@ def new_kv_caches(
 
 @torch.no_grad()
 def paged_step(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     seqs: Sequence[tuple[list[int], int, list[int]]],
 ) -> list[torch.Tensor]:
@@ -79,7 +79,7 @@ def paged_step(
     return [logits[cu[i] : cu[i + 1]] for i in range(len(seqs))]
 
 
-def full_forward(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
+def full_forward(model: CausalLM, ids: list[int]) -> torch.Tensor:
     """Logits of every position of one sequence, from one prefill into a fresh cache."""
     num_blocks = (len(ids) + BLOCK_SIZE - 1) // BLOCK_SIZE
     caches = new_kv_caches(model, num_blocks)

@@ -71,18 +71,22 @@ def test_old_rope_scaling_type_key() -> None:
     assert c.rope_scaling == {"rope_type": "linear", "factor": 4.0}
 
 
-def test_mistral_sliding_window() -> None:
+def test_mistral_sliding_window_applies_in_attention() -> None:
     mistral = base(architectures=["MistralForCausalLM"], model_type="mistral")
-    assert (
-        ArchConfig.from_hf_dict({**mistral, "sliding_window": None}).max_position_embeddings == 512
-    )
-    assert (
-        ArchConfig.from_hf_dict({**mistral, "sliding_window": 4096}).max_position_embeddings == 512
-    )
-    # A window smaller than the context caps the usable context at the window.
-    assert (
-        ArchConfig.from_hf_dict({**mistral, "sliding_window": 128}).max_position_embeddings == 128
-    )
+    assert ArchConfig.from_hf_dict({**mistral, "sliding_window": None}).sliding_window is None
+    windowed = ArchConfig.from_hf_dict({**mistral, "sliding_window": 128})
+    assert windowed.max_position_embeddings == 512
+    assert windowed.layer_window(0) == windowed.layer_window(1) == 128
+
+
+def test_qwen2_sliding_window_caps_the_context() -> None:
+    # Qwen2 windows only some layers; not applied per layer, so the context stops at it.
+    qwen2 = base(architectures=["Qwen2ForCausalLM"], model_type="qwen2", sliding_window=128)
+    c = ArchConfig.from_hf_dict({**qwen2, "use_sliding_window": True})
+    assert c.max_position_embeddings == 128 and c.sliding_window is None
+    assert ArchConfig.from_hf_dict(qwen2).max_position_embeddings == 128
+    off = ArchConfig.from_hf_dict({**qwen2, "use_sliding_window": False})
+    assert off.max_position_embeddings == 512
 
 
 def test_architecture_from_model_type_when_unlisted() -> None:
@@ -106,3 +110,66 @@ def test_architecture_from_model_type_when_unlisted() -> None:
 def test_bad_configs_raise_naming_the_field(overrides: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         ArchConfig.from_hf_dict(base(**overrides))
+
+
+def test_gemma3_hub_layout() -> None:
+    """An older Gemma 3 config: window pattern instead of layer_types, local rope base,
+    linear scaling for the global layers, head tied by default."""
+    c = ArchConfig.from_hf_dict(
+        base(
+            architectures=["Gemma3ForCausalLM"],
+            model_type="gemma3_text",
+            num_hidden_layers=6,
+            head_dim=32,
+            sliding_window=512,
+            sliding_window_pattern=3,
+            rope_theta=1e6,
+            rope_local_base_freq=1e4,
+            rope_scaling={"rope_type": "linear", "factor": 8.0},
+            query_pre_attn_scalar=256,
+            hidden_activation="gelu_pytorch_tanh",
+        )
+    )
+    assert [c.layer_window(i) for i in range(6)] == [512, 512, None, 512, 512, None]
+    assert c.rope_theta == 1e6 and c.rope_local_theta == 1e4
+    assert c.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert c.attention_scale == 256**-0.5 and c.qk_norm and c.tie_word_embeddings
+    assert c.max_position_embeddings == 512  # the window no longer caps the context
+
+
+def test_qwen3_moe_hub_layout() -> None:
+    c = ArchConfig.from_hf_dict(
+        base(
+            architectures=["Qwen3MoeForCausalLM"],
+            num_experts=128,
+            num_experts_per_tok=8,
+            moe_intermediate_size=768,
+            norm_topk_prob=True,
+            decoder_sparse_step=2,
+            mlp_only_layers=[3],
+            num_hidden_layers=6,
+        )
+    )
+    assert c.moe is not None and c.moe.renormalize and c.moe.num_experts == 128
+    assert [c.moe.is_sparse(i) for i in range(6)] == [False, True, False, False, False, True]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"architectures": ["OPTForCausalLM"], "ffn_dim": 32, "enable_bias": False}, "OPT"),
+        (
+            {"architectures": ["OPTForCausalLM"], "ffn_dim": 32, "activation_function": "gelu"},
+            "gelu",
+        ),
+        ({"architectures": ["Gemma3ForCausalLM"], "use_bidirectional_attention": True}, "bidir"),
+        ({"architectures": ["Gemma3ForCausalLM"], "hidden_activation": "silu"}, "silu"),
+        ({"architectures": ["MixtralForCausalLM"]}, "num_local_experts"),
+        ({"architectures": ["Phi3ForCausalLM"], "rope_scaling": {"type": "yarn"}}, "yarn"),
+        ({"architectures": ["Phi3ForCausalLM"], "rope_scaling": {"type": "su"}}, "original_max"),
+    ],
+)
+def test_unsupported_family_options_raise_one_line(overrides: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match) as info:
+        ArchConfig.from_hf_dict(base(**overrides))
+    assert "\n" not in str(info.value)

@@ -36,6 +36,15 @@ def test_gguf_names_map_to_hf() -> None:
     assert _hf_name("blk.12.attn_q.bias") == "model.layers.12.self_attn.q_proj.bias"
     assert _hf_name("blk.0.ffn_down.weight") == "model.layers.0.mlp.down_proj.weight"
     assert _hf_name("blk.3.attn_k_norm.weight") == "model.layers.3.self_attn.k_norm.weight"
+    # Gemma 3's ffn_norm is its pre-MLP norm; stacked experts come back one at a time.
+    assert _hf_name("blk.1.ffn_norm.weight", "gemma3") == (
+        "model.layers.1.pre_feedforward_layernorm.weight"
+    )
+    assert _hf_name("blk.1.ffn_norm.weight") == "model.layers.1.post_attention_layernorm.weight"
+    assert _hf_name("blk.2.ffn_up_exps.weight", "qwen3moe") == (
+        "model.layers.2.mlp.experts.{expert}.up_proj.weight"
+    )
+    assert _hf_name("blk.2.ffn_gate_inp.weight", "qwen3moe") == "model.layers.2.mlp.gate.weight"
     with pytest.raises(ValueError, match="blk.0.ssm_conv"):
         _hf_name("blk.0.ssm_conv.weight")
 
@@ -74,6 +83,24 @@ def _tiny_hf(arch: str) -> tuple[Any, dict[str, Any]]:
     )
     if arch == "qwen3":
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))
+    elif arch == "qwen3moe":
+        config = transformers.Qwen3MoeConfig(
+            **common,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+        )
+        model = transformers.Qwen3MoeForCausalLM(config)
+    elif arch == "gemma3":
+        common["rope_theta"] = 1e6  # global layers; sliding ones keep HF's 1e4
+        config = transformers.Gemma3TextConfig(
+            **common,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+            query_pre_attn_scalar=16,  # what llama.cpp uses: head_dim
+        )
+        model = transformers.Gemma3ForCausalLM(config)
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     torch.manual_seed(0)
@@ -83,7 +110,20 @@ def _tiny_hf(arch: str) -> tuple[Any, dict[str, Any]]:
     return model.eval(), common
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def _family_metadata(arch: str) -> Any:
+    def add(w: Any) -> None:
+        if arch == "qwen3moe":
+            w.add_expert_count(4)
+            w.add_expert_used_count(2)
+            w.add_expert_feed_forward_length(32)
+        elif arch == "gemma3":
+            w.add_sliding_window(8)
+            w.add_sliding_window_pattern([True, False])
+
+    return add
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3moe", "gemma3"])
 def test_tiny_gguf_loads_and_matches_hf(arch: str, tmp_path: Path) -> None:
     hf, cfg = _tiny_hf(arch)
     state = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
@@ -97,12 +137,14 @@ def test_tiny_gguf_loads_and_matches_hf(arch: str, tmp_path: Path) -> None:
         head_dim=cfg["head_dim"],
         rope_theta=cfg["rope_theta"],
         eps=cfg["rms_norm_eps"],
+        extra=_family_metadata(arch),
     )
     # A directory holding exactly one .gguf loads that file.
     loaded = load_model(ModelConfig(model=str(tmp_path), dtype="float32"), torch.device("cpu"))
-    assert loaded.arch.qk_norm == (arch == "qwen3")
+    assert loaded.arch.qk_norm == (arch != "llama")
     assert loaded.arch.tie_word_embeddings
     assert loaded.model_path == str(path)
+    # Longer than Gemma's window of 8.
     ids = [0, *torch.randint(2, len(TOKENS), (20,), generator=torch.Generator().manual_seed(3))]
     ours = full_forward(loaded.model, [int(i) for i in ids])
     with torch.no_grad():

@@ -113,3 +113,39 @@ def test_linear_is_created_on_the_default_device_and_dtype() -> None:
     assert layer.weight.shape == (6, 4)
     assert layer.bias is not None and layer.bias.shape == (6,)
     assert not layer.weight.requires_grad
+
+
+def test_longrope_table_matches_hf_short_then_long() -> None:
+    """Phi-3 LongRoPE with a partial rotary: positions inside the original context equal
+    HF's short-factor table, positions past it HF's long-factor one, both scaled by HF's
+    attention factor."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    from asyncserve.models.arch_config import ArchConfig
+
+    rope = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.5,
+        "short_factor": [1.0, 1.5, 2.0, 3.0],
+        "long_factor": [2.0, 4.0, 6.0, 9.0],
+    }
+    hf_config = transformers.Phi3Config(
+        hidden_size=64,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+        original_max_position_embeddings=32,
+        rope_parameters=rope,
+    )
+    ours = ArchConfig.from_hf_dict({**hf_config.to_dict(), "architectures": ["Phi3ForCausalLM"]})
+    assert ours.rotary_dim == 8 and ours.rope_scaling is not None
+    cache = compute_cos_sin_cache(8, 128, ours.rope_theta, ours.rope_scaling)
+    hf_rope = Phi3RotaryEmbedding(hf_config)
+    x = torch.zeros(1, dtype=torch.float32)
+    cos_short, _ = hf_rope(x, torch.arange(32)[None])  # seq_len 32: short factors
+    cos_long, sin_long = hf_rope(x, torch.arange(128)[None])  # past 32: long factors
+    torch.testing.assert_close(cache[:32, :4], cos_short[0, :, :4], atol=1e-6, rtol=0)
+    torch.testing.assert_close(cache[32:, :4], cos_long[0, 32:, :4], atol=1e-6, rtol=0)
+    torch.testing.assert_close(cache[32:, 4:], sin_long[0, 32:, :4], atol=1e-6, rtol=0)
+    assert not torch.allclose(cache[:32, :4], cos_long[0, :32, :4])

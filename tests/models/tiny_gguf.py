@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -30,7 +32,15 @@ _BLOCK_PARTS = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
 }
+_GEMMA3_PARTS = {
+    **_BLOCK_PARTS,
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -42,7 +52,7 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, arch: str = "llama") -> str:
     fixed = {
         "model.embed_tokens.weight": "token_embd.weight",
         "model.norm.weight": "output_norm.weight",
@@ -52,7 +62,43 @@ def gguf_name(hf_name: str) -> str:
         return fixed[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
     part, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_BLOCK_PARTS[part]}.{kind}"
+    parts = _GEMMA3_PARTS if arch == "gemma3" else _BLOCK_PARTS
+    return f"blk.{layer}.{parts[part]}.{kind}"
+
+
+def gguf_tensors(
+    arch: str, state: dict[str, torch.Tensor], heads: int, kv_heads: int
+) -> dict[str, np.ndarray]:
+    """GGUF-named arrays as llama.cpp's converter writes them: Llama's q/k permuted, Gemma 3's
+    norms shifted by 1, each layer's experts stacked into one [E, out, in] tensor."""
+    out: dict[str, np.ndarray] = {}
+    experts: dict[str, dict[int, np.ndarray]] = {}
+    for name, tensor in state.items():
+        array = tensor.detach().float().numpy()
+        if name.endswith(".mlp.experts.gate_up_proj"):  # transformers 5 keeps experts fused
+            layer = name.split(".")[2]
+            gate, up = np.split(array, 2, axis=1)
+            out[f"blk.{layer}.ffn_gate_exps.weight"] = gate
+            out[f"blk.{layer}.ffn_up_exps.weight"] = up
+            continue
+        if name.endswith(".mlp.experts.down_proj"):
+            out[f"blk.{name.split('.')[2]}.ffn_down_exps.weight"] = array
+            continue
+        match = _EXPERT.match(name)
+        if match:
+            layer, expert, proj = match.groups()
+            experts.setdefault(f"blk.{layer}.ffn_{proj}_exps.weight", {})[int(expert)] = array
+            continue
+        if arch == "llama" and name.endswith("self_attn.q_proj.weight"):
+            array = llama_cpp_permute(array, heads)
+        elif arch == "llama" and name.endswith("self_attn.k_proj.weight"):
+            array = llama_cpp_permute(array, kv_heads)
+        elif arch == "gemma3" and name.endswith("norm.weight"):
+            array = array + 1.0
+        out[gguf_name(name, arch)] = array
+    for name, by_expert in experts.items():
+        out[name] = np.stack([by_expert[e] for e in sorted(by_expert)])
+    return out
 
 
 def write_tiny_gguf(
@@ -66,6 +112,7 @@ def write_tiny_gguf(
     rope_theta: float,
     eps: float,
     context: int = 256,
+    extra: Callable[[gguf.GGUFWriter], None] | None = None,
 ) -> None:
     hidden = state["model.embed_tokens.weight"].shape[1]
     layers = 1 + max(int(n.split(".")[2]) for n in state if n.startswith("model.layers."))
@@ -73,7 +120,8 @@ def write_tiny_gguf(
     w.add_block_count(layers)
     w.add_context_length(context)
     w.add_embedding_length(hidden)
-    w.add_feed_forward_length(state["model.layers.0.mlp.up_proj.weight"].shape[0])
+    dense_up = [t for n, t in state.items() if n.endswith(".mlp.up_proj.weight")]
+    w.add_feed_forward_length(dense_up[0].shape[0] if dense_up else 0)
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
     w.add_key_length(head_dim)
@@ -88,13 +136,10 @@ def write_tiny_gguf(
     w.add_eos_token_id(1)
     w.add_add_bos_token(True)
     w.add_chat_template(CHATML)
-    for name, tensor in state.items():
-        array = tensor.detach().float().numpy()
-        if arch == "llama" and name.endswith("self_attn.q_proj.weight"):
-            array = llama_cpp_permute(array, heads)
-        elif arch == "llama" and name.endswith("self_attn.k_proj.weight"):
-            array = llama_cpp_permute(array, kv_heads)
-        w.add_tensor(gguf_name(name), np.ascontiguousarray(array))
+    if extra is not None:
+        extra(w)
+    for name, array in gguf_tensors(arch, state, heads, kv_heads).items():
+        w.add_tensor(name, np.ascontiguousarray(array))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -1,0 +1,44 @@
+"""What the engine needs from a model, whatever its family."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from asyncserve.models.arch_config import ArchConfig
+from asyncserve.models.attention import AttentionMetadata
+
+
+class CausalLM(nn.Module):
+    """A decoder-only LM over the paged KV cache: one (key, value) cache pair per layer.
+
+    forward(input_ids, positions, kv_caches, meta) -> final hidden states [T, hidden];
+    compute_logits(hidden [N, hidden]) -> [N, vocab] float32;
+    load_weights(HF-named tensors) -> names of the parameters filled.
+    """
+
+    config: ArchConfig
+
+    def check_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if len(kv_caches) != self.config.num_hidden_layers:
+            raise ValueError(
+                f"kv_caches must hold one (key, value) pair per layer "
+                f"({self.config.num_hidden_layers}), got {len(kv_caches)}"
+            )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        raise NotImplementedError

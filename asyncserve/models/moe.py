@@ -1,0 +1,116 @@
+"""Sparse MoE layer: a router picks top-k experts per token; the fused MoE op runs them.
+
+Expert weights are stacked: w13 [local experts, 2 * intermediate, hidden] (gate rows, then
+up rows) and w2 [local experts, hidden, intermediate]. With expert parallelism an
+ExpertPlacement puts whole experts on ranks; each rank computes its experts' share of every
+token and `reduce` (identity on one rank) sums the shares over ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from asyncserve.kernels.ops import KernelOps
+from asyncserve.models.arch_config import MoEArch
+from asyncserve.models.layers import Linear
+from asyncserve.models.weights import Target
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """Which experts this rank holds: e % world_size == rank ("strided"), or the rank-th of
+    world_size contiguous ranges ("contiguous")."""
+
+    rank: int = 0
+    world_size: int = 1
+    layout: str = "strided"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside world_size {self.world_size}")
+        if self.layout not in ("strided", "contiguous"):
+            raise ValueError(f"expert layout {self.layout!r} is not strided or contiguous")
+
+    def local_experts(self, num_experts: int) -> list[int]:
+        if num_experts < self.world_size:
+            raise ValueError(f"{num_experts} experts cannot spread over {self.world_size} ranks")
+        if self.layout == "strided":
+            return list(range(self.rank, num_experts, self.world_size))
+        per_rank, extra = divmod(num_experts, self.world_size)
+        start = self.rank * per_rank + min(self.rank, extra)
+        return list(range(start, start + per_rank + (self.rank < extra)))
+
+
+class SparseMoE(nn.Module):
+    """Router (`gate`) + stacked experts; forward [T, hidden] -> [T, hidden]."""
+
+    expert_map: torch.Tensor | None
+
+    def __init__(
+        self,
+        hidden_size: int,
+        moe: MoEArch,
+        ops: KernelOps,
+        placement: ExpertPlacement | None = None,
+        router_bias: bool = False,
+    ) -> None:
+        super().__init__()
+        self.ops = ops
+        self.moe = moe
+        placement = placement or ExpertPlacement()
+        self.local_experts = placement.local_experts(moe.num_experts)
+        self.local_index = {e: i for i, e in enumerate(self.local_experts)}
+        num_local = len(self.local_experts)
+        self.gate = Linear(hidden_size, moe.num_experts, bias=router_bias)
+        self.w13 = nn.Parameter(
+            torch.empty(num_local, 2 * moe.intermediate_size, hidden_size), requires_grad=False
+        )
+        self.w2 = nn.Parameter(
+            torch.empty(num_local, hidden_size, moe.intermediate_size), requires_grad=False
+        )
+        if num_local == moe.num_experts:
+            self.expert_map = None
+        else:
+            expert_map = torch.full((moe.num_experts,), -1, dtype=torch.int32)
+            expert_map[self.local_experts] = torch.arange(num_local, dtype=torch.int32)
+            self.register_buffer("expert_map", expert_map.to(torch.empty(0).device))
+        # Sums the ranks' partial outputs; replaced by an all-reduce under expert parallelism.
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] = _identity
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.gate(hidden)
+        weights, ids = self.ops.moe_route(
+            logits, self.moe.top_k, self.moe.renormalize, self.moe.scoring
+        )
+        out = self.ops.fused_moe(hidden, self.w13, self.w2, weights, ids, self.expert_map)
+        return self.reduce(out)
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def expert_target(moe: object, prefix: str, proj: str, expert: int | None) -> Target | None:
+    """Where one checkpoint tensor of an MoE layer goes.
+
+    prefix is the layer's parameter prefix ("model.layers.3.mlp"); proj is "gate" or "up"
+    (one expert's half of w13), "gate_up" (both halves) or "down"; expert is the global
+    expert id, or None for a tensor that stacks every expert. Another rank's expert -> None.
+    """
+    if not isinstance(moe, SparseMoE):
+        raise ValueError(f"checkpoint has expert weights for {prefix}, a dense MLP in the model")
+    param = f"{prefix}.w2" if proj == "down" else f"{prefix}.w13"
+    if expert is None:
+        keep = None if moe.expert_map is None else moe.local_experts
+        return Target(param, source_experts=keep)
+    local = moe.local_index.get(expert)
+    if local is None:
+        return None
+    if proj in ("gate", "up"):
+        size = moe.moe.intermediate_size
+        return Target(param, expert=local, rows=(0 if proj == "gate" else size, size))
+    return Target(param, expert=local)
