@@ -14,11 +14,8 @@ import sys
 from typing import Any
 
 from asyncserve.config import (
-    CacheConfig,
     EngineConfig,
     Environment,
-    ModelConfig,
-    SchedulerConfig,
     ServerConfig,
 )
 
@@ -203,31 +200,24 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace, env: Environment) -> EngineConfig:
-    return EngineConfig(
-        model=ModelConfig(
-            model=args.model or env.default_model,
-            tokenizer=args.tokenizer,
-            dtype=args.dtype,
-            load_format=args.load_format,
-            max_model_len=args.max_model_len,
-            seed=args.seed,
-            device=args.device,
-        ),
-        cache=CacheConfig(
-            block_size=args.block_size,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            kv_cache_memory=args.kv_cache_memory,
-            num_blocks_override=args.num_gpu_blocks_override,
-            enable_prefix_caching=args.enable_prefix_caching,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs,
-            policy=args.scheduling_policy,
-            max_waiting_requests=getattr(args, "max_waiting_requests", None),
-            async_scheduling=args.async_scheduling,
-        ),
-        enable_cuda_graphs=not args.enforce_eager,
+    return EngineConfig.from_engine_args(
+        args.model or env.default_model,
+        tokenizer=args.tokenizer,
+        dtype=args.dtype,
+        load_format=args.load_format,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        device=args.device,
+        block_size=args.block_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory=args.kv_cache_memory,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        enable_prefix_caching=args.enable_prefix_caching,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        scheduling_policy=args.scheduling_policy,
+        async_scheduling=args.async_scheduling,
+        enforce_eager=args.enforce_eager,
         stream_interval=args.stream_interval,
     )
 
@@ -325,10 +315,14 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def sampling_params_from_args(args: argparse.Namespace, generation_config: dict[str, Any]) -> Any:
-    from asyncserve.sampling_params import RequestOutputKind, SamplingParams
+    from asyncserve.sampling_params import (
+        MODEL_SAMPLING_DEFAULTS,
+        RequestOutputKind,
+        SamplingParams,
+    )
 
     fields: dict[str, Any] = {}
-    for key in ("temperature", "top_p", "top_k", "min_p"):
+    for key in MODEL_SAMPLING_DEFAULTS:
         value = getattr(args, key)
         if value is None:
             value = generation_config.get(key)

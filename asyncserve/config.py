@@ -66,7 +66,6 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     policy: SchedulingPolicy = "fcfs"
-    max_waiting_requests: int | None = None
     # Plan step N+1 while step N runs (its tokens fed to N+1 on the device). None: on with
     # CUDA; off on CPU, where a step's launch is its whole forward pass and nothing overlaps.
     async_scheduling: bool | None = None
@@ -90,6 +89,58 @@ class EngineConfig:
     # Step-loop behaviour.
     enable_cuda_graphs: bool = True
     stream_interval: int = 1
+
+    @classmethod
+    def from_engine_args(
+        cls,
+        model: str | None = None,
+        *,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        load_format: str = "auto",
+        max_model_len: int | None = None,
+        seed: int = 0,
+        device: str = "auto",
+        block_size: int = 16,
+        gpu_memory_utilization: float = 0.9,
+        kv_cache_memory: int | None = None,
+        num_gpu_blocks_override: int | None = None,
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        scheduling_policy: str = "fcfs",
+        async_scheduling: bool | None = None,
+        enforce_eager: bool = False,
+        stream_interval: int = 1,
+    ) -> EngineConfig:
+        """The engine's configuration from vLLM's engine argument names (LLM(...) and the
+        serve flags both come here)."""
+        return cls(
+            model=ModelConfig(
+                model=model,
+                tokenizer=tokenizer,
+                dtype=dtype,
+                load_format=load_format,  # type: ignore[arg-type]
+                max_model_len=max_model_len,
+                seed=seed,
+                device=device,
+            ),
+            cache=CacheConfig(
+                block_size=block_size,
+                gpu_memory_utilization=gpu_memory_utilization,
+                kv_cache_memory=kv_cache_memory,
+                num_blocks_override=num_gpu_blocks_override,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=max_num_seqs,
+                policy=scheduling_policy,  # type: ignore[arg-type]
+                async_scheduling=async_scheduling,
+            ),
+            enable_cuda_graphs=not enforce_eager,
+            stream_interval=stream_interval,
+        )
 
 
 @dataclass(frozen=True)

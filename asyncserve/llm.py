@@ -12,14 +12,13 @@ from typing import Any
 from tqdm import tqdm
 
 from asyncserve.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
-from asyncserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from asyncserve.config import EngineConfig
 from asyncserve.engine.async_engine import AsyncEngine
 from asyncserve.outputs import CompletionOutput, RequestOutput
-from asyncserve.sampling_params import RequestOutputKind, SamplingParams
+from asyncserve.sampling_params import MODEL_SAMPLING_DEFAULTS, RequestOutputKind, SamplingParams
 from asyncserve.tokenizer import Tokenizer
 
 PromptType = str | list[int] | dict[str, Any]
-SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 class LLM:
@@ -46,30 +45,24 @@ class LLM:
         async_scheduling: bool | None = None,
         enforce_eager: bool = False,
     ) -> None:
-        config = EngineConfig(
-            model=ModelConfig(
-                model=model,
-                tokenizer=tokenizer,
-                dtype=dtype,
-                load_format=load_format,  # type: ignore[arg-type]
-                max_model_len=max_model_len,
-                seed=seed,
-                device=device,
-            ),
-            cache=CacheConfig(
-                block_size=block_size,
-                gpu_memory_utilization=gpu_memory_utilization,
-                kv_cache_memory=kv_cache_memory,
-                num_blocks_override=num_gpu_blocks_override,
-                enable_prefix_caching=enable_prefix_caching,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_num_seqs=max_num_seqs,
-                policy=scheduling_policy,  # type: ignore[arg-type]
-                async_scheduling=async_scheduling,
-            ),
-            enable_cuda_graphs=not enforce_eager,
+        config = EngineConfig.from_engine_args(
+            model,
+            tokenizer=tokenizer,
+            dtype=dtype,
+            load_format=load_format,
+            max_model_len=max_model_len,
+            seed=seed,
+            device=device,
+            block_size=block_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            kv_cache_memory=kv_cache_memory,
+            num_gpu_blocks_override=num_gpu_blocks_override,
+            enable_prefix_caching=enable_prefix_caching,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            scheduling_policy=scheduling_policy,
+            async_scheduling=async_scheduling,
+            enforce_eager=enforce_eager,
         )
         self.engine = AsyncEngine.from_config(config)
         self._loop = asyncio.new_event_loop()
@@ -81,7 +74,7 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation_config defaults, as vLLM applies them."""
         gen = self.engine.generation_config
-        return SamplingParams(**{k: gen[k] for k in SAMPLING_DEFAULT_KEYS if k in gen})
+        return SamplingParams(**{k: gen[k] for k in MODEL_SAMPLING_DEFAULTS if k in gen})
 
     def generate(
         self,

@@ -39,6 +39,10 @@ class StructuredOutputsParams:
             raise ValueError("structured_outputs.choice must be a non-empty list of strings")
 
 
+# Sampling fields whose default comes from the model's generation_config, as vLLM reads it.
+MODEL_SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
 def _check(cond: bool, field_name: str, message: str) -> None:
     if not cond:
         raise ValueError(f"{field_name} {message}")

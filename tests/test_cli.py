@@ -71,7 +71,6 @@ def test_serve_flags_map_to_configs() -> None:
     assert engine.scheduler.max_num_seqs == 32
     assert engine.scheduler.max_num_batched_tokens == 1024
     assert engine.scheduler.policy == "priority"
-    assert engine.scheduler.max_waiting_requests == 9
     assert engine.cache.gpu_memory_utilization == 0.5
     assert engine.cache.enable_prefix_caching is False
     assert engine.cache.kv_cache_memory == 512 * 1024**2

@@ -76,20 +76,13 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
     def token_ids_slice(self, start: int, end: int) -> list[int]:
-        """all_token_ids[start:end] without concatenating the whole list."""
+        """(prompt + output)[start:end] without concatenating the whole lists."""
         return token_slice(self.prompt_token_ids, self.output_token_ids, start, end)
 
     @property
     def is_finished(self) -> bool:
         return self.status.finished
-
-    def append_output_token(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
 
 
 def token_slice(prompt: list[int], output: list[int], start: int, end: int) -> list[int]:

@@ -19,13 +19,14 @@ from asyncserve.http.protocol import (
     SamplingFields,
 )
 from asyncserve.sampling_params import (
+    MODEL_SAMPLING_DEFAULTS,
     RequestOutputKind,
     SamplingParams,
     StructuredOutputsParams,
 )
 
 # Fields whose default comes from the model's generation_config when the request omits them.
-MODEL_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+MODEL_DEFAULT_KEYS = MODEL_SAMPLING_DEFAULTS
 _FALLBACKS: dict[str, Any] = {
     "temperature": 1.0,
     "top_p": 1.0,

@@ -2,27 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 
 from asyncserve.kernels import reference
+from asyncserve.kernels.interface import KernelOps
 
-
-@dataclass(frozen=True)
-class KernelOps:
-    """Functions with the signatures of kernels/reference.py."""
-
-    name: str
-    store_kv: Callable[..., None]
-    unified_attention: Callable[..., torch.Tensor]
-    rms_norm: Callable[..., torch.Tensor]
-    fused_add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    silu_and_mul: Callable[..., torch.Tensor]
-    moe_route: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    fused_moe: Callable[..., torch.Tensor]
+__all__ = ["REFERENCE_OPS", "KernelOps", "select_ops"]
 
 
 REFERENCE_OPS = KernelOps(

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from asyncserve.kernels.activation import silu_and_mul
 from asyncserve.kernels.attention import unified_attention
+from asyncserve.kernels.interface import KernelOps
 from asyncserve.kernels.kv_store import store_kv
 from asyncserve.kernels.moe import fused_moe, moe_route
 from asyncserve.kernels.norm import fused_add_rms_norm, rms_norm
-from asyncserve.kernels.ops import KernelOps
 from asyncserve.kernels.rope import rotary_embedding
 
 TRITON_OPS = KernelOps(

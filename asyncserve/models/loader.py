@@ -26,6 +26,7 @@ from asyncserve.models.arch_config import ArchConfig
 from asyncserve.models.base import CausalLM
 from asyncserve.models.gguf_loader import GGUFFile, gguf_hf_config, iter_gguf_weights, open_gguf
 from asyncserve.models.registry import resolve_model_class
+from asyncserve.sampling_params import MODEL_SAMPLING_DEFAULTS
 from asyncserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -39,15 +40,12 @@ _DTYPES = {
     "half": torch.float16,
 }
 # generation_config.json keys worth passing on as sampling defaults.
-_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 _DUMMY_STD = 0.02
 
 
 @dataclass
 class LoadedModel:
-    # A CausalLM. Typed Any until engine/cuda_graphs.py, which names LlamaForCausalLM,
-    # takes any CausalLM.
-    model: Any
+    model: CausalLM
     arch: ArchConfig
     tokenizer: Tokenizer
     generation_config: dict[str, Any]
@@ -192,7 +190,7 @@ def _generation_config(root: Path | None, arch: ArchConfig, tokenizer: Tokenizer
     # The tokenizer's eos first (the one a request carries), then every other stop id.
     ordered = [tokenizer.eos_token_id, *file_eos, *arch.eos_token_ids]
     eos_ids = list(dict.fromkeys(i for i in ordered if isinstance(i, int)))
-    out: dict[str, Any] = {k: raw[k] for k in _SAMPLING_KEYS if raw.get(k) is not None}
+    out: dict[str, Any] = {k: raw[k] for k in MODEL_SAMPLING_DEFAULTS if raw.get(k) is not None}
     out["eos_token_id"] = eos_ids
     return out
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
-from asyncserve.outputs import CompletionOutput, RequestOutput
+from asyncserve.outputs import RequestOutput
 from asyncserve.sampling_params import RequestOutputKind
 
 
@@ -60,7 +60,3 @@ class RequestStream:
         self._pending = None
         assert output is not None
         return output
-
-
-def empty_completion(index: int) -> CompletionOutput:
-    return CompletionOutput(index=index, text="", token_ids=[])

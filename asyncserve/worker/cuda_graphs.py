@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from asyncserve.models.attention import AttentionMetadata
-from asyncserve.models.llama import LlamaForCausalLM
+from asyncserve.models.base import CausalLM
 from asyncserve.worker.input_batch import StepInputs
 
 logger = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ def capture_sizes(max_batch: int) -> list[int]:
 class DecodeGraphs:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         max_batch: int,
         max_model_len: int,

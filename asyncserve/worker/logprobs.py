@@ -1,4 +1,6 @@
-"""Top-k logprobs and the rank of a chosen token, batched on the device."""
+"""Logprobs in one columnar shape for sampled and prompt tokens: top-k and the rank of a
+chosen token, batched on the device (gather_logprobs), then one host entry per row
+(row_entry)."""
 
 from __future__ import annotations
 
@@ -22,3 +24,15 @@ def gather_logprobs(
     ids = torch.cat((chosen, top_ids), dim=1)
     vals = torch.cat((chosen_lp, top_lp), dim=1).float()
     return ids, vals, ranks
+
+
+# One row on the host: (token id -> logprob) of the top-k plus the chosen token, and the
+# chosen token's 1-based rank.
+LogprobEntry = tuple[dict[int, float], int]
+
+
+def row_entry(ids: list[int], vals: list[float], rank: int, num_logprobs: int) -> LogprobEntry:
+    """One row of gather_logprobs' output (as lists), keeping `num_logprobs` of its top-k."""
+    entry = dict(zip(ids[1 : 1 + num_logprobs], vals[1 : 1 + num_logprobs], strict=True))
+    entry[int(ids[0])] = float(vals[0])
+    return entry, int(rank)

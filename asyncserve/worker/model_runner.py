@@ -32,6 +32,7 @@ from asyncserve.worker.input_batch import (
     build_step_inputs,
 )
 from asyncserve.worker.kv_pool import allocate_kv_caches, determine_num_blocks
+from asyncserve.worker.logprobs import gather_logprobs, row_entry
 from asyncserve.worker.sampler import Sampler, SamplerOutput
 from asyncserve.worker.sampling_metadata import SamplingMetadata, SamplingRow
 
@@ -269,18 +270,8 @@ class ModelRunner:
             result.sampled_token_ids[rid] = [token]
             num_logprobs = state.sampling_params.logprobs
             if num_logprobs is not None and lp_ids is not None and lp_vals is not None:
-                # Column 0 is the sampled token, then the top-k.
-                entry = {
-                    int(t): float(v)
-                    for t, v in zip(
-                        lp_ids[row][1 : 1 + num_logprobs],
-                        lp_vals[row][1 : 1 + num_logprobs],
-                        strict=True,
-                    )
-                }
-                entry[token] = float(lp_vals[row][0])
                 rank = int(ranks[row]) if ranks is not None else 0
-                result.logprobs[rid] = [(entry, rank)]
+                result.logprobs[rid] = [row_entry(lp_ids[row], lp_vals[row], rank, num_logprobs)]
         return result
 
     def _can_replay(self, inputs: StepInputs) -> bool:
@@ -322,15 +313,10 @@ class ModelRunner:
             targets = torch.tensor(
                 state.prompt_token_ids[start + 1 : last + 1], device=logprobs.device
             )
-            target_lp = logprobs.gather(1, targets[:, None])
-            ranks = (logprobs > target_lp).sum(dim=-1) + 1
-            top_vals, top_ids = (
-                logprobs.topk(k, dim=-1) if k > 0 else (logprobs[:, :0], targets[:, None][:, :0])
-            )
-            entries: list[tuple[dict[int, float], int]] = []
-            for i, (ids, vals) in enumerate(zip(top_ids.tolist(), top_vals.tolist(), strict=True)):
-                entry = dict(zip(ids, vals, strict=True))
-                entry[int(targets[i])] = float(target_lp[i, 0])
-                entries.append((entry, int(ranks[i])))
+            ids, vals, ranks = gather_logprobs(logprobs, targets, k)
+            entries = [
+                row_entry(i, v, r, k)
+                for i, v, r in zip(ids.tolist(), vals.tolist(), ranks.tolist(), strict=True)
+            ]
             result.prompt_logprobs[rid] = entries
             offset += count

@@ -67,18 +67,6 @@ class SamplingMetadata:
     allowed_token_mask: torch.Tensor | None = None
 
     @property
-    def no_top_k(self) -> bool:
-        return self.top_k is None
-
-    @property
-    def no_top_p(self) -> bool:
-        return self.top_p is None
-
-    @property
-    def no_min_p(self) -> bool:
-        return self.min_p is None
-
-    @property
     def no_penalties(self) -> bool:
         return self.output_token_counts is None
 
@@ -90,70 +78,11 @@ class SamplingMetadata:
         greedy = [p.greedy for p in params]
         all_greedy = all(greedy)
         all_random = not any(greedy)
-
-        # Per-row floats travel together in one [K, N] transfer.
-        columns: dict[str, list[float]] = {}
-        top_k: torch.Tensor | None = None
-        max_top_k = 0
-        generators: dict[int, torch.Generator] = {}
-        if not all_greedy:
-            columns["temperature"] = [
-                1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)
-            ]
-            if any(p.top_p < 1.0 for p in params):
-                columns["top_p"] = [p.top_p for p in params]
-            if any(p.min_p > 0.0 for p in params):
-                columns["min_p"] = [p.min_p for p in params]
-            ks = [min(p.top_k, vocab_size) for p in params]
-            max_top_k = max(ks, default=0)
-            if max_top_k > 0:
-                top_k = _to_device(ks, torch.int64, device)
-            generators = {
-                i: row.generator
-                for i, (row, g) in enumerate(zip(rows, greedy, strict=True))
-                if row.generator is not None and not g
-            }
-        use_freq_pres = any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params)
-        use_repetition = any(p.repetition_penalty != 1.0 for p in params)
-        if use_freq_pres:
-            columns["frequency"] = [p.frequency_penalty for p in params]
-            columns["presence"] = [p.presence_penalty for p in params]
-        if use_repetition:
-            columns["repetition"] = [p.repetition_penalty for p in params]
-        floats: dict[str, torch.Tensor] = {}
-        if columns:
-            packed = _to_device(list(columns.values()), torch.float32, device)
-            floats = dict(zip(columns, packed.unbind(0), strict=True))
-
-        output_counts = None
-        prompt_mask = None
-        if use_freq_pres or use_repetition:
-            num_cells = len(rows) * vocab_size
-            penalized = [p.needs_penalties for p in params]
-            outputs = [
-                r.output_token_ids if on else [] for r, on in zip(rows, penalized, strict=True)
-            ]
-            index = _flat_token_index(outputs, vocab_size, device)
-            output_counts = torch.zeros(num_cells, device=device)
-            output_counts.scatter_add_(0, index, torch.ones_like(index, dtype=torch.float32))
-            output_counts = output_counts.view(len(rows), vocab_size)
-            if use_repetition:
-                prompts = [
-                    r.prompt_token_ids if on else [] for r, on in zip(rows, penalized, strict=True)
-                ]
-                index = _flat_token_index(prompts, vocab_size, device)
-                prompt_mask = torch.zeros(num_cells, dtype=torch.bool, device=device)
-                prompt_mask.scatter_(0, index, True)
-                prompt_mask = prompt_mask.view(len(rows), vocab_size)
-
+        floats = _float_columns(params, greedy, device)
+        ks = [0 if g else min(p.top_k, vocab_size) for p, g in zip(params, greedy, strict=True)]
+        max_top_k = max(ks, default=0)
+        output_counts, prompt_mask = _penalty_tensors(rows, vocab_size, device)
         pairs = _banned_pairs(rows, vocab_size)
-        banned_token_index = (
-            _to_device([list(c) for c in zip(*pairs, strict=True)], torch.int64, device)
-            if pairs
-            else None
-        )
-        allowed_token_mask = _allowed_token_mask(params, vocab_size, device)
-
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
             num_rows=len(rows),
@@ -164,7 +93,7 @@ class SamplingMetadata:
             greedy_mask=None
             if all_greedy or all_random
             else _to_device(greedy, torch.bool, device),
-            top_k=top_k,
+            top_k=_to_device(ks, torch.int64, device) if max_top_k > 0 else None,
             max_top_k=max_top_k,
             top_p=floats.get("top_p"),
             min_p=floats.get("min_p"),
@@ -173,11 +102,67 @@ class SamplingMetadata:
             repetition_penalties=floats.get("repetition"),
             output_token_counts=output_counts,
             prompt_token_mask=prompt_mask,
-            banned_token_index=banned_token_index,
-            allowed_token_mask=allowed_token_mask,
-            generators=generators,
+            banned_token_index=_to_device(
+                [list(c) for c in zip(*pairs, strict=True)], torch.int64, device
+            )
+            if pairs
+            else None,  # fmt: skip
+            allowed_token_mask=_allowed_token_mask(params, vocab_size, device),
+            generators={
+                i: row.generator
+                for i, (row, g) in enumerate(zip(rows, greedy, strict=True))
+                if row.generator is not None and not g
+            },
             max_num_logprobs=max(wanted) if wanted else None,
         )
+
+
+def _float_columns(
+    params: Sequence[SamplingParams], greedy: Sequence[bool], device: torch.device
+) -> dict[str, torch.Tensor]:
+    """The per-row float knobs some row uses, as [N] tensors that cross in one transfer."""
+    columns: dict[str, list[float]] = {}
+    if not all(greedy):
+        # Greedy rows hold 1.0, so dividing by it is harmless.
+        columns["temperature"] = [
+            1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)
+        ]
+        if any(p.top_p < 1.0 for p in params):
+            columns["top_p"] = [p.top_p for p in params]
+        if any(p.min_p > 0.0 for p in params):
+            columns["min_p"] = [p.min_p for p in params]
+    if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
+        columns["frequency"] = [p.frequency_penalty for p in params]
+        columns["presence"] = [p.presence_penalty for p in params]
+    if any(p.repetition_penalty != 1.0 for p in params):
+        columns["repetition"] = [p.repetition_penalty for p in params]
+    if not columns:
+        return {}
+    packed = _to_device(list(columns.values()), torch.float32, device)
+    return dict(zip(columns, packed.unbind(0), strict=True))
+
+
+def _penalty_tensors(
+    rows: Sequence[SamplingRow], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """[N, V] counts of each row's output tokens (with any penalty) and a [N, V] mask of its
+    prompt tokens (with the repetition penalty); rows without penalties stay zero."""
+    penalized = [r.params.needs_penalties for r in rows]
+    if not any(penalized):
+        return None, None
+    num_cells = len(rows) * vocab_size
+    outputs = [r.output_token_ids if on else [] for r, on in zip(rows, penalized, strict=True)]
+    index = _flat_token_index(outputs, vocab_size, device)
+    counts = torch.zeros(num_cells, device=device)
+    counts.scatter_add_(0, index, torch.ones_like(index, dtype=torch.float32))
+    prompt_mask = None
+    if any(r.params.repetition_penalty != 1.0 for r in rows):
+        prompts = [r.prompt_token_ids if on else [] for r, on in zip(rows, penalized, strict=True)]
+        index = _flat_token_index(prompts, vocab_size, device)
+        mask = torch.zeros(num_cells, dtype=torch.bool, device=device)
+        mask.scatter_(0, index, True)
+        prompt_mask = mask.view(len(rows), vocab_size)
+    return counts.view(len(rows), vocab_size), prompt_mask
 
 
 def _banned_pairs(rows: Sequence[SamplingRow], vocab_size: int) -> list[tuple[int, int]]:

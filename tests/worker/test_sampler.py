@@ -349,7 +349,8 @@ def test_metadata_leaves_unused_features_off() -> None:
     greedy = SamplingMetadata.build([row(SamplingParams(temperature=0.0))] * 3, 10, device)
     assert greedy.all_greedy and not greedy.all_random
     assert greedy.temperature is None and greedy.greedy_mask is None
-    assert greedy.no_top_k and greedy.no_top_p and greedy.no_min_p and greedy.no_penalties
+    assert greedy.top_k is None and greedy.top_p is None and greedy.min_p is None
+    assert greedy.no_penalties
     assert greedy.banned_token_index is None and greedy.max_num_logprobs is None
 
     rows = [
@@ -361,7 +362,7 @@ def test_metadata_leaves_unused_features_off() -> None:
     assert meta.all_random is False and meta.all_greedy is False
     assert meta.top_k is not None and meta.top_k.tolist() == [10, 3, 0]
     assert meta.max_top_k == 10
-    assert meta.no_top_p and meta.no_min_p and meta.no_penalties
+    assert meta.top_p is None and meta.min_p is None and meta.no_penalties
     assert set(meta.generators) == {1}  # a greedy row needs no generator
     assert meta.max_num_logprobs == 2
     assert meta.temperature is not None and meta.temperature.tolist() == [1.0, 1.0, 1.0]
