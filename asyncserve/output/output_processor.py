@@ -33,6 +33,8 @@ class ChildState:
     cumulative_logprob: float | None
     num_sent_tokens: int = 0
     num_sent_logprobs: int = 0
+    # Its finish went out already (in delta mode it is never sent again).
+    sent_finish: bool = False
     # Output tokens accepted into the text (a stop string may end it early).
     num_accepted_tokens: int = 0
     finish_reason: str | None = None
@@ -279,6 +281,8 @@ class OutputProcessor:
         completions: list[CompletionOutput] = []
         for child in parent.children:
             done = child.finish_reason is not None
+            if delta and child.sent_finish:
+                continue
             pending = child.num_accepted_tokens - child.num_sent_tokens
             if delta and not done and not force and pending < self.stream_interval:
                 continue
@@ -293,6 +297,7 @@ class OutputProcessor:
                     continue
             child.num_sent_tokens = child.num_accepted_tokens
             child.num_sent_logprobs = len(child.logprobs or [])
+            child.sent_finish = done
             completions.append(
                 CompletionOutput(
                     index=child.index,

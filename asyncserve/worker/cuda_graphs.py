@@ -25,6 +25,11 @@ def capture_sizes(max_batch: int) -> list[int]:
     return sorted({min(s, max_batch) for s in sizes})
 
 
+def padded_batch_size(sizes: list[int], num_reqs: int) -> int | None:
+    """The smallest captured size that holds `num_reqs` rows; None past the largest."""
+    return next((size for size in sizes if size >= num_reqs), None)
+
+
 class DecodeGraphs:
     def __init__(
         self,
@@ -54,10 +59,7 @@ class DecodeGraphs:
         self.pool: Any = None
 
     def padded_size(self, num_reqs: int) -> int | None:
-        for size in self.sizes:
-            if size >= num_reqs:
-                return size
-        return None
+        return padded_batch_size(self.sizes, num_reqs)
 
     def _meta(self, size: int) -> AttentionMetadata:
         return AttentionMetadata(

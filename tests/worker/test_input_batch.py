@@ -1,0 +1,70 @@
+"""build_step_inputs: a StepPlan and the runner's request state -> the step's tensors."""
+
+from __future__ import annotations
+
+import torch
+
+from asyncserve.core.step import StepPlan
+from asyncserve.sampling_params import SamplingParams
+from asyncserve.worker.cuda_graphs import capture_sizes, padded_batch_size
+from asyncserve.worker.input_batch import (
+    PLACEHOLDER_TOKEN,
+    CachedRequestState,
+    HostStaging,
+    build_step_inputs,
+)
+
+BLOCK = 4
+
+
+def state(rid: str, prompt: list[int], output: list[int], blocks: list[int], computed: int):  # type: ignore[no-untyped-def]
+    return CachedRequestState(rid, prompt, output, SamplingParams(), blocks, computed, set())
+
+
+def test_a_prefill_chunk_and_a_decode() -> None:
+    states = {
+        # 10-token prompt, 3 cached (prefix hit), this step computes 5: no sampling yet.
+        "p": state("p", list(range(100, 110)), [], [7, 8, 9], 3),
+        # A running request at 6 computed tokens (5 prompt + 1 output): one decode token.
+        "d": state("d", [1, 2, 3, 4, 5], [42, 43], [2, 5], 6),
+    }
+    plan = StepPlan(num_scheduled_tokens={"p": 5, "d": 1}, total_num_scheduled_tokens=6)
+    inputs = build_step_inputs(plan, states, BLOCK, HostStaging(torch.device("cpu")))
+    assert inputs.request_ids == ["p", "d"]
+    assert inputs.input_ids.tolist() == [103, 104, 105, 106, 107, 43]
+    assert inputs.positions.tolist() == [3, 4, 5, 6, 7, 6]
+    # Slot = block id * block size + offset in the block.
+    assert inputs.meta.slot_mapping.tolist() == [7 * 4 + 3, 8 * 4, 8 * 4 + 1, 8 * 4 + 2,
+                                                 8 * 4 + 3, 5 * 4 + 2]  # fmt: skip
+    assert inputs.meta.cu_seqlens_q.tolist() == [0, 5, 6]
+    assert inputs.meta.seq_lens.tolist() == [8, 7]
+    assert inputs.meta.block_tables[:, :3].tolist()[0] == [7, 8, 9]
+    assert inputs.meta.block_tables[1, :2].tolist() == [2, 5]
+    # Only the decode reaches its last known token and samples, from the last row.
+    assert inputs.sample_request_ids == ["d"]
+    assert inputs.logits_indices.tolist() == [5]
+    assert inputs.placeholder_index is None
+
+
+def test_a_placeholder_input_comes_from_the_last_steps_sampled_ids() -> None:
+    sampled = torch.tensor([11, 77, 12])
+    running = state("r", [1, 2, 3], [9, PLACEHOLDER_TOKEN], [0, 1], 4)
+    running.in_flight = (sampled, 1)
+    plan = StepPlan(num_scheduled_tokens={"r": 1}, total_num_scheduled_tokens=1)
+    inputs = build_step_inputs(plan, {"r": running}, BLOCK, HostStaging(torch.device("cpu")))
+    assert inputs.placeholder_index is not None and inputs.placeholder_rows is not None
+    assert inputs.placeholder_index.tolist() == [0]
+    assert inputs.placeholder_rows.tolist() == [1]
+    assert inputs.placeholder_source is sampled
+    assert inputs.sample_request_ids == ["r"]
+
+
+def test_cuda_graph_buckets() -> None:
+    sizes = capture_sizes(40)
+    assert sizes == [1, 2, 4, 8, 16, 32, 40]
+    assert padded_batch_size(sizes, 1) == 1
+    assert padded_batch_size(sizes, 3) == 4
+    assert padded_batch_size(sizes, 17) == 32
+    assert padded_batch_size(sizes, 40) == 40
+    assert padded_batch_size(sizes, 41) is None
+    assert capture_sizes(1) == [1]
