@@ -64,22 +64,27 @@ def main() -> None:
     timers: dict[str, Timer] = {
         "schedule": Timer(engine.scheduler.schedule),
         "update": Timer(engine.scheduler.update),
-        "execute": Timer(runner.execute),
+        "forward": Timer(runner.launch_forward),
         "build_inputs": Timer(model_runner.build_step_inputs),
         "sampling_meta": Timer(model_runner.SamplingMetadata.build),
         "sampler": Timer(runner.sampler),
         "collect": Timer(runner.collect),
-        "publish": Timer(engine.step_loop._publish),
+        "publish": Timer(engine.core.publish),
     }
     if runner.decode_graphs is not None:
         timers["replay"] = Timer(runner.decode_graphs.run)
     marks: dict[str, list[float]] = {"execute_start": [], "execute_end": [], "update_start": []}
-    execute = timers["execute"]
+    # A step runs from its forward stage to the end of its collect stage.
+    forward = timers["forward"]
+    collect = timers["collect"]
 
-    def marked_execute(*a: Any) -> Any:
+    def marked_forward(*a: Any) -> Any:
         marks["execute_start"].append(time.perf_counter())
+        return forward(*a)
+
+    def marked_collect(*a: Any) -> Any:
         try:
-            return execute(*a)
+            return collect(*a)
         finally:
             marks["execute_end"].append(time.perf_counter())
 
@@ -100,13 +105,13 @@ def main() -> None:
 
     engine.scheduler.schedule = marked_schedule  # type: ignore[method-assign]
     engine.scheduler.update = marked_update  # type: ignore[method-assign]
-    runner.execute = marked_execute  # type: ignore[method-assign]
+    runner.launch_forward = marked_forward  # type: ignore[method-assign]
     model_runner.build_step_inputs = timers["build_inputs"]  # type: ignore[attr-defined]
     meta_build = model_runner.SamplingMetadata.build
     model_runner.SamplingMetadata.build = timers["sampling_meta"]  # type: ignore[method-assign]
     runner.sampler = timers["sampler"]  # type: ignore[assignment]
-    runner.collect = timers["collect"]  # type: ignore[method-assign]
-    engine.step_loop._publish = timers["publish"]  # type: ignore[method-assign]
+    runner.collect = marked_collect  # type: ignore[method-assign]
+    engine.core.publish = timers["publish"]  # type: ignore[method-assign]
     if runner.decode_graphs is not None:
         runner.decode_graphs.run = timers["replay"]  # type: ignore[method-assign]
     try:

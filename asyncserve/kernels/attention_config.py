@@ -1,0 +1,68 @@
+"""Launch shapes of the unified paged attention kernel (kernels/attention.py): tile sizes
+and the split-KV factor, chosen from the step's shapes alone (no device read)."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+
+# A batch counts as decode-heavy (and may split its keys) when no sequence has more query
+# tokens than this in the step (plain decodes, or a few speculative tokens).
+_SPLIT_MAX_SEQLEN_Q = 8
+_MAX_SPLITS = 32
+# Fewest key tiles each split should get; below that the merge costs more than it saves.
+_MIN_TILES_PER_SPLIT = 4
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Tile shapes and launch parameters of one launch."""
+
+    block_m: int  # rows of a program's tile: block_q query tokens x GROUP heads (power of 2)
+    tile_n: int  # keys per iteration (power of 2, >= 16)
+    num_warps: int
+    num_stages: int
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # interpreter runs on CPU: assume an H100-sized chip
+
+
+def default_config(group: int, max_seqlen_q: int) -> AttentionConfig:
+    """Tiles for decode-like launches (16 rows) or prefill-carrying ones (64 rows).
+
+    Chosen on an H100 (benchmarks/bench_kernels.py --sweep, benchmarks/kernels_h100.md):
+    for decodes, tile, warps and stages move the time by under 2% (128-key tiles gain 8% on
+    one 32k sequence but need twice the shared memory); for prefill, 64 rows beat 128.
+    """
+    min_rows = 16 if max_seqlen_q <= _SPLIT_MAX_SEQLEN_Q else 64
+    block_m = max(min_rows, triton.next_power_of_2(group))
+    return AttentionConfig(block_m=block_m, tile_n=64, num_warps=4, num_stages=2)
+
+
+def choose_num_splits(
+    num_seqs: int,
+    num_kv_heads: int,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    config: AttentionConfig,
+    num_sms: int,
+) -> int:
+    """Split-KV factor: >1 only for decode-heavy batches that leave the chip under-filled."""
+    if max_seqlen_q > _SPLIT_MAX_SEQLEN_Q:
+        return 1
+    programs = num_seqs * num_kv_heads
+    target = 2 * num_sms  # about two programs per SM keeps the loads in flight
+    if programs >= target:
+        return 1
+    max_by_length = triton.cdiv(max_seqlen_k, config.tile_n) // _MIN_TILES_PER_SPLIT
+    splits = min(triton.cdiv(target, programs), max_by_length, _MAX_SPLITS)
+    if splits < 2:
+        return 1
+    return triton.next_power_of_2(splits)
