@@ -323,7 +323,7 @@ def sampling_params_from_args(args: argparse.Namespace, generation_config: dict[
 
     fields: dict[str, Any] = {}
     for key in MODEL_SAMPLING_DEFAULTS:
-        value = getattr(args, key)
+        value = getattr(args, key, None)
         if value is None:
             value = generation_config.get(key)
         if value is not None:
