@@ -349,5 +349,11 @@ class HealthResponse(msgspec.Struct):
     kv_cache_usage: float
 
 
+class LoadResponse(msgspec.Struct):
+    """GET /load (vLLM): generation requests in flight (with --enable-server-load-tracking)."""
+
+    server_load: int
+
+
 class VersionResponse(msgspec.Struct):
     version: str

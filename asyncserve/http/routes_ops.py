@@ -15,7 +15,12 @@ from asyncserve import __version__
 from asyncserve.http.beam import beam_params, run_beam_search
 from asyncserve.http.errors import APIError
 from asyncserve.http.openapi import openapi_schema
-from asyncserve.http.protocol import GenerateRequest, GenerateResponse, HealthResponse
+from asyncserve.http.protocol import (
+    GenerateRequest,
+    GenerateResponse,
+    HealthResponse,
+    LoadResponse,
+)
 from asyncserve.http.sampling import generate_params
 from asyncserve.http.serving import PromptInput, ServerState, engine_error
 from asyncserve.http.sse import EventStreamResponse, cancel_on_disconnect, closing, ndjson_line
@@ -117,7 +122,7 @@ def routes(state: ServerState) -> list[Route]:
 
     async def load(request: Request) -> Response:
         # vLLM's shape; counted only with --enable-server-load-tracking (else always 0).
-        return _json({"server_load": state.server_load})
+        return _json(LoadResponse(server_load=state.server_load))
 
     async def version(request: Request) -> Response:
         return _json({"version": __version__})

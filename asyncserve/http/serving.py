@@ -155,13 +155,13 @@ class ServerState:
             return False, False
         return True, options.continuous_usage_stats
 
+    def vocab_size(self) -> int:
+        return int(getattr(self.engine.tokenizer, "vocab_size", 0) or 0) or 2**31 - 1
+
     def max_logprobs(self) -> int:
         """--max-logprobs, with -1 (and anything larger) meaning the vocabulary size."""
-        vocab = int(getattr(self.engine.tokenizer, "vocab_size", 0) or 0)
         limit = self.config.max_logprobs
-        if vocab and (limit == -1 or limit > vocab):
-            return vocab
-        return limit if limit != -1 else 2**31 - 1
+        return self.vocab_size() if limit == -1 else min(limit, self.vocab_size())
 
     def resolve_logprobs(self, value: int | None, param: str, kind: str = "sample") -> int | None:
         """A logprobs count as the engine takes it: -1 is the vocabulary-wide maximum; over
@@ -170,16 +170,16 @@ class ServerState:
             return None
         if value < -1:
             raise APIError(
-                f"`{param}` must be a positive value or -1 (greater_than_equal: -1), got {value}",
+                f"`{param}` must be a positive value or -1, got {value} [type=greater_than_equal]",
                 400,
                 param,
             )
         limit = self.max_logprobs()
-        count = limit if value == -1 else value
+        count = self.vocab_size() if value == -1 else value
         if count > limit:
             raise APIError(
                 f"Requested {kind} logprobs of {count}, which is greater than max allowed: "
-                f"{limit} (less_than_equal: --max-logprobs {self.config.max_logprobs})",
+                f"{limit} (--max-logprobs {self.config.max_logprobs}) [type=less_than_equal]",
                 400,
                 param,
             )
