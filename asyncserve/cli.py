@@ -9,30 +9,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import re
 import sys
 from typing import Any
 
+# Re-exported: asyncserve.cli is where the serve flags have always been imported from.
+from asyncserve.cli_server import DEFAULT_SERVED_NAME as DEFAULT_SERVED_NAME
+from asyncserve.cli_server import (
+    add_server_arguments,
+    expand_config_file,
+    parse_bytes,
+    server_config_from_args,
+)
+from asyncserve.cli_server import served_names as served_names
 from asyncserve.config import (
     EngineConfig,
     Environment,
-    ServerConfig,
 )
-
-DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(I?B?)\s*$", re.IGNORECASE)
-
-
-def parse_bytes(text: str) -> int:
-    """`1073741824`, `512M`, `2GiB`, `1.5G` -> bytes (K/M/G/T are powers of 1024)."""
-    match = _SIZE.match(text)
-    if match is None:
-        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 536870912, 512M, 2GiB)")
-    number, unit = float(match.group(1)), match.group(2).upper()
-    value = int(number * 1024 ** "_KMGT".index(unit or "_"))
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"byte size must be positive, got {text!r}")
-    return value
 
 
 def _positive_int(text: str) -> int:
@@ -137,68 +129,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_server_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("server")
-    group.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    group.add_argument("--port", type=int, default=8000, help="port to listen on")
-    group.add_argument(
-        "--served-model-name",
-        nargs="+",
-        default=None,
-        help="names the model answers to in `model` (several aliases allowed; the first is "
-        "reported); default: the model's name",
-    )
-    group.add_argument(
-        "--api-key",
-        default=None,
-        help="require `Authorization: Bearer <key>` on every route but /health and /metrics "
-        "(default: $ASYNCSERVE_API_KEY)",
-    )
-    group.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM)")
-    group.add_argument("--ssl-certfile", default=None, help="TLS certificate chain (PEM)")
-    group.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=30.0,
-        help="seconds running requests get to finish after SIGTERM before they are aborted",
-    )
-    group.add_argument(
-        "--max-waiting-requests",
-        type=int,
-        default=None,
-        help="answer 503 with Retry-After while this many requests wait to be scheduled",
-    )
-    group.add_argument(
-        "--max-request-body-bytes",
-        type=parse_bytes,
-        default=16 * 1024 * 1024,
-        help="larger request bodies get 413",
-    )
-    group.add_argument(
-        "--enable-log-requests", action="store_true", help="log every request's prompt and params"
-    )
-    group.add_argument(
-        "--max-log-len",
-        type=int,
-        default=None,
-        help="prompt characters (or token ids) written per logged request (default: all)",
-    )
-    group.add_argument(
-        "--disable-uvicorn-access-log", action="store_true", help="no access log at all"
-    )
-    group.add_argument(
-        "--disable-access-log-for-endpoints",
-        default="",
-        help="comma-separated paths left out of the access log, e.g. /health,/metrics",
-    )
-    group.add_argument(
-        "--uvicorn-log-level",
-        default=None,
-        choices=["critical", "error", "warning", "info", "debug", "trace"],
-        help="server log level (default: $ASYNCSERVE_LOG_LEVEL, else info)",
-    )
-
-
 def engine_config_from_args(args: argparse.Namespace, env: Environment) -> EngineConfig:
     return EngineConfig.from_engine_args(
         args.model or env.default_model,
@@ -219,40 +149,6 @@ def engine_config_from_args(args: argparse.Namespace, env: Environment) -> Engin
         async_scheduling=args.async_scheduling,
         enforce_eager=args.enforce_eager,
         stream_interval=args.stream_interval,
-    )
-
-
-def served_names(args: argparse.Namespace, env: Environment) -> tuple[str, ...]:
-    """--served-model-name; else the --model string as given (as vLLM serves it) and, when
-    shorter, its file or directory name as an alias; else the default model's name."""
-    if args.served_model_name:
-        return tuple(args.served_model_name)
-    from asyncserve.http.app import default_model_name
-
-    model = args.model or env.default_model
-    if not model:
-        return (DEFAULT_SERVED_NAME,)
-    short = default_model_name(model.rstrip("/"))
-    return (model,) if short == model else (model, short)
-
-
-def server_config_from_args(args: argparse.Namespace, env: Environment) -> ServerConfig:
-    endpoints = tuple(p.strip() for p in args.disable_access_log_for_endpoints.split(",") if p)
-    return ServerConfig(
-        host=args.host,
-        port=args.port,
-        served_model_names=served_names(args, env),
-        api_key=args.api_key or env.api_key,
-        ssl_keyfile=args.ssl_keyfile,
-        ssl_certfile=args.ssl_certfile,
-        shutdown_timeout=args.shutdown_timeout,
-        max_log_len=args.max_log_len,
-        enable_log_requests=args.enable_log_requests,
-        disable_access_log=args.disable_uvicorn_access_log,
-        disable_access_log_for_endpoints=endpoints,
-        max_waiting_requests=args.max_waiting_requests,
-        max_request_body_bytes=args.max_request_body_bytes,
-        log_level=(args.uvicorn_log_level or env.log_level).lower(),
     )
 
 
@@ -402,8 +298,15 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=formatter,
     )
     serve.add_argument("model_tag", nargs="?", default=None, help="the model (same as --model)")
+    serve.add_argument(
+        "--config",
+        default=None,
+        help="a YAML file of flags (keys: flag names without the dashes); flags on the "
+        "command line override it",
+    )
     add_engine_arguments(serve)
     add_server_arguments(serve)
+    parser.set_defaults(serve_parser=serve)
     serve.set_defaults(handler=run_serve)
     generate = commands.add_parser(
         "generate",
@@ -425,6 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "serve":
+        argv = expand_config_file(argv, parser.get_default("serve_parser"))
     args = parser.parse_args(argv)
     if getattr(args, "model_tag", None) is not None:
         if args.model is not None and args.model != args.model_tag:

@@ -183,6 +183,30 @@ class ServerConfig:
     max_waiting_requests: int | None = None
     max_request_body_bytes: int = 16 * 1024 * 1024
     log_level: str = "info"
+    # Behind a path-prefix proxy: the prefix the proxy strips (ASGI root_path), e.g. "/llm".
+    root_path: str = ""
+    # CORS, as vLLM configures it (every origin, method and header by default).
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    # Echo X-Request-Id (the client's, else a fresh one) on every response.
+    enable_request_id_headers: bool = False
+    # A usage chunk (and per-chunk usage) on every stream, whatever stream_options say.
+    enable_force_include_usage: bool = False
+    # Timing metrics (`metrics`) in single-sequence responses.
+    enable_per_request_metrics: bool = False
+    # Count in-flight generation requests for /load.
+    enable_server_load_tracking: bool = False
+    # Tokens in logprobs as "token_id:<id>" unless the request says otherwise.
+    return_tokens_as_token_ids: bool = False
+    # Most logprobs (and prompt_logprobs) a request may ask for; -1: the vocabulary size.
+    max_logprobs: int = 20
+    # A chat template (its text) used instead of the tokenizer's; None: the tokenizer's.
+    chat_template: str | None = None
+    # Sampling defaults: "auto" (the model's generation_config.json), "vllm" (none: the
+    # OpenAI defaults), or a folder holding a generation_config.json.
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -197,3 +221,9 @@ class ServerConfig:
             )
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
             raise ValueError("ssl_keyfile and ssl_certfile must be given together")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be >= -1, got {self.max_logprobs}")
+        if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
+            raise ValueError(
+                f"root_path must start with '/' and not end with one, got {self.root_path!r}"
+            )

@@ -44,7 +44,10 @@ class LLM:
         scheduling_policy: str = "fcfs",
         async_scheduling: bool | None = None,
         enforce_eager: bool = False,
+        max_logprobs: int = 20,
     ) -> None:
+        # Most logprobs (and prompt_logprobs) a SamplingParams may ask for, as in vLLM.
+        self.max_logprobs = max_logprobs
         config = EngineConfig.from_engine_args(
             model,
             tokenizer=tokenizer,
@@ -99,6 +102,13 @@ class LLM:
                     f"sampling_params: got {len(params_list)} for {len(prompt_list)} prompts"
                 )
         for params in params_list:
+            for name in ("logprobs", "prompt_logprobs"):
+                value = getattr(params, name)
+                if value is not None and value > self.max_logprobs:
+                    raise ValueError(
+                        f"{name}: requested {value}, which is greater than max allowed: "
+                        f"{self.max_logprobs} (LLM(max_logprobs=...))"
+                    )
             if params.structured_outputs is not None:
                 # A bad schema, regex or grammar is the caller's error: raise before any work.
                 self.engine.structured.validate(params.structured_outputs)

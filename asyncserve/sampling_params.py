@@ -149,10 +149,11 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
+                # The upper bound is the server's (--max-logprobs) or LLM's (max_logprobs).
                 _check(
-                    isinstance(value, int) and 0 <= value <= 20,
+                    isinstance(value, int) and value >= 0,
                     name,
-                    f"must be an integer in [0, 20], got {value}",
+                    f"must be a non-negative integer, got {value}",
                 )
         _check(
             -2.0 <= self.presence_penalty <= 2.0,

@@ -113,7 +113,7 @@ def test_too_long_prompt_fails_alone(llm: LLM) -> None:
         ({"top_k": -5}, "top_k"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"n": 0}, "n"),
-        ({"logprobs": 50}, "logprobs"),
+        ({"logprobs": -2}, "logprobs"),
         ({"min_p": 2.0}, "min_p"),
         ({"presence_penalty": 3.0}, "presence_penalty"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
@@ -124,6 +124,12 @@ def test_too_long_prompt_fails_alone(llm: LLM) -> None:
 def test_invalid_sampling_params_name_the_field(kwargs: dict, field: str) -> None:  # type: ignore[type-arg]
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_logprobs_over_max_logprobs(llm: LLM) -> None:
+    # The bound is LLM's max_logprobs (20 by default, as in vLLM), not SamplingParams'.
+    with pytest.raises(ValueError, match="logprobs.*max allowed: 20"):
+        llm.generate("Hi", SamplingParams(logprobs=50, max_tokens=1), use_tqdm=False)
 
 
 def test_abort_frees_blocks(llm: LLM) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -20,14 +21,21 @@ from asyncserve.config import ServerConfig
 from asyncserve.http import routes_openai, routes_ops
 from asyncserve.http.engine_client import EngineClient
 from asyncserve.http.errors import APIError, error_response
+from asyncserve.http.middleware import (
+    RequestIdMiddleware,
+    RootPathMiddleware,
+    ServerLoadMiddleware,
+    route_path,
+)
+from asyncserve.http.sampling import resolve_generation_config
 from asyncserve.http.serving import ServerState
 from asyncserve.http.sse import ClientDisconnected
 from asyncserve.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
 
-# Reachable without an API key: probes and scrapers.
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+# Reachable without an API key: probes, scrapers and load-aware routers.
+OPEN_PATHS = frozenset({"/health", "/metrics", "/load"})
 
 
 def default_model_name(model_path: str) -> str:
@@ -44,7 +52,7 @@ class APIKeyMiddleware:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or route_path(scope) in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         given = b""
@@ -110,7 +118,13 @@ def build_app(
     config = config or ServerConfig()
     names = config.served_model_names or (default_model_name(engine.model_path),)
     state = ServerState(
-        engine=engine, config=config, model_names=names, metrics=metrics or EngineMetrics(names[0])
+        engine=engine,
+        config=config,
+        model_names=names,
+        metrics=metrics or EngineMetrics(names[0]),
+        generation_config=resolve_generation_config(
+            config.generation_config, engine.generation_config
+        ),
     )
 
     @asynccontextmanager
@@ -134,7 +148,21 @@ def build_app(
         },
         lifespan=lifespan,
     )
+    # Added innermost first: root path, request id, CORS, API key, load count, routes.
+    if config.enable_server_load_tracking:
+        app.add_middleware(ServerLoadMiddleware, state=state)
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=list(config.allowed_origins),
+        allow_methods=list(config.allowed_methods),
+        allow_headers=list(config.allowed_headers),
+        allow_credentials=config.allow_credentials,
+    )
+    if config.enable_request_id_headers:
+        app.add_middleware(RequestIdMiddleware)
+    if config.root_path:
+        app.add_middleware(RootPathMiddleware, root_path=config.root_path)
     app.state.asyncserve = state
     return app

@@ -22,9 +22,10 @@ from asyncserve.http.protocol import (
     ChatResponseMessage,
     ChatStreamChoice,
     DeltaMessage,
+    PerRequestMetrics,
     UsageInfo,
 )
-from asyncserve.http.sampling import chat_params
+from asyncserve.http.sampling import chat_params, check_stream_fields
 from asyncserve.http.serving import PromptInput, ServerState, engine_error, usage
 from asyncserve.http.sse import (
     DONE,
@@ -50,13 +51,18 @@ def _check_unsupported(body: ChatCompletionRequest) -> None:
 
 class _Job:
     def __init__(
-        self, state: ServerState, body: ChatCompletionRequest, prompt: PromptInput, model: str
+        self,
+        state: ServerState,
+        body: ChatCompletionRequest,
+        prompt: PromptInput,
+        model: str,
+        request: Request,
     ) -> None:
         self.state = state
         self.body = body
         self.prompt = prompt
         self.model = model
-        self.id = f"chatcmpl-{body.request_id or state.new_request_id()}"
+        self.id = f"chatcmpl-{state.base_request_id(request, body.request_id)}"
         self.created = int(time.time())
         self.engine_id = state.new_request_id()
         self.token_text = state.token_text_for(body.return_tokens_as_token_ids)
@@ -73,7 +79,13 @@ class _Job:
         entries = comp.logprobs or [None] * len(comp.token_ids)  # type: ignore[list-item]
         return chat_logprobs(comp.token_ids, entries, self.token_text, self.body.top_logprobs or 0)
 
-    def chunk(self, choices: list[ChatStreamChoice], usage_info: UsageInfo | None = None) -> bytes:
+    def chunk(
+        self,
+        choices: list[ChatStreamChoice],
+        usage_info: UsageInfo | None = None,
+        prompt_token_ids: list[int] | None = None,
+        metrics: PerRequestMetrics | None = None,
+    ) -> bytes:
         return sse_event(
             ChatCompletionStreamResponse(
                 id=self.id,
@@ -82,6 +94,8 @@ class _Job:
                 model=self.model,
                 choices=choices,
                 usage=usage_info,
+                prompt_token_ids=prompt_token_ids,
+                metrics=metrics,
             )
         )
 
@@ -90,14 +104,17 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     body = await state.read_json(request, ChatCompletionRequest)
     model = state.response_model(body.model)
     _check_unsupported(body)
-    params = chat_params(body, state.engine.generation_config)
-    text = render_chat_prompt(state.engine.tokenizer, body)
+    check_stream_fields(body)
+    body.top_logprobs = state.resolve_logprobs(body.top_logprobs, "top_logprobs")
+    body.prompt_logprobs = state.resolve_logprobs(body.prompt_logprobs, "prompt_logprobs", "prompt")
+    params = chat_params(body, state.generation_config)
+    text = render_chat_prompt(state.engine.tokenizer, body, state.config.chat_template)
     prompt = state.truncate(state.tokenize(text, body.add_special_tokens), params)
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     constraint = "response_format" if body.response_format is not None else "structured_outputs"
     state.validate(prompt, params, "messages", max_tokens_param, constraint)
     state.check_ready(body.priority)
-    job = _Job(state, body, prompt, model)
+    job = _Job(state, body, prompt, model, request)
     if body.stream:
         return EventStreamResponse(_stream(job, params))
     final = await cancel_on_disconnect(_final(job.stream(params)), request.receive)
@@ -110,6 +127,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
             logprobs=job.logprobs(comp),
             finish_reason=comp.finish_reason,
             stop_reason=comp.stop_reason,
+            token_ids=list(comp.token_ids) if body.return_token_ids else None,
         )
         for comp in sorted(final.outputs, key=lambda c: c.index)
     ]
@@ -124,6 +142,8 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
         prompt_logprobs=prompt_logprobs(final.prompt_logprobs)
         if job.body.prompt_logprobs is not None
         else None,
+        prompt_token_ids=prompt.token_ids if body.return_token_ids else None,
+        metrics=state.request_metrics(final, completion_tokens, body.n == 1),
     )
     return Response(msgspec.json.encode(response), media_type="application/json")
 
@@ -139,17 +159,22 @@ async def _final(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
 
 
 async def _stream(job: _Job, params: SamplingParams) -> AsyncIterator[bytes]:
-    options = job.body.stream_options
-    include_usage = options is not None and options.include_usage
-    continuous = options is not None and options.continuous_usage_stats
-    completion_tokens = 0
+    include_usage, continuous = job.state.usage_flags(job.body.stream_options)
+    return_ids = bool(job.body.return_token_ids)
+    prompt_tokens = len(job.prompt.token_ids)
+    tokens: dict[int, int] = {}  # completion tokens so far, per choice
+    finished: set[int] = set()  # choices whose finish_reason went out: nothing more for them
     last: RequestOutput | None = None
     wants_logprobs = job.body.logprobs
     try:
         # The role comes first, one chunk per choice, before any token is generated.
         for index in range(job.body.n):
             role = DeltaMessage(role="assistant", content="")
-            yield job.chunk([ChatStreamChoice(index=index, delta=role)])
+            yield job.chunk(
+                [ChatStreamChoice(index=index, delta=role)],
+                _running(prompt_tokens, 0) if continuous else None,
+                job.prompt.token_ids if return_ids else None,
+            )
         failed = False
         async with closing(job.stream(params)) as outputs:
             async for out in outputs:
@@ -159,13 +184,17 @@ async def _stream(job: _Job, params: SamplingParams) -> AsyncIterator[bytes]:
                     failed = True
                     break
                 for comp in out.outputs:
-                    completion_tokens += len(comp.token_ids)
+                    if comp.index in finished:
+                        continue
+                    tokens[comp.index] = tokens.get(comp.index, 0) + len(comp.token_ids)
                     if (
                         not comp.text
                         and comp.finish_reason is None
-                        and not (comp.token_ids and wants_logprobs)
+                        and not (comp.token_ids and (wants_logprobs or return_ids))
                     ):
                         continue
+                    if comp.finish_reason is not None:
+                        finished.add(comp.index)
                     choice = ChatStreamChoice(
                         index=comp.index,
                         delta=DeltaMessage(content=comp.text) if comp.text else DeltaMessage(),
@@ -173,14 +202,27 @@ async def _stream(job: _Job, params: SamplingParams) -> AsyncIterator[bytes]:
                         finish_reason=comp.finish_reason,
                         stop_reason=comp.stop_reason,
                     )
-                    running = None
-                    if continuous:
-                        running = usage([out], [job.prompt], completion_tokens)
+                    if return_ids:
+                        choice.token_ids = list(comp.token_ids)
+                    running = _running(prompt_tokens, tokens[comp.index]) if continuous else None
                     yield job.chunk([choice], running)
         if include_usage and not failed:
+            completion_tokens = sum(tokens.values())
             outputs_seen = [last] if last is not None else []
-            yield job.chunk([], usage(outputs_seen, [job.prompt], completion_tokens))
+            metrics = job.state.request_metrics(last, completion_tokens, job.body.n == 1)
+            yield job.chunk(
+                [], usage(outputs_seen, [job.prompt], completion_tokens), metrics=metrics
+            )
     except Exception as exc:  # never a broken stream without a word: an error event, then DONE
         logger.exception("chat stream %s failed", job.id)
         yield sse_event(APIError(f"{type(exc).__name__}: {exc}", 500).to_body())
     yield DONE
+
+
+def _running(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    """vLLM's per-chunk usage: the prompt and this choice's tokens so far."""
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )

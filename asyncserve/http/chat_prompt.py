@@ -82,8 +82,11 @@ def _add_generation_prompt(body: ChatCompletionRequest) -> bool:
     return True if body.add_generation_prompt is None else body.add_generation_prompt
 
 
-def render_chat_prompt(tokenizer: Any, body: ChatCompletionRequest) -> str:
-    """The prompt text for a chat request (raises APIError naming the field on bad input)."""
+def render_chat_prompt(
+    tokenizer: Any, body: ChatCompletionRequest, chat_template: str | None = None
+) -> str:
+    """The prompt text for a chat request (raises APIError naming the field on bad input);
+    `chat_template`: the server's --chat-template, used instead of the tokenizer's."""
     messages = messages_to_dicts(body.messages)
     add_generation_prompt = _add_generation_prompt(body)
     kwargs = dict(body.chat_template_kwargs or {})
@@ -92,6 +95,8 @@ def render_chat_prompt(tokenizer: Any, body: ChatCompletionRequest) -> str:
             raise APIError(
                 f"chat_template_kwargs must not set {reserved!r}", 400, "chat_template_kwargs"
             )
+    if chat_template is not None:
+        kwargs["chat_template"] = chat_template
     try:
         text = tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, tools=body.tools, **kwargs

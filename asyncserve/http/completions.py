@@ -14,15 +14,16 @@ from asyncserve.http.beam import beam_completion
 from asyncserve.http.errors import APIError
 from asyncserve.http.logprobs import completion_logprobs, prompt_logprobs
 from asyncserve.http.protocol import (
-    CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     CompletionResponseChoice,
+    CompletionStreamChoice,
     CompletionStreamResponse,
+    PerRequestMetrics,
     UsageInfo,
 )
-from asyncserve.http.sampling import completion_params
+from asyncserve.http.sampling import check_stream_fields, completion_params
 from asyncserve.http.serving import (
     PromptInput,
     ServerState,
@@ -49,12 +50,16 @@ class _Job:
     """One completions request after validation: its prompts, params and engine ids."""
 
     def __init__(
-        self, state: ServerState, body: CompletionRequest, prompts: list[PromptInput]
+        self,
+        state: ServerState,
+        body: CompletionRequest,
+        prompts: list[PromptInput],
+        request: Request,
     ) -> None:
         self.state = state
         self.body = body
         self.prompts = prompts
-        self.id = f"cmpl-{body.request_id or state.new_request_id()}"
+        self.id = f"cmpl-{state.base_request_id(request, body.request_id)}"
         self.created = int(time.time())
         self.engine_ids = [state.new_request_id() for _ in prompts]
         self.token_text = state.token_text_for(body.return_tokens_as_token_ids)
@@ -69,16 +74,30 @@ class _Job:
         ]
 
     def chunk(
-        self, model: str, choices: list[CompletionChoice], usage_info: UsageInfo | None
-    ) -> CompletionStreamResponse:
-        return CompletionStreamResponse(
-            id=self.id,
-            object="text_completion",
-            created=self.created,
-            model=model,
-            choices=choices,
-            usage=usage_info,
+        self,
+        model: str,
+        choices: list[CompletionStreamChoice],
+        usage_info: UsageInfo | None,
+        metrics: PerRequestMetrics | None = None,
+    ) -> bytes:
+        return sse_event(
+            CompletionStreamResponse(
+                id=self.id,
+                object="text_completion",
+                created=self.created,
+                model=model,
+                choices=choices,
+                usage=usage_info,
+                metrics=metrics,
+            )
         )
+
+    def echo_prefix(self, prompt_index: int) -> str:
+        """The prompt text an echoed choice starts with; none with return_token_ids, where
+        the prompt comes back as prompt_token_ids instead (as vLLM does)."""
+        if not self.body.echo or self.body.return_token_ids:
+            return ""
+        return self.state.prompt_text(self.prompts[prompt_index])
 
     def logprobs(
         self, prompt_index: int, out: RequestOutput, comp: CompletionOutput, offset: int, echo: bool
@@ -109,7 +128,10 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     model = state.response_model(body.model)
     if body.suffix:
         raise APIError("suffix is not supported", 400, "suffix")
-    params = completion_params(body, state.engine.generation_config)
+    check_stream_fields(body)
+    body.logprobs = state.resolve_logprobs(body.logprobs, "logprobs")
+    body.prompt_logprobs = state.resolve_logprobs(body.prompt_logprobs, "prompt_logprobs", "prompt")
+    params = completion_params(body, state.generation_config)
     raw_prompts = parse_prompts(body.prompt)
     if len(raw_prompts) * body.n > MAX_CHOICES:
         raise APIError(
@@ -125,7 +147,7 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     state.check_ready(body.priority)
     if body.use_beam_search:
         return await beam_completion(state, body, prompts, model, request)
-    job = _Job(state, body, prompts)
+    job = _Job(state, body, prompts, request)
     if body.stream:
         return EventStreamResponse(_stream(job, params, model))
     return await _complete(job, params, model, request)
@@ -141,12 +163,13 @@ async def _complete(job: _Job, params: SamplingParams, model: str, request: Requ
 
     finals = await cancel_on_disconnect(collect(), request.receive)
     body = job.body
+    token_ids = bool(body.return_token_ids)
     choices: list[CompletionResponseChoice] = []
     completion_tokens = 0
     for i, out in enumerate(finals):
         if out.error is not None and not out.internal_error:
             raise engine_error(out, job.state.engine)
-        prefix = job.state.prompt_text(job.prompts[i]) if body.echo else ""
+        prefix = job.echo_prefix(i)
         for comp in sorted(out.outputs, key=lambda c: c.index):
             completion_tokens += len(comp.token_ids)
             choices.append(
@@ -159,8 +182,11 @@ async def _complete(job: _Job, params: SamplingParams, model: str, request: Requ
                     prompt_logprobs=prompt_logprobs(out.prompt_logprobs)
                     if body.prompt_logprobs is not None
                     else None,
+                    token_ids=list(comp.token_ids) if token_ids else None,
+                    prompt_token_ids=job.prompts[i].token_ids if token_ids else None,
                 )
             )
+    single = len(finals) == 1 and body.n == 1
     response = CompletionResponse(
         id=job.id,
         object="text_completion",
@@ -168,6 +194,7 @@ async def _complete(job: _Job, params: SamplingParams, model: str, request: Requ
         model=model,
         choices=choices,
         usage=usage(finals, job.prompts, completion_tokens),
+        metrics=job.state.request_metrics(finals[0] if finals else None, completion_tokens, single),
     )
     return _json(response)
 
@@ -175,11 +202,13 @@ async def _complete(job: _Job, params: SamplingParams, model: str, request: Requ
 async def _stream(job: _Job, params: SamplingParams, model: str) -> AsyncIterator[bytes]:
     body = job.body
     n = body.n
-    include_usage = body.stream_options is not None and body.stream_options.include_usage
-    continuous = body.stream_options is not None and body.stream_options.continuous_usage_stats
+    include_usage, continuous = job.state.usage_flags(body.stream_options)
+    return_ids = bool(body.return_token_ids)
     echoed: set[int] = set()
+    ids_sent: set[int] = set()  # choices whose prompt_token_ids went out (their first chunk)
+    finished: set[int] = set()  # choices whose finish_reason went out: nothing more for them
     text_len: dict[int, int] = {}
-    completion_tokens = 0
+    tokens: dict[int, int] = {}  # completion tokens so far, per choice
     last: dict[int, RequestOutput] = {}
     wants_logprobs = body.logprobs is not None
     try:
@@ -193,35 +222,52 @@ async def _stream(job: _Job, params: SamplingParams, model: str) -> AsyncIterato
                     break
                 for comp in out.outputs:
                     index = i * n + comp.index
-                    completion_tokens += len(comp.token_ids)
+                    if index in finished:
+                        continue
+                    tokens[index] = tokens.get(index, 0) + len(comp.token_ids)
                     echo = body.echo and index not in echoed
                     text = comp.text
                     if echo:
                         echoed.add(index)
-                        text = job.state.prompt_text(job.prompts[i]) + text
+                        text = job.echo_prefix(i) + text
                     offset = text_len.get(index, 0)
                     text_len[index] = offset + len(text)
                     logprobs = job.logprobs(i, out, comp, offset, echo)
                     if (
                         not text
                         and comp.finish_reason is None
-                        and not (comp.token_ids and wants_logprobs)
+                        and not (comp.token_ids and (wants_logprobs or return_ids))
                     ):
                         continue
-                    running_usage = None
-                    if continuous:
-                        running_usage = usage(list(last.values()), job.prompts, completion_tokens)
-                    choice = CompletionChoice(
+                    if comp.finish_reason is not None:
+                        finished.add(index)
+                    choice = CompletionStreamChoice(
                         index=index,
                         text=text,
                         logprobs=logprobs,
                         finish_reason=comp.finish_reason,
                         stop_reason=comp.stop_reason,
                     )
-                    yield sse_event(job.chunk(model, [choice], running_usage))
+                    if return_ids:
+                        choice.token_ids = list(comp.token_ids)
+                        if index not in ids_sent:
+                            ids_sent.add(index)
+                            choice.prompt_token_ids = job.prompts[i].token_ids
+                    running = None
+                    if continuous:  # vLLM's: this prompt's tokens and this choice's so far
+                        prompt_tokens = len(job.prompts[i].token_ids)
+                        running = UsageInfo(
+                            prompt_tokens=prompt_tokens,
+                            completion_tokens=tokens[index],
+                            total_tokens=prompt_tokens + tokens[index],
+                        )
+                    yield job.chunk(model, [choice], running)
         if include_usage and not failed:
+            completion_tokens = sum(tokens.values())
             final_usage = usage(list(last.values()), job.prompts, completion_tokens)
-            yield sse_event(job.chunk(model, [], final_usage))
+            single = len(job.prompts) == 1 and n == 1
+            metrics = job.state.request_metrics(last.get(0), completion_tokens, single)
+            yield job.chunk(model, [], final_usage, metrics)
     except Exception as exc:  # never a broken stream without a word: an error event, then DONE
         logger.exception("completion stream %s failed", job.id)
         yield sse_event(APIError(f"{type(exc).__name__}: {exc}", 500).to_body())

@@ -114,7 +114,7 @@ def from_validation_error(exc: msgspec.ValidationError | msgspec.DecodeError) ->
             param,
         )
     where = f" (at `{param}`)" if param else ""
-    return APIError(f"{message}{where}", 400, param)
+    return APIError(f"{message}{where}{constraint_tag(message)}", 400, param)
 
 
 def from_value_error(
@@ -132,7 +132,41 @@ def from_value_error(
         param = first
     else:
         param = default_param
-    return APIError(message, 400, param)
+    return APIError(message + constraint_tag(message), 400, param)
+
+
+# msgspec's "Expected `int` >= 1", SamplingParams' "must be >= 0, got -1" and
+# "must be in (0, 1], got 2": the bound, and for ranges the value.
+_BOUND = re.compile(r"(>=|<=|>|<) ?-?\d")
+_RANGE = re.compile(
+    r"in (?P<lo_b>[\[(])(?P<lo>[-\d.e]+), (?P<hi>[-\d.e]+)(?P<hi_b>[\])]), got (?P<v>[-\d.e]+)"
+)
+_NAMES = {
+    ">=": "greater_than_equal",
+    "<=": "less_than_equal",
+    ">": "greater_than",
+    "<": "less_than",
+}
+
+
+def constraint_tag(message: str) -> str:
+    """Pydantic's name for the violated bound, as vLLM's 400s carry it (clients match on
+    "greater_than_equal" and the like): " [type=greater_than_equal]", or "" when none."""
+    found = _RANGE.search(message)
+    if found is not None:
+        try:
+            value, lo, hi = (float(found.group(k)) for k in ("v", "lo", "hi"))
+        except ValueError:
+            return ""
+        if value < lo or (value == lo and found.group("lo_b") == "("):
+            op = ">=" if found.group("lo_b") == "[" else ">"
+        elif value > hi or (value == hi and found.group("hi_b") == ")"):
+            op = "<=" if found.group("hi_b") == "]" else "<"
+        else:
+            return ""
+        return f" [type={_NAMES[op]}]"
+    bound = _BOUND.search(message)
+    return f" [type={_NAMES[bound.group(1)]}]" if bound is not None else ""
 
 
 # Field names that SamplingParams and the engine name in their ValueErrors.

@@ -6,6 +6,7 @@ from typing import Any
 
 import msgspec
 
+from asyncserve.http.chat_batch import BatchChatCompletionRequest
 from asyncserve.http.errors import ErrorResponse
 from asyncserve.http.protocol import (
     ChatCompletionRequest,
@@ -17,6 +18,7 @@ from asyncserve.http.protocol import (
     GenerateRequest,
     GenerateResponse,
     HealthResponse,
+    LoadResponse,
     ModelList,
     VersionResponse,
 )
@@ -49,7 +51,16 @@ _ENDPOINTS: list[tuple[str, str, str, Any, Any, Any]] = [
         GenerateResponse,
         GenerateResponse,
     ),
+    (
+        "/v1/chat/completions/batch",
+        "post",
+        "Several conversations (`messages`: a list of them), one choice each (vLLM)",
+        BatchChatCompletionRequest,
+        ChatCompletionResponse,
+        None,
+    ),
     ("/v1/models", "get", "The served model names", None, ModelList, None),
+    ("/load", "get", "Generation requests in flight (vLLM)", None, LoadResponse, None),
     ("/health", "get", "200 while the engine loop runs, 503 otherwise", None, HealthResponse, None),
     ("/version", "get", "Server version", None, VersionResponse, None),
 ]
@@ -89,9 +100,18 @@ def openapi_schema(version: str, auth: bool) -> dict[str, Any]:
         if req is not None:
             op["requestBody"] = {"required": True, "content": _json_content(req)}
             op["responses"].update(errors)
-        if auth and path != "/health":
+        if auth and path not in ("/health", "/load"):
             op["security"] = [{"bearer": []}]
         paths[path] = {method: op}
+    paths["/invocations"] = {
+        "post": {
+            "summary": "A chat completion body (`messages`) or a completion body (`prompt`), "
+            "answered as on its own route (vLLM, SageMaker)",
+            "responses": {"200": {"description": "OK"}, **errors},
+        }
+    }
+    if auth:
+        paths["/invocations"]["post"]["security"] = [{"bearer": []}]
     paths["/metrics"] = {
         "get": {
             "summary": "Prometheus metrics (asyncserve: prefix, vLLM names)",

@@ -84,8 +84,11 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     bad_words: list[str] | None = None
     truncate_prompt_tokens: Count | None = None
     prompt_logprobs: Count | None = None
-    # Tokens in logprobs as "token_id:<id>" (for tokens that are not valid UTF-8 alone).
-    return_tokens_as_token_ids: bool = False
+    # Tokens in logprobs as "token_id:<id>" (for tokens that are not valid UTF-8 alone);
+    # None: the server's --return-tokens-as-token-ids.
+    return_tokens_as_token_ids: bool | None = None
+    # vLLM: token_ids (and prompt_token_ids) alongside the text.
+    return_token_ids: bool | None = None
     # Beam search (vLLM): best_of (or n) beams, the best n returned.
     use_beam_search: bool = False
     length_penalty: float = 1.0
@@ -185,6 +188,29 @@ class CompletionChoice(msgspec.Struct):
     stop_reason: int | str | None = None
 
 
+class CompletionStreamChoice(msgspec.Struct):
+    """One choice in a streamed chunk; the token-id fields appear only when asked for (and
+    prompt_token_ids only on a choice's first chunk), as vLLM sends them."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
+
+
+class PerRequestMetrics(msgspec.Struct):
+    """vLLM's `metrics` (--enable-per-request-metrics): one sequence's timings."""
+
+    time_to_first_token_ms: float | None = None
+    generation_time_ms: float | None = None
+    queue_time_ms: float | None = None
+    mean_itl_ms: float | None = None
+    tokens_per_second: float | None = None
+
+
 class PromptLogprob(msgspec.Struct):
     """vLLM's shape of one candidate at one prompt position."""
 
@@ -199,6 +225,8 @@ PromptLogprobs = list[dict[int, PromptLogprob] | None]
 
 class CompletionResponseChoice(CompletionChoice):
     prompt_logprobs: PromptLogprobs | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class CompletionResponse(msgspec.Struct):
@@ -209,6 +237,7 @@ class CompletionResponse(msgspec.Struct):
     choices: list[CompletionResponseChoice]
     usage: UsageInfo | None
     system_fingerprint: str | None = None
+    metrics: PerRequestMetrics | None = None
 
 
 class CompletionStreamResponse(msgspec.Struct, omit_defaults=True):
@@ -216,8 +245,9 @@ class CompletionStreamResponse(msgspec.Struct, omit_defaults=True):
     object: str
     created: int
     model: str
-    choices: list[CompletionChoice]
+    choices: list[CompletionStreamChoice]
     usage: UsageInfo | None = None
+    metrics: PerRequestMetrics | None = None
 
 
 class TopLogprob(msgspec.Struct):
@@ -249,6 +279,7 @@ class ChatChoice(msgspec.Struct):
     logprobs: ChatLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionResponse(msgspec.Struct):
@@ -260,6 +291,8 @@ class ChatCompletionResponse(msgspec.Struct):
     usage: UsageInfo
     system_fingerprint: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
+    metrics: PerRequestMetrics | None = None
 
 
 class DeltaMessage(msgspec.Struct, omit_defaults=True):
@@ -273,6 +306,7 @@ class ChatStreamChoice(msgspec.Struct):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatCompletionStreamResponse(msgspec.Struct, omit_defaults=True):
@@ -282,6 +316,9 @@ class ChatCompletionStreamResponse(msgspec.Struct, omit_defaults=True):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    # With return_token_ids: on the role chunks that open the stream.
+    prompt_token_ids: list[int] | None = None
+    metrics: PerRequestMetrics | None = None
 
 
 class ModelCard(msgspec.Struct):
@@ -310,6 +347,12 @@ class HealthResponse(msgspec.Struct):
     num_free_blocks: int
     num_total_blocks: int
     kv_cache_usage: float
+
+
+class LoadResponse(msgspec.Struct):
+    """GET /load (vLLM): generation requests in flight (with --enable-server-load-tracking)."""
+
+    server_load: int
 
 
 class VersionResponse(msgspec.Struct):

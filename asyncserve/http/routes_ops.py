@@ -1,4 +1,5 @@
-"""Operational routes: /health, /metrics, /version, /openapi.json, and the legacy /generate."""
+"""Operational routes: /health, /metrics, /load, /version, /openapi.json, and the legacy
+/generate."""
 
 from __future__ import annotations
 
@@ -14,7 +15,12 @@ from asyncserve import __version__
 from asyncserve.http.beam import beam_params, run_beam_search
 from asyncserve.http.errors import APIError
 from asyncserve.http.openapi import openapi_schema
-from asyncserve.http.protocol import GenerateRequest, GenerateResponse, HealthResponse
+from asyncserve.http.protocol import (
+    GenerateRequest,
+    GenerateResponse,
+    HealthResponse,
+    LoadResponse,
+)
 from asyncserve.http.sampling import generate_params
 from asyncserve.http.serving import PromptInput, ServerState, engine_error
 from asyncserve.http.sse import EventStreamResponse, cancel_on_disconnect, closing, ndjson_line
@@ -34,7 +40,7 @@ def _texts(prefix: str, out: RequestOutput) -> list[str]:
 async def generate(state: ServerState, request: Request) -> Response:
     """{"prompt", "n", "temperature", "top_p", "max_tokens", "stream"} -> {"text": [...]}."""
     body = await state.read_json(request, GenerateRequest)
-    params = generate_params(body, state.engine.generation_config)
+    params = generate_params(body, state.generation_config)
     if isinstance(body.prompt, str):
         prompt = state.tokenize(body.prompt, True)
     else:
@@ -72,14 +78,19 @@ async def generate(state: ServerState, request: Request) -> Response:
 async def _ndjson(
     state: ServerState, outputs: AsyncIterator[RequestOutput], prefix: str
 ) -> AsyncIterator[bytes]:
-    """Newline-delimited JSON, one {"text": [prompt + text so far, ...]} per engine output."""
+    """Newline-delimited JSON, one {"text": [prompt + text so far, ...]} per engine output
+    that changed something: a sample that finished early is not sent again on its own."""
+    sent: list[str] | None = None
     try:
         async with closing(outputs) as stream:
             async for out in stream:
                 if out.error is not None:
                     yield ndjson_line(engine_error(out, state.engine).to_body())
                     return
-                yield ndjson_line(GenerateResponse(text=_texts(prefix, out)))
+                texts = _texts(prefix, out)
+                if texts != sent:
+                    sent = texts
+                    yield ndjson_line(GenerateResponse(text=texts))
     except Exception as exc:
         logger.exception("/generate stream failed")
         yield ndjson_line(APIError(f"{type(exc).__name__}: {exc}", 500).to_body())
@@ -109,6 +120,10 @@ def routes(state: ServerState) -> list[Route]:
         payload, content_type = state.metrics.render()
         return Response(payload, headers={"content-type": content_type})
 
+    async def load(request: Request) -> Response:
+        # vLLM's shape; counted only with --enable-server-load-tracking (else always 0).
+        return _json(LoadResponse(server_load=state.server_load))
+
     async def version(request: Request) -> Response:
         return _json({"version": __version__})
 
@@ -123,6 +138,7 @@ def routes(state: ServerState) -> list[Route]:
     return [
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/load", load, methods=["GET"]),
         Route("/version", version, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
         Route("/generate", legacy_generate, methods=["POST"]),

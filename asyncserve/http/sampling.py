@@ -6,8 +6,10 @@ as vLLM does; bad values come back as a 400 naming the request's field.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from asyncserve.http.errors import APIError, from_value_error
@@ -46,6 +48,26 @@ _FLOAT_FIELDS = (
 )
 
 
+def resolve_generation_config(option: str, model_defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """vLLM's --generation-config: "auto" takes the model's generation_config.json defaults,
+    "vllm" none of them, a folder the defaults in its generation_config.json."""
+    if option == "auto":
+        return dict(model_defaults)
+    if option == "vllm":
+        return {}
+    path = Path(option) / "generation_config.json"
+    if not path.is_file():
+        raise ValueError(
+            f"--generation-config: {option!r} is not 'auto', 'vllm' or a folder holding a "
+            "generation_config.json"
+        )
+    raw = json.loads(path.read_text())
+    if not isinstance(raw, dict):
+        raise ValueError(f"--generation-config: {path} does not hold a JSON object")
+    keys = (*MODEL_DEFAULT_KEYS, "max_new_tokens")
+    return {k: raw[k] for k in keys if raw.get(k) is not None}
+
+
 def _resolve(
     name: str, value: Any, generation_config: Mapping[str, Any]
 ) -> Any:  # the request's value, else the model's default, else the OpenAI default
@@ -56,6 +78,21 @@ def _resolve(
     return _FALLBACKS[name]
 
 
+def check_stream_fields(body: SamplingFields) -> None:
+    """vLLM's stream rules: stream_options only with stream, no prompt logprobs in a stream."""
+    if body.stream_options is not None and not body.stream:
+        raise APIError("stream_options is only allowed with stream=true", 400, "stream_options")
+    prompt_logprobs = body.prompt_logprobs
+    if (
+        body.stream
+        and prompt_logprobs is not None
+        and (prompt_logprobs > 0 or prompt_logprobs == -1)
+    ):
+        raise APIError(
+            "`prompt_logprobs` are not available when `stream=True`.", 400, "prompt_logprobs"
+        )
+
+
 def _check_common(body: SamplingFields | GenerateRequest) -> None:
     for name in _FLOAT_FIELDS:
         value = getattr(body, name)
@@ -64,8 +101,7 @@ def _check_common(body: SamplingFields | GenerateRequest) -> None:
     if not 1 <= body.n <= MAX_N:
         raise APIError(f"n must be an integer in [1, {MAX_N}], got {body.n}", 400, "n")
     if isinstance(body, SamplingFields):
-        if body.stream_options is not None and not body.stream:
-            raise APIError("stream_options is only allowed with stream=true", 400, "stream_options")
+        check_stream_fields(body)
         if body.logit_bias:
             raise APIError("logit_bias is not supported", 400, "logit_bias")
         if body.best_of is not None and body.best_of != body.n and not body.use_beam_search:
@@ -230,6 +266,8 @@ def chat_params(
         renames["max_tokens"] = "max_completion_tokens"
     else:
         max_tokens = body.max_tokens
+    if max_tokens is None:  # vLLM: generation_config's max_new_tokens is the default
+        max_tokens = generation_config.get("max_new_tokens")
     fields = _shared(body, RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY)
     fields["max_tokens"] = max_tokens
     fields["logprobs"] = (body.top_logprobs or 0) if body.logprobs else None

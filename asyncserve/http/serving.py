@@ -18,7 +18,12 @@ from asyncserve.config import ServerConfig
 from asyncserve.http.engine_client import EngineClient
 from asyncserve.http.errors import APIError, from_validation_error, from_value_error
 from asyncserve.http.logprobs import TokenText
-from asyncserve.http.protocol import PromptTokensDetails, UsageInfo
+from asyncserve.http.protocol import (
+    PerRequestMetrics,
+    PromptTokensDetails,
+    StreamOptions,
+    UsageInfo,
+)
 from asyncserve.metrics import EngineMetrics
 from asyncserve.outputs import RequestOutput
 from asyncserve.sampling_params import SamplingParams
@@ -45,6 +50,11 @@ class ServerState:
     # Asks the HTTP server to stop (set by run_server).
     request_exit: Callable[[], None] | None = None
     _ids: itertools.count[int] = field(default_factory=itertools.count)
+
+    # Sampling defaults per --generation-config (the engine's, none, or a folder's).
+    generation_config: dict[str, Any] = field(default_factory=dict)
+    # In-flight generation requests (/load, with --enable-server-load-tracking).
+    server_load: int = 0
 
     def __post_init__(self) -> None:
         if not self.model_names:
@@ -129,8 +139,65 @@ class ServerState:
             return prompt
         return PromptInput(None, prompt.token_ids[-keep:])
 
-    def token_text_for(self, return_tokens_as_token_ids: bool) -> TokenText:
-        return self.token_text.with_ids() if return_tokens_as_token_ids else self.token_text
+    def token_text_for(self, return_tokens_as_token_ids: bool | None) -> TokenText:
+        """The request's choice, else the server's --return-tokens-as-token-ids."""
+        as_ids = return_tokens_as_token_ids
+        if as_ids is None:
+            as_ids = self.config.return_tokens_as_token_ids
+        return self.token_text.with_ids() if as_ids else self.token_text
+
+    def usage_flags(self, options: StreamOptions | None) -> tuple[bool, bool]:
+        """(a final usage chunk, usage on every chunk), as vLLM decides them: per-chunk usage
+        only with include_usage; --enable-force-include-usage turns both on."""
+        if self.config.enable_force_include_usage:
+            return True, True
+        if options is None or not options.include_usage:
+            return False, False
+        return True, options.continuous_usage_stats
+
+    def vocab_size(self) -> int:
+        return int(getattr(self.engine.tokenizer, "vocab_size", 0) or 0) or 2**31 - 1
+
+    def max_logprobs(self) -> int:
+        """--max-logprobs, with -1 (and anything larger) meaning the vocabulary size."""
+        limit = self.config.max_logprobs
+        return self.vocab_size() if limit == -1 else min(limit, self.vocab_size())
+
+    def resolve_logprobs(self, value: int | None, param: str, kind: str = "sample") -> int | None:
+        """A logprobs count as the engine takes it: -1 is the vocabulary-wide maximum; over
+        --max-logprobs is a 400 worded as vLLM's."""
+        if value is None:
+            return None
+        if value < -1:
+            raise APIError(
+                f"`{param}` must be a positive value or -1, got {value} [type=greater_than_equal]",
+                400,
+                param,
+            )
+        limit = self.max_logprobs()
+        count = self.vocab_size() if value == -1 else value
+        if count > limit:
+            raise APIError(
+                f"Requested {kind} logprobs of {count}, which is greater than max allowed: "
+                f"{limit} (--max-logprobs {self.config.max_logprobs}) [type=less_than_equal]",
+                400,
+                param,
+            )
+        return count
+
+    def request_metrics(
+        self, out: RequestOutput | None, num_tokens: int, single: bool
+    ) -> PerRequestMetrics | None:
+        """vLLM's per-request timing metrics for one finished sequence (None unless
+        --enable-per-request-metrics, and for n > 1 or several prompts)."""
+        if not self.config.enable_per_request_metrics or not single or out is None:
+            return None
+        return per_request_metrics(out.metrics, num_tokens)
+
+    def base_request_id(self, request: Request, body_id: str | None) -> str:
+        """vLLM's response id base: the X-Request-Id header, else the body's request_id,
+        else a fresh id."""
+        return request.headers.get("x-request-id") or body_id or self.new_request_id()
 
     def prompt_text(self, prompt: PromptInput) -> str:
         if prompt.text is None:
@@ -182,6 +249,27 @@ def usage(
         total_tokens=prompt_tokens + completion_tokens,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
     )
+
+
+def per_request_metrics(timings: dict[str, float], num_tokens: int) -> PerRequestMetrics:
+    """The engine's timings (seconds from arrival: queue_s to scheduling, ttft_s to the first
+    token, e2e_s to the finish) as vLLM's metrics; the finish stands in for the last token."""
+    queue_s = timings.get("queue_s")
+    ttft_s = timings.get("ttft_s")
+    e2e_s = timings.get("e2e_s")
+    metrics = PerRequestMetrics()
+    if queue_s is not None:
+        metrics.queue_time_ms = queue_s * 1000
+    if queue_s is not None and ttft_s is not None:
+        metrics.time_to_first_token_ms = (ttft_s - queue_s) * 1000
+    if ttft_s is not None and e2e_s is not None:
+        decode_s = max(e2e_s - ttft_s, 0.0)
+        metrics.generation_time_ms = decode_s * 1000
+        if num_tokens > 1:
+            metrics.mean_itl_ms = decode_s / (num_tokens - 1) * 1000
+    if queue_s is not None and e2e_s is not None and e2e_s > queue_s:
+        metrics.tokens_per_second = num_tokens / (e2e_s - queue_s)
+    return metrics
 
 
 def engine_error(output: RequestOutput, engine: EngineClient) -> APIError:
