@@ -14,7 +14,14 @@ step() { name=$1; t=$2; shift 2; echo "=== $name"; timeout $t "$@" 2>&1 | grep -
 wait_up() { for i in $(seq 1 400); do curl -s localhost:$1/health >/dev/null && return 0; sleep 0.5; done; return 1; }
 BENCH="python3 -m asyncserve bench serve --num-prompts 500 --input-len 512 --output-len 128 --vocab-size 128256"
 RAW="python3 benchmarks/raw_stream_client.py --num-prompts 500 --input-len 512 --output-len 128 --vocab-size 128256"
-if [ "${1:-1}" = 1 ]; then
+if [ "${1:-1}" = bisect ]; then
+  # W1b on two earlier trees (exported into .old/a and .old/b) and this one, same call.
+  W1B="python3 -m asyncserve bench throughput --model $PWD/$L3 --load-format dummy --num-prompts 1000 --input-len 256 --output-len 256 --max-model-len 2048"
+  for tree in .old/a .old/b .; do
+    (cd $tree && PYTHONPATH=/tmp/site:$PWD/$tree step w1b_$(basename $tree) 150 $W1B)
+  done
+  TAIL=6 step gpu_tests 300 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/engine/test_structured_gpu.py tests/engine/test_async_scheduling_gpu.py tests/engine/test_gpu_engine.py -rs
+elif [ "${1:-1}" = 1 ]; then
   export PYTHONPATH=$AS_PATH
   TAIL=6 step gpu_tests 300 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/engine/test_structured_gpu.py tests/engine/test_async_scheduling_gpu.py tests/engine/test_gpu_engine.py -rs
   W2="python3 -m asyncserve bench latency --model $L3 --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 --num-iters-warmup 1 --max-model-len 2048"
@@ -39,4 +46,10 @@ else
   PYTHONPATH=$AS_PATH step vllm_inf_raw 150 $RAW --base-url http://127.0.0.1:8801 --model $L3
   PYTHONPATH=$AS_PATH step w3_vllm_16 150 $BENCH --base-url http://127.0.0.1:8801 --request-rate 16 --output-json $OUT/w3_vllm_16.json
   kill $pid; wait $pid
+  PYTHONPATH=$AS_PATH python3 -m asyncserve serve --model $L3 --load-format dummy --max-model-len 2048 --port 8702 --disable-uvicorn-access-log > $OUT/as_server3.log 2>&1 &
+  pid=$!; wait_up 8702
+  PYTHONPATH=$AS_PATH step w3_as_16 150 $BENCH --base-url http://127.0.0.1:8702 --request-rate 16 --output-json $OUT/w3_as_16.json
+  kill $pid; wait $pid
 fi
+# One archive: the device returns at most 8 files.
+(cd $OUT && tar -czf ../results.tgz . && rm -rf ./* && mv ../results.tgz .)
