@@ -16,9 +16,10 @@ BENCH="python3 -m asyncserve bench serve --num-prompts 500 --input-len 512 --out
 RAW="python3 benchmarks/raw_stream_client.py --num-prompts 500 --input-len 512 --output-len 128 --vocab-size 128256"
 if [ "${1:-1}" = bisect ]; then
   # W1b on two earlier trees (exported into .old/a and .old/b) and this one, same call.
-  W1B="python3 -m asyncserve bench throughput --model $PWD/$L3 --load-format dummy --num-prompts 1000 --input-len 256 --output-len 256 --max-model-len 2048"
+  R=$PWD
+  W1B="python3 -m asyncserve bench throughput --model $R/$L3 --load-format dummy --num-prompts 1000 --input-len 256 --output-len 256 --max-model-len 2048"
   for tree in .old/a .old/b .; do
-    (cd $tree && PYTHONPATH=/tmp/site:$PWD/$tree step w1b_$(basename $tree) 150 $W1B)
+    (cd $tree && PYTHONPATH=/tmp/site:$R/$tree step w1b_${tree//[.\/]/} 150 $W1B)
   done
   TAIL=6 step gpu_tests 300 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/engine/test_structured_gpu.py tests/engine/test_async_scheduling_gpu.py tests/engine/test_gpu_engine.py -rs
 elif [ "${1:-1}" = 1 ]; then
