@@ -22,6 +22,22 @@ if [ "${1:-1}" = bisect ]; then
     (cd $tree && PYTHONPATH=/tmp/site:$R/$tree step w1b_${tree//[.\/]/} 150 $W1B)
   done
   TAIL=6 step gpu_tests 300 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/engine/test_structured_gpu.py tests/engine/test_async_scheduling_gpu.py tests/engine/test_gpu_engine.py -rs
+elif [ "${1:-1}" = 3 ]; then
+  # GPU tests; W1b alternating between an earlier tree and this one; the client check on a
+  # warmed-up asyncserve server (its decode CUDA graphs are captured lazily, on first use).
+  export PYTHONPATH=$AS_PATH
+  TAIL=6 step gpu_tests 300 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/engine/test_structured_gpu.py tests/engine/test_async_scheduling_gpu.py tests/engine/test_gpu_engine.py -rs
+  R=$PWD
+  W1B="python3 -m asyncserve bench throughput --model $R/$L3 --load-format dummy --num-prompts 1000 --input-len 256 --output-len 256 --max-model-len 2048"
+  for tree in .old/b . .old/b .; do
+    (cd $tree && PYTHONPATH=/tmp/site:$R/$tree step w1b_${tree//[.\/]/}_$RANDOM 150 $W1B)
+  done
+  python3 -m asyncserve serve --model $L3 --load-format dummy --max-model-len 2048 --port 8702 --disable-uvicorn-access-log > $OUT/as_server4.log 2>&1 &
+  pid=$!; wait_up 8702
+  step as_warmup 150 $RAW --base-url http://127.0.0.1:8702 --model llama3-8b
+  step as_inf_bench2 150 $BENCH --base-url http://127.0.0.1:8702 --request-rate inf --output-json $OUT/as_inf_bench2.json
+  step as_inf_raw2 150 $RAW --base-url http://127.0.0.1:8702 --model llama3-8b
+  kill $pid; wait $pid
 elif [ "${1:-1}" = 1 ]; then
   export PYTHONPATH=$AS_PATH
   TAIL=6 step gpu_tests 300 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/engine/test_structured_gpu.py tests/engine/test_async_scheduling_gpu.py tests/engine/test_gpu_engine.py -rs
