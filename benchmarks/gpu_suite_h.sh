@@ -38,6 +38,24 @@ elif [ "${1:-1}" = 3 ]; then
   step as_inf_bench2 150 $BENCH --base-url http://127.0.0.1:8702 --request-rate inf --output-json $OUT/as_inf_bench2.json
   step as_inf_raw2 150 $RAW --base-url http://127.0.0.1:8702 --model llama3-8b
   kill $pid; wait $pid
+elif [ "${1:-1}" = 4 ]; then
+  # GPU tests; W2 and W3 at 16 req/s on an earlier tree and this one, alternating.
+  export PYTHONPATH=$AS_PATH
+  TAIL=6 step gpu_tests 300 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/engine/test_structured_gpu.py tests/engine/test_async_scheduling_gpu.py -rs
+  R=$PWD
+  W2="python3 -m asyncserve bench latency --model $R/$L3 --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 --num-iters-warmup 1 --max-model-len 2048"
+  for tree in .old/b . .old/b .; do
+    t=${tree//[.\/]/}
+    (cd $tree && export PYTHONPATH=/tmp/site:$R/$tree && step w2_${t}_$RANDOM 100 $W2)
+  done
+  for tree in .old/b . .old/b .; do
+    t=${tree//[.\/]/}
+    (cd $tree && export PYTHONPATH=/tmp/site:$R/$tree
+     python3 -m asyncserve serve --model $R/$L3 --load-format dummy --max-model-len 2048 --port 8702 --disable-uvicorn-access-log > $OUT/srv_$t.log 2>&1 &
+     pid=$!; wait_up 8702
+     cd $R && PYTHONPATH=$AS_PATH step w3_${t}_$RANDOM 150 $BENCH --base-url http://127.0.0.1:8702 --request-rate 16 --output-json $OUT/w3_${t}_$RANDOM.json
+     kill $pid; wait $pid)
+  done
 elif [ "${1:-1}" = 1 ]; then
   export PYTHONPATH=$AS_PATH
   TAIL=6 step gpu_tests 300 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/engine/test_structured_gpu.py tests/engine/test_async_scheduling_gpu.py tests/engine/test_gpu_engine.py -rs

@@ -41,6 +41,8 @@ __all__ = ["AttentionConfig", "choose_num_splits", "default_config", "paged_atte
            "unified_attention"]  # fmt: skip
 
 _LOG2E = 1.4426950408889634
+# The same inside kernels, which read only constexpr globals.
+_LOG2E_K = tl.constexpr(_LOG2E)
 
 
 @triton.jit
@@ -171,8 +173,8 @@ def _unified_attention_kernel(
         s = tl.dot(q, k, input_precision="ieee") if IEEE_DOT else tl.dot(q, k)
         if SOFTCAP:
             # c * tanh(x / c) with tanh(y) = 1 - 2 / (exp(2y) + 1): exact at both infinities.
-            s = s * (qk_scale / _LOG2E) / softcap
-            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s) + 1.0)) * _LOG2E
+            s = s * (qk_scale / _LOG2E_K) / softcap
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s) + 1.0)) * _LOG2E_K
         else:
             s = s * qk_scale  # [BLOCK_M, TILE_N] fp32
         visible = k_pos[None, :] <= q_pos[:, None]
