@@ -56,6 +56,23 @@ elif [ "${1:-1}" = 4 ]; then
      cd $R && PYTHONPATH=$AS_PATH step w3_${t}_$RANDOM 150 $BENCH --base-url http://127.0.0.1:8702 --request-rate 16 --output-json $OUT/w3_${t}_$RANDOM.json
      kill $pid; wait $pid)
   done
+elif [ "${1:-1}" = 5 ]; then
+  # W1b, W2 and W3 at 16 req/s in one call, this tree and an earlier one; each server warmed
+  # up first (100 requests at once) so its decode CUDA graphs are captured before W3.
+  R=$PWD
+  W1B="python3 -m asyncserve bench throughput --model $R/$L3 --load-format dummy --num-prompts 1000 --input-len 256 --output-len 256 --max-model-len 2048"
+  W2="python3 -m asyncserve bench latency --model $R/$L3 --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 --num-iters-warmup 1 --max-model-len 2048"
+  for tree in . .old/b; do
+    t=${tree//[.\/]/}
+    (cd $tree && export PYTHONPATH=/tmp/site:$R/$tree
+     step w1b5_$t 150 $W1B; step w2_5_$t 100 $W2
+     python3 -m asyncserve serve --model $R/$L3 --load-format dummy --max-model-len 2048 --port 8702 --disable-uvicorn-access-log > /dev/null 2>&1 &
+     pid=$!; wait_up 8702
+     cd $R && export PYTHONPATH=$AS_PATH
+     step warm_$t 100 $RAW --base-url http://127.0.0.1:8702 --model llama3-8b --num-prompts 100 --output-len 64
+     step w3_5_$t 150 $BENCH --base-url http://127.0.0.1:8702 --request-rate 16 --output-json $OUT/w3_5_$t.json
+     kill $pid; wait $pid)
+  done
 elif [ "${1:-1}" = 1 ]; then
   export PYTHONPATH=$AS_PATH
   TAIL=6 step gpu_tests 300 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/engine/test_structured_gpu.py tests/engine/test_async_scheduling_gpu.py tests/engine/test_gpu_engine.py -rs
