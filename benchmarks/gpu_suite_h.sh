@@ -10,7 +10,7 @@ export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton-h
 AS_PATH=/tmp/site:$PWD
 OUT=${OUT:-/tmp/out}
 L3=benchmarks/configs/llama3-8b
-step() { name=$1; t=$2; shift 2; echo "=== $name"; timeout $t "$@" 2>&1 | grep -v -e "Warning" -e "POST /v1" -e "warnings.warn" -e "tokenizer.json" | tee $OUT/$name.log | tail -${TAIL:-14}; }
+step() { name=$1; limit=$2; shift 2; echo "=== $name"; timeout $limit "$@" 2>&1 | grep -v -e "Warning" -e "POST /v1" -e "warnings.warn" -e "tokenizer.json" | tee $OUT/$name.log | tail -${TAIL:-14}; }
 wait_up() { for i in $(seq 1 400); do curl -s localhost:$1/health >/dev/null && return 0; sleep 0.5; done; return 1; }
 BENCH="python3 -m asyncserve bench serve --num-prompts 500 --input-len 512 --output-len 128 --vocab-size 128256"
 RAW="python3 benchmarks/raw_stream_client.py --num-prompts 500 --input-len 512 --output-len 128 --vocab-size 128256"
@@ -62,10 +62,10 @@ elif [ "${1:-1}" = 5 ]; then
   R=$PWD
   W1B="python3 -m asyncserve bench throughput --model $R/$L3 --load-format dummy --num-prompts 1000 --input-len 256 --output-len 256 --max-model-len 2048"
   W2="python3 -m asyncserve bench latency --model $R/$L3 --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 --num-iters-warmup 1 --max-model-len 2048"
-  for tree in . .old/b; do
+  for tree in ${TREES:-. .old/b}; do
     t=${tree//[.\/]/}
     (cd $tree && export PYTHONPATH=/tmp/site:$R/$tree
-     step w1b5_$t 150 $W1B; step w2_5_$t 100 $W2
+     [ -n "${SKIP_OFFLINE:-}" ] || { step w1b5_$t 150 $W1B; step w2_5_$t 100 $W2; }
      python3 -m asyncserve serve --model $R/$L3 --load-format dummy --max-model-len 2048 --port 8702 --disable-uvicorn-access-log > /dev/null 2>&1 &
      pid=$!; wait_up 8702
      cd $R && export PYTHONPATH=$AS_PATH
