@@ -119,6 +119,16 @@ class OutputProcessor:
         processed = ProcessedStep()
         touched: dict[str, ParentState] = {}
         num_generated = 0
+        # Prompt logprobs come chunk by chunk, also in steps where the request samples
+        # nothing (a prompt chunk short of its end).
+        for request_id, entries in result.prompt_logprobs.items():
+            entry = self.children.get(request_id)
+            if entry is None:
+                continue
+            try:
+                self._append_prompt_logprobs(entry[0], entries)
+            except Exception as exc:
+                self._fail_internal(entry[0], exc, processed)
         for request in updated:
             entry = self.children.get(request.request_id)
             if entry is None:
@@ -166,8 +176,6 @@ class OutputProcessor:
         )
         stop_str = child.detokenizer.update(new_tokens, stop_terminated)
         child.num_accepted_tokens += len(new_tokens)
-        if request.request_id in result.prompt_logprobs:
-            self._append_prompt_logprobs(parent, result.prompt_logprobs[request.request_id])
         if stop_str is not None:
             child.finish_reason = "stop"
             child.stop_reason = stop_str

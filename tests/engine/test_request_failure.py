@@ -63,3 +63,18 @@ def test_output_processing_error_fails_only_its_request(
     monkeypatch.undo()
     after = smollm2_llm.generate(prompts[:1], good, use_tqdm=False)[0]
     assert after.outputs[0].token_ids == outs[0].outputs[0].token_ids
+
+
+def test_prompt_logprobs_across_prefill_chunks() -> None:
+    """A prompt prefilled in several chunks gets logprobs for every position (chunks that
+    sample nothing included)."""
+    llm = LLM(device="cpu", max_model_len=256, kv_cache_memory=16 << 20, max_num_batched_tokens=16)
+    prompt = "one two three four five six seven eight nine ten eleven twelve thirteen " * 2
+    n_prompt = len(llm.get_tokenizer().encode(prompt))
+    assert n_prompt > 16
+    out = llm.generate([prompt], SamplingParams(max_tokens=2, prompt_logprobs=0), use_tqdm=False)
+    entries = out[0].prompt_logprobs
+    assert entries is not None and len(entries) == n_prompt and entries[0] is None
+    for token, entry in zip(out[0].prompt_token_ids[1:], entries[1:], strict=True):
+        assert entry is not None and token in entry
+    llm.close()
