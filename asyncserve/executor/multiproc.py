@@ -116,6 +116,8 @@ class MultiProcExecutor(Executor):
             try:
                 conn.send(message)
             except OSError as e:
+                # A broken pipe comes before the exit is reaped: give it a moment.
+                self._procs[rank].join(1.0)
                 raise self._fail(self._dead_worker() or f"worker {rank} is unreachable: {e}") from e
 
     def _replies(self) -> list[Any]:

@@ -20,7 +20,7 @@ import pytest
 from safetensors.torch import save_file
 
 from asyncserve import LLM, SamplingParams
-from asyncserve.executor.multiproc import MultiProcExecutor
+from asyncserve.executor.multiproc import MultiProcExecutor, check_devices
 from tests.models.test_loader import random_state, write_config
 
 # Small steps (chunked prefill) and a small pool (preemption); blocks of 4 tokens.
@@ -75,6 +75,15 @@ def test_tp2_greedy_equals_one_device(checkpoint: Path, tp_llm: LLM) -> None:
     assert tp_llm.engine.num_free_blocks == tp_llm.engine.num_blocks
 
 
+def test_tp2_async_scheduling_equals_one_device(checkpoint: Path, tp_llm: LLM) -> None:
+    expected = _generate(tp_llm)
+    llm = LLM(str(checkpoint), tensor_parallel_size=2, async_scheduling=True, **ENGINE_ARGS)  # type: ignore[arg-type]
+    try:
+        assert _generate(llm) == expected
+    finally:
+        llm.close()
+
+
 def test_killed_worker_ends_the_engine(tp_llm: LLM) -> None:
     executor = tp_llm.engine.executor
     assert isinstance(executor, MultiProcExecutor)
@@ -99,3 +108,12 @@ def test_bad_tensor_parallel_size_fails_before_any_process() -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
         LLM(device="cpu", tensor_parallel_size=0)
     assert not multiprocessing.active_children()
+
+
+def test_more_ranks_than_gpus_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size \(2\) exceeds the 1 visible"):
+        check_devices(2, torch.device("cuda"))
+    check_devices(2, torch.device("cpu"))
