@@ -62,10 +62,15 @@ def _generate(llm: LLM) -> list[list[int]]:
     return [list(out.outputs[0].token_ids) for out in first + rest]
 
 
-def test_tp2_greedy_equals_one_device(checkpoint: Path, tp_llm: LLM) -> None:
-    single = LLM(str(checkpoint), **ENGINE_ARGS)  # type: ignore[arg-type]
-    expected = _generate(single)
-    single.close()
+@pytest.fixture(scope="module")
+def single_llm(checkpoint: Path) -> Iterator[LLM]:
+    llm = LLM(str(checkpoint), **ENGINE_ARGS)  # type: ignore[arg-type]
+    yield llm
+    llm.close()
+
+
+def test_tp2_greedy_equals_one_device(single_llm: LLM, tp_llm: LLM) -> None:
+    expected = _generate(single_llm)
     assert _generate(tp_llm) == expected
     assert all(len(ids) == 12 for ids in expected)
     scheduler = tp_llm.engine.scheduler
@@ -73,6 +78,44 @@ def test_tp2_greedy_equals_one_device(checkpoint: Path, tp_llm: LLM) -> None:
     assert scheduler.prefix_cache_hits > 0
     # The pool took every block back.
     assert tp_llm.engine.num_free_blocks == tp_llm.engine.num_blocks
+
+
+def test_tp2_logprobs_come_from_rank_0(single_llm: LLM, tp_llm: LLM) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, prompt_logprobs=2)
+    (want,) = single_llm.generate([list(range(50, 70))], params, use_tqdm=False)
+    (got,) = tp_llm.generate([list(range(50, 70))], params, use_tqdm=False)
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert got.outputs[0].logprobs is not None and want.outputs[0].logprobs is not None
+    for got_row, want_row in zip(got.outputs[0].logprobs, want.outputs[0].logprobs, strict=True):
+        assert list(got_row) == list(want_row)
+        for token, entry in want_row.items():
+            assert got_row[token].logprob == pytest.approx(entry.logprob, abs=1e-4)
+    assert got.prompt_logprobs is not None and want.prompt_logprobs is not None
+    assert len(got.prompt_logprobs) == len(want.prompt_logprobs)
+    for got_row, want_row in zip(got.prompt_logprobs, want.prompt_logprobs, strict=True):
+        assert (got_row is None) == (want_row is None)
+        for token, entry in (want_row or {}).items():
+            assert got_row is not None
+            assert got_row[token].logprob == pytest.approx(entry.logprob, abs=1e-4)
+
+
+def test_replicated_kv_head_equals_one_device(tmp_path: Path) -> None:
+    # One KV head, two ranks: each rank holds a copy of it.
+    state = random_state(seed=5)
+    for i in range(2):
+        for name in ("k_proj", "v_proj"):
+            key = f"model.layers.{i}.self_attn.{name}.weight"
+            state[key] = state[key][:8].contiguous()
+    root = write_config(tmp_path / "kv1", num_key_value_heads=1)
+    save_file(state, str(root / "model.safetensors"))
+    outputs = []
+    for size in (1, 2):
+        llm = LLM(str(root), tensor_parallel_size=size, **ENGINE_ARGS)  # type: ignore[arg-type]
+        try:
+            outputs.append(_generate(llm))
+        finally:
+            llm.close()
+    assert outputs[0] == outputs[1]
 
 
 def test_tp2_async_scheduling_equals_one_device(checkpoint: Path, tp_llm: LLM) -> None:
