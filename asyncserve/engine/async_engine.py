@@ -88,6 +88,10 @@ class AsyncEngine:
         self._loop_task: asyncio.Task[None] | None = None
         self._wakeup: asyncio.Event | None = None
         self._stopping = False
+        # Set from another thread when the workers fail between steps; the loop raises it.
+        self._worker_failure: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        executor.on_failure(self._on_worker_failure)
         self._dead_reason: str | None = None
         # Set once the step loop has failed for good (see wait_until_dead).
         self._dead = asyncio.Event()
@@ -157,6 +161,7 @@ class AsyncEngine:
             return
         self._wakeup = asyncio.Event()
         self._stopping = False
+        self._loop = asyncio.get_running_loop()
         self._loop_task = asyncio.create_task(self._step_loop(), name="asyncserve-step-loop")
 
     async def shutdown(self, timeout: float | None = None) -> None:
@@ -330,10 +335,31 @@ class AsyncEngine:
 
     # ---- the step loop -------------------------------------------------------------------
 
+    def _on_worker_failure(self, reason: str) -> None:
+        # Called on the executor's thread: hand over to the event loop and wake the step loop.
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            self._worker_failure = reason
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
+            loop.call_soon_threadsafe(self._note_worker_failure, reason)
+
+    def _note_worker_failure(self, reason: str) -> None:
+        self._worker_failure = reason
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    def _should_stop(self) -> bool:
+        """The step loop's check before each step; a worker failure ends it like a failed
+        step (every request fails, the server exits 1)."""
+        if self._worker_failure is not None:
+            raise RuntimeError(self._worker_failure)
+        return self._stopping
+
     async def _step_loop(self) -> None:
         assert self._wakeup is not None
         try:
-            await self.step_loop.run(self._wakeup, lambda: self._stopping)
+            await self.step_loop.run(self._wakeup, self._should_stop)
         except Exception as exc:  # a failed step: fail every request, report unhealthy
             logger.exception("step loop failed")
             self._dead_reason = f"{type(exc).__name__}: {exc}"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing import get_context
@@ -70,6 +71,8 @@ class MultiProcExecutor(Executor):
         self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []
         self._failure: str | None = None
+        self._closing = False
+        self._failure_callbacks: list[Callable[[str], None]] = []
         for rank in range(size):
             parent, child = ctx.Pipe()
             # Daemonic: the workers end with the engine process even when nobody calls
@@ -92,6 +95,26 @@ class MultiProcExecutor(Executor):
             self.shutdown()
             raise
         logger.info("%d tensor-parallel workers ready (pids %s)", size, self.pids)
+        threading.Thread(target=self._watch, name="asyncserve-tp-watch", daemon=True).start()
+
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        self._failure_callbacks.append(callback)
+
+    def _watch(self) -> None:
+        """Report the first worker that ends while nobody waits on it (an idle engine would
+        otherwise learn of it only at its next step)."""
+        ended = wait([p.sentinel for p in self._procs])
+        if self._closing:
+            return
+        for proc in self._procs:
+            if proc.sentinel in ended:
+                proc.join()  # reaped, so its exit code is known
+        reason = self._dead_worker()
+        if reason is None:
+            return
+        self._failure = self._failure or reason
+        for callback in self._failure_callbacks:
+            callback(self._failure)
 
     @property
     def pids(self) -> list[int]:
@@ -100,9 +123,14 @@ class MultiProcExecutor(Executor):
     # ---- messages ------------------------------------------------------------------------
 
     def _dead_worker(self) -> str | None:
+        """Which worker has ended, if any. Read from the sentinels: is_alive() reads a
+        process as alive when another thread (the watcher) is reaping it at that moment."""
+        ended = wait([p.sentinel for p in self._procs], timeout=0)
         for rank, proc in enumerate(self._procs):
-            if not proc.is_alive():
-                return f"tensor-parallel worker {rank} (pid {proc.pid}) died (exit code {proc.exitcode})"
+            if proc.sentinel in ended:
+                proc.join(1.0)
+                code = "" if proc.exitcode is None else f" (exit code {proc.exitcode})"
+                return f"tensor-parallel worker {rank} (pid {proc.pid}) died{code}"
         return None
 
     def _fail(self, reason: str) -> WorkerDied:
@@ -137,7 +165,11 @@ class MultiProcExecutor(Executor):
             except (EOFError, OSError) as e:
                 raise self._fail(self._dead_worker() or f"worker {rank} closed its pipe") from e
             if status != "ok":
-                raise self._fail(f"tensor-parallel worker {rank} failed: {value}")
+                # A rank whose peer died fails its collective: name the dead one as the cause.
+                wait(sentinels, timeout=1.0)
+                raise self._fail(
+                    self._dead_worker() or f"tensor-parallel worker {rank} failed: {value}"
+                )
             out.append(value)
         return out
 
@@ -175,6 +207,7 @@ class MultiProcExecutor(Executor):
         return result
 
     def shutdown(self) -> None:
+        self._closing = True
         self._thread.shutdown(wait=False, cancel_futures=True)
         for proc, conn in zip(self._procs, self._conns, strict=True):
             if proc.is_alive():

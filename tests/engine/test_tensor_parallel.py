@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import save_file
 
-from asyncserve import LLM, SamplingParams
+from asyncserve import LLM, RequestOutput, SamplingParams
 from asyncserve.executor.multiproc import MultiProcExecutor, check_devices
 from tests.models.test_loader import random_state, write_config
 
@@ -131,10 +131,23 @@ def test_killed_worker_ends_the_engine(tp_llm: LLM) -> None:
     executor = tp_llm.engine.executor
     assert isinstance(executor, MultiProcExecutor)
     pids = executor.pids
-    os.kill(pids[1], signal.SIGKILL)
-    params = SamplingParams(temperature=0.0, max_tokens=4)
-    out = tp_llm.generate([[5, 6, 7]], params, use_tqdm=False)[0]
+    engine = tp_llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+
+    async def run() -> RequestOutput:
+        # Killed mid-run, once the first token is out: the steps in flight fail.
+        last = None
+        async for out in engine.generate([5, 6, 7], params, "killed"):
+            if last is None:
+                os.kill(pids[1], signal.SIGKILL)
+            last = out
+        assert last is not None
+        return last
+
+    out = tp_llm._loop.run_until_complete(run())
     assert out.error is not None and "worker 1" in out.error and "died" in out.error
+    assert len(out.outputs[0].token_ids) < 50
+    assert "died" in tp_llm.engine._dead_reason  # type: ignore[operator]
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and multiprocessing.active_children():
         time.sleep(0.05)
