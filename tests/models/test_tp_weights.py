@@ -67,3 +67,17 @@ def test_shapes_that_do_not_split_are_refused() -> None:
     other = {**TINY_CONFIG, "architectures": ["GraniteForCausalLM"]}
     with pytest.raises(ValueError, match="not supported for GraniteForCausalLM"):
         check_tensor_parallel(ArchConfig.from_hf_dict(other), 2)
+
+
+def test_whole_tensors_are_sliced_on_load(tmp_path: Path) -> None:
+    # Readers without slicing (GGUF) hand over whole tensors: the load slices them.
+    state = random_state()
+    root = write_config(tmp_path)
+    save_file(state, str(root / "model.safetensors"))
+    for rank in range(2):
+        model = load_model(ModelConfig(model=str(root), dtype="float32"), CPU,
+                           TensorParallel(rank, 2)).model  # fmt: skip
+        sliced = {name: p.clone() for name, p in model.named_parameters()}
+        model.load_weights((name, t.clone()) for name, t in state.items())
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(param, sliced[name])
