@@ -262,7 +262,7 @@ def load_model(
     model = _build_model(arch, device if weights else torch.device("meta"), dtype, tp)
     logger.info("reading %s weights (%.1f s)", config.load_format, time.monotonic() - start)
     if not weights:
-        pass
+        pass  # a shape-only model on the meta device
     elif config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
     elif gguf_file is not None:
