@@ -119,6 +119,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "default: on with CUDA, off on CPU (where a step's launch is its whole forward pass)",
     )
     group.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=_positive_int,
+        default=1,
+        help="devices (one worker process each) the model is split over",
+    )
+    group.add_argument(
         "--enforce-eager", action="store_true", help="no CUDA graphs (GPU only; always on CPU)"
     )
     group.add_argument(
@@ -148,6 +155,7 @@ def engine_config_from_args(args: argparse.Namespace, env: Environment) -> Engin
         scheduling_policy=args.scheduling_policy,
         async_scheduling=args.async_scheduling,
         enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
         stream_interval=args.stream_interval,
     )
 
@@ -257,7 +265,7 @@ async def _generate(engine: Any, args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         return 0
     finally:
-        await engine.shutdown(timeout=0)
+        await engine.close()
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -82,10 +82,22 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How many devices one engine spreads the model over (one worker process each)."""
+
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     # Step-loop behaviour.
     enable_cuda_graphs: bool = True
     stream_interval: int = 1
@@ -112,6 +124,7 @@ class EngineConfig:
         async_scheduling: bool | None = None,
         enforce_eager: bool = False,
         stream_interval: int = 1,
+        tensor_parallel_size: int = 1,
     ) -> EngineConfig:
         """The engine's configuration from vLLM's engine argument names (LLM(...) and the
         serve flags both come here)."""
@@ -138,6 +151,7 @@ class EngineConfig:
                 policy=scheduling_policy,  # type: ignore[arg-type]
                 async_scheduling=async_scheduling,
             ),
+            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
             enable_cuda_graphs=not enforce_eager,
             stream_interval=stream_interval,
         )

@@ -44,6 +44,7 @@ class LLM:
         scheduling_policy: str = "fcfs",
         async_scheduling: bool | None = None,
         enforce_eager: bool = False,
+        tensor_parallel_size: int = 1,
         max_logprobs: int = 20,
     ) -> None:
         # Most logprobs (and prompt_logprobs) a SamplingParams may ask for, as in vLLM.
@@ -66,6 +67,7 @@ class LLM:
             scheduling_policy=scheduling_policy,
             async_scheduling=async_scheduling,
             enforce_eager=enforce_eager,
+            tensor_parallel_size=tensor_parallel_size,
         )
         self.engine = AsyncEngine.from_config(config)
         self._loop = asyncio.new_event_loop()
@@ -199,7 +201,7 @@ class LLM:
 
     def close(self) -> None:
         if not self._loop.is_closed():
-            self._loop.run_until_complete(self.engine.shutdown(timeout=0))
+            self._loop.run_until_complete(self.engine.close())
             self._loop.close()
 
     def __del__(self) -> None:

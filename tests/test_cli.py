@@ -30,6 +30,7 @@ SERVE_FLAGS = [
     "--ssl-keyfile", "--ssl-certfile", "--shutdown-timeout", "--max-log-len",
     "--disable-access-log-for-endpoints", "--stream-interval", "--max-waiting-requests",
     "--kv-cache-memory", "--block-size", "--load-format", "--host", "--port",
+    "--tensor-parallel-size",
 ]  # fmt: skip
 
 
@@ -73,6 +74,10 @@ def test_serve_flags_map_to_configs() -> None:
     assert engine.scheduler.policy == "priority"
     assert engine.cache.gpu_memory_utilization == 0.5
     assert engine.cache.enable_prefix_caching is False
+    assert engine.parallel.tensor_parallel_size == 1
+    for flag in ("-tp", "--tensor-parallel-size"):
+        tp_args = parse("serve", flag, "2")
+        assert engine_config_from_args(tp_args, NO_ENV).parallel.tensor_parallel_size == 2
     assert engine.cache.kv_cache_memory == 512 * 1024**2
     assert engine.cache.block_size == 32
     assert engine.stream_interval == 4
@@ -154,6 +159,7 @@ def test_parse_bytes_rejects(text: str) -> None:
         ["serve", "--kv-cache-memory", "lots"],
         ["serve", "--load-format", "pt"],
         ["serve", "--max-num-seqs", "0"],
+        ["serve", "-tp", "0"],
         ["serve", "--port", "http"],
         ["frobnicate"],
         [],

@@ -17,9 +17,12 @@ from asyncserve.core.request import Request
 from asyncserve.core.scheduler import Scheduler
 from asyncserve.engine.engine_core import EngineCore
 from asyncserve.engine.step_loop import StepLoop
+from asyncserve.executor.abstract import Executor
+from asyncserve.executor.multiproc import MultiProcExecutor
 from asyncserve.executor.uniproc import UniProcExecutor
 from asyncserve.metrics import EngineMetrics
 from asyncserve.models.loader import LoadedModel, load_model
+from asyncserve.models.parallel import TensorParallel
 from asyncserve.output.output_processor import OutputProcessor, ParentState
 from asyncserve.output.request_stream import RequestStream
 from asyncserve.outputs import RequestOutput
@@ -37,21 +40,33 @@ def resolve_device(name: str) -> torch.device:
 
 class AsyncEngine:
     def __init__(
-        self, config: EngineConfig, loaded: LoadedModel, metrics: EngineMetrics | None = None
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel,
+        metrics: EngineMetrics | None = None,
+        executor: Executor | None = None,
     ) -> None:
+        """`executor`: the workers when they run elsewhere (tensor parallelism); then
+        `loaded` holds no weights. None: `loaded` runs here on one step thread."""
         self.config = config
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.model_path = loaded.model_path
         self.generation_config = loaded.generation_config
         self.metrics = metrics
-        self.device = next(loaded.model.parameters()).device
+        self.runner: ModelRunner | None = None
+        if executor is None:
+            self.device = next(loaded.model.parameters()).device
+        else:
+            self.device = resolve_device(config.model.device)
         self.max_model_len = min(
             config.model.max_model_len or loaded.arch.max_position_embeddings,
             loaded.arch.max_position_embeddings,
         )
-        self.runner = ModelRunner(loaded, config, self.device)
-        self.executor = UniProcExecutor(self.runner)
+        if executor is None:
+            self.runner = ModelRunner(loaded, config, self.device)
+            executor = UniProcExecutor(self.runner)
+        self.executor = executor
         num_blocks = self.executor.determine_num_blocks(self.max_model_len)
         self.executor.allocate_kv_cache(num_blocks, self.max_model_len)
         self.num_blocks = num_blocks
@@ -73,6 +88,10 @@ class AsyncEngine:
         self._loop_task: asyncio.Task[None] | None = None
         self._wakeup: asyncio.Event | None = None
         self._stopping = False
+        # Set from another thread when the workers fail between steps; the loop raises it.
+        self._worker_failure: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        executor.on_failure(self._on_worker_failure)
         self._dead_reason: str | None = None
         # Set once the step loop has failed for good (see wait_until_dead).
         self._dead = asyncio.Event()
@@ -89,8 +108,17 @@ class AsyncEngine:
     def from_config(cls, config: EngineConfig, metrics: EngineMetrics | None = None) -> AsyncEngine:
         device = resolve_device(config.model.device)
         torch.manual_seed(config.model.seed)
-        loaded = load_model(config.model, device)
-        return cls(config, loaded, metrics)
+        size = config.parallel.tensor_parallel_size
+        if size == 1:
+            return cls(config, load_model(config.model, device), metrics)
+        # Config, tokenizer and shape checks here; the weights load in the workers.
+        loaded = load_model(config.model, device, TensorParallel(0, size), weights=False)
+        executor = MultiProcExecutor(config, device)
+        try:
+            return cls(config, loaded, metrics, executor)
+        except BaseException:
+            executor.shutdown()
+            raise
 
     # ---- state for the server ------------------------------------------------------------
 
@@ -133,6 +161,7 @@ class AsyncEngine:
             return
         self._wakeup = asyncio.Event()
         self._stopping = False
+        self._loop = asyncio.get_running_loop()
         self._loop_task = asyncio.create_task(self._step_loop(), name="asyncserve-step-loop")
 
     async def shutdown(self, timeout: float | None = None) -> None:
@@ -150,6 +179,11 @@ class AsyncEngine:
         with contextlib.suppress(asyncio.CancelledError):
             await self._loop_task
         self._loop_task = None
+
+    async def close(self) -> None:
+        """Shut down, then stop the workers for good (worker processes end here)."""
+        await self.shutdown(timeout=0)
+        await asyncio.to_thread(self.executor.shutdown)
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -301,15 +335,38 @@ class AsyncEngine:
 
     # ---- the step loop -------------------------------------------------------------------
 
+    def _on_worker_failure(self, reason: str) -> None:
+        # Called on the executor's thread: hand over to the event loop and wake the step loop.
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            self._worker_failure = reason
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
+            loop.call_soon_threadsafe(self._note_worker_failure, reason)
+
+    def _note_worker_failure(self, reason: str) -> None:
+        self._worker_failure = reason
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    def _should_stop(self) -> bool:
+        """The step loop's check before each step; a worker failure ends it like a failed
+        step (every request fails, the server exits 1)."""
+        if self._worker_failure is not None:
+            raise RuntimeError(self._worker_failure)
+        return self._stopping
+
     async def _step_loop(self) -> None:
         assert self._wakeup is not None
         try:
-            await self.step_loop.run(self._wakeup, lambda: self._stopping)
+            await self.step_loop.run(self._wakeup, self._should_stop)
         except Exception as exc:  # a failed step: fail every request, report unhealthy
             logger.exception("step loop failed")
             self._dead_reason = f"{type(exc).__name__}: {exc}"
             self.core.fail_all(self._dead_reason)
             self._dead.set()
+            # No worker outlives a failed engine (a dead rank leaves the others blocked).
+            await asyncio.to_thread(self.executor.shutdown)
 
 
 def eos_token_ids(loaded: LoadedModel, tokenizer_eos: int | None) -> list[int]:

@@ -1,2 +1,2 @@
-"""Executors: how the engine process reaches its workers (one thread in this process today;
-several processes or Ray workers behind the same interface)."""
+"""Executors: how the engine process reaches its workers (one step thread in this process,
+or one process per tensor-parallel rank, behind the same interface)."""

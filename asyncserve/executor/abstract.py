@@ -50,6 +50,12 @@ class Executor(ABC):
     def shutdown(self) -> None:
         """Stop the workers; pending stages are dropped."""
 
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        """Have `callback(reason)` called (on any thread) when the workers fail outside a
+        step, e.g. a worker process dies while the engine is idle. Workers in this process
+        fail only inside steps."""
+        return None
+
     def execute(self, plan: StepPlan, masks: MasksFuture | None = None) -> Future[StepResult]:
         """One whole step: forward, sampling, collect."""
         forwarded = self.launch_forward(plan, lambda: None)

@@ -42,3 +42,7 @@ class CausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         raise NotImplementedError
+
+    def checkpoint_slice(self, hf_name: str) -> tuple[int, int, int] | None:
+        """(dim, start, size) of the checkpoint tensor this rank needs; None: all of it."""
+        return None

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncserve.kernels.ops import KernelOps
+from asyncserve.models.parallel import SINGLE, RowParallelLinear, TensorParallel
 
 
 class Linear(nn.Module):
@@ -183,13 +184,23 @@ class GatedMLP(nn.Module):
     or, for Gemma, GELU with the tanh approximation."""
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, ops: KernelOps, activation: str = "silu"
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        ops: KernelOps,
+        activation: str = "silu",
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         self.ops = ops
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size)
-        self.down_proj = Linear(intermediate_size, hidden_size)
+        # Column-parallel gate/up, row-parallel down: one all-reduce per MLP.
+        self.intermediate_size = intermediate_size // tp.size
+        self.gate_up_proj = Linear(hidden_size, 2 * self.intermediate_size)
+        self.down_proj: Linear | RowParallelLinear
+        if tp.size == 1:
+            self.down_proj = Linear(intermediate_size, hidden_size)
+        else:
+            self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp)
         if activation == "silu":
             self.act_and_mul = ops.silu_and_mul
         elif activation == "gelu_pytorch_tanh":

@@ -27,6 +27,12 @@ from asyncserve.models.layers import (
     compute_logits,
 )
 from asyncserve.models.moe import ExpertPlacement
+from asyncserve.models.parallel import (
+    SINGLE,
+    RowParallelLinear,
+    TensorParallel,
+    VocabParallelEmbedding,
+)
 from asyncserve.models.weights import Target, load_checkpoint
 
 # HF name fragment -> (fused parameter fragment, shard index within the fused rows).
@@ -41,18 +47,28 @@ _FUSED_SHARDS: dict[str, tuple[str, int]] = {
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self, config: ArchConfig, layer: int, rotary: RotaryEmbedding, ops: KernelOps
+        self,
+        config: ArchConfig,
+        layer: int,
+        rotary: RotaryEmbedding,
+        ops: KernelOps,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        # This rank's heads (all of them without tensor parallelism).
+        self.num_heads = config.num_attention_heads // tp.size
+        self.num_kv_heads = tp.kv_heads(config.num_key_value_heads)[1]
         self.head_dim = config.head_dim
-        self.q_size = config.q_size
-        self.kv_size = config.kv_size
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
-        self.o_proj = Linear(self.q_size, config.hidden_size)
+        self.o_proj: Linear | RowParallelLinear
+        if tp.size == 1:
+            self.o_proj = Linear(self.q_size, config.hidden_size)
+        else:
+            self.o_proj = RowParallelLinear(config.q_size, config.hidden_size, tp)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.qk_norm:
@@ -98,9 +114,10 @@ class LlamaDecoderLayer(nn.Module):
         rotary: RotaryEmbedding,
         ops: KernelOps,
         mlp: nn.Module,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer, rotary, ops)
+        self.self_attn = LlamaAttention(config, layer, rotary, ops, tp)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
@@ -132,9 +149,19 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ArchConfig, ops: KernelOps, mlps: list[nn.Module]) -> None:
+    def __init__(
+        self,
+        config: ArchConfig,
+        ops: KernelOps,
+        mlps: list[nn.Module],
+        tp: TensorParallel = SINGLE,
+    ) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens: VocabEmbedding | VocabParallelEmbedding
+        if tp.size == 1:
+            self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.embedding_multiplier = config.embedding_multiplier
         rotary = RotaryEmbedding(
             config.rotary_dim,
@@ -144,7 +171,7 @@ class LlamaModel(nn.Module):
             ops,
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, rotary, ops, mlp) for i, mlp in enumerate(mlps)
+            LlamaDecoderLayer(config, i, rotary, ops, mlp, tp) for i, mlp in enumerate(mlps)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
@@ -172,22 +199,29 @@ class LlamaForCausalLM(CausalLM):
     (route); everything else follows the config."""
 
     def __init__(
-        self, config: ArchConfig, ops: KernelOps, placement: ExpertPlacement | None = None
+        self,
+        config: ArchConfig,
+        ops: KernelOps,
+        placement: ExpertPlacement | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         self.config = config
         self.placement = placement
+        # Set before make_mlp, which reads it.
+        self.tp = tp
         mlps = [self.make_mlp(config, ops, i) for i in range(config.num_hidden_layers)]
-        self.model = LlamaModel(config, ops, mlps)
+        self.model = LlamaModel(config, ops, mlps, tp)
         # A tied head is the embedding module itself, so the tie survives .to() and to_empty().
-        self.lm_head: LMHead | VocabEmbedding
+        self.lm_head: LMHead | VocabEmbedding | VocabParallelEmbedding
         if config.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
-            self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+            # With tensor parallelism, this rank's slice of the vocabulary.
+            self.lm_head = LMHead(config.vocab_size // tp.size, config.hidden_size)
 
     def make_mlp(self, config: ArchConfig, ops: KernelOps, layer: int) -> nn.Module:
-        return GatedMLP(config.hidden_size, config.intermediate_size, ops)
+        return GatedMLP(config.hidden_size, config.intermediate_size, ops, tp=self.tp)
 
     def forward(
         self,
@@ -202,7 +236,8 @@ class LlamaForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32."""
-        logits = compute_logits(hidden, self.lm_head.weight)
+        # Each rank has its vocabulary slice's logits; every rank gets all of them.
+        logits = self.tp.all_gather_last(compute_logits(hidden, self.lm_head.weight))
         if self.config.logits_scaling != 1.0:
             logits = logits / self.config.logits_scaling
         return logits
@@ -215,21 +250,41 @@ class LlamaForCausalLM(CausalLM):
 
     def route(self, hf_name: str) -> Target | None:
         """Where one HF checkpoint tensor goes; None to skip it."""
-        return fused_target(self.config, hf_name)
+        return fused_target(self.config, hf_name, self.tp)
+
+    def checkpoint_slice(self, hf_name: str) -> tuple[int, int, int] | None:
+        target = self.route(hf_name)
+        return target.source if target is not None else None
 
 
-def fused_target(config: ArchConfig, hf_name: str) -> Target | None:
-    """Target of an HF tensor in a model that fuses q/k/v and gate/up; None to skip it."""
+def fused_target(config: ArchConfig, hf_name: str, tp: TensorParallel = SINGLE) -> Target | None:
+    """Target of an HF tensor in a model that fuses q/k/v and gate/up; None to skip it.
+    With tensor parallelism the target also names the slice of the tensor this rank holds."""
     if "rotary_emb.inv_freq" in hf_name:
         return None  # recomputed from the config
     if hf_name == "lm_head.weight" and config.tie_word_embeddings:
         return None  # some tied checkpoints still carry a copy
+    q_start, q_size = tp.split(config.q_size)
+    ffn_start, ffn_size = tp.split(config.intermediate_size)
     for fragment, (fused, shard) in _FUSED_SHARDS.items():
         if fragment in hf_name:
             if fused == ".qkv_proj.":
-                sizes = [config.q_size, config.kv_size, config.kv_size]
+                first_kv, num_kv = tp.kv_heads(config.num_key_value_heads)
+                kv_size = num_kv * config.head_dim
+                sizes = [q_size, kv_size, kv_size]
+                starts = [q_start, first_kv * config.head_dim, first_kv * config.head_dim]
             else:
-                sizes = [config.intermediate_size] * 2
+                sizes = [ffn_size] * 2
+                starts = [ffn_start] * 2
             rows = (sum(sizes[:shard]), sizes[shard])
-            return Target(hf_name.replace(fragment, fused), rows=rows)
+            source = (0, starts[shard], sizes[shard]) if tp.size > 1 else None
+            return Target(hf_name.replace(fragment, fused), rows=rows, source=source)
+    if tp.size == 1:
+        return Target(hf_name)
+    if ".o_proj." in hf_name:
+        return Target(hf_name, source=(1, q_start, q_size))
+    if ".down_proj." in hf_name:
+        return Target(hf_name, source=(1, ffn_start, ffn_size))
+    if hf_name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return Target(hf_name, source=(0, *tp.split(config.vocab_size)))
     return Target(hf_name)

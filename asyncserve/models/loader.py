@@ -25,6 +25,7 @@ from asyncserve.kernels.ops import select_ops
 from asyncserve.models.arch_config import ArchConfig
 from asyncserve.models.base import CausalLM
 from asyncserve.models.gguf_loader import GGUFFile, gguf_hf_config, iter_gguf_weights, open_gguf
+from asyncserve.models.parallel import SINGLE, TensorParallel, check_tensor_parallel
 from asyncserve.models.registry import resolve_model_class
 from asyncserve.sampling_params import MODEL_SAMPLING_DEFAULTS
 from asyncserve.tokenizer import Tokenizer
@@ -124,11 +125,16 @@ def _find_source(path: Path) -> tuple[str, Path]:
     raise ValueError(f"{path} has neither a config.json nor a .gguf file")
 
 
-def _build_model(arch: ArchConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
+def _build_model(
+    arch: ArchConfig, device: torch.device, dtype: torch.dtype, tp: TensorParallel
+) -> CausalLM:
     cls = resolve_model_class(arch.architecture)
     # Parameters are torch.empty: created on the device in the dtype, never initialised here.
     with torch.device(device), _default_dtype(dtype):
-        model = cls(arch, select_ops(device))
+        if tp.size == 1:
+            model = cls(arch, select_ops(device))
+        else:
+            model = cls(arch, select_ops(device), tp=tp)  # type: ignore[call-arg]
     return model.eval()
 
 
@@ -150,7 +156,7 @@ def _safetensors_files(root: Path) -> list[Path]:
 
 
 def _iter_safetensors(
-    files: list[Path], device: torch.device
+    files: list[Path], device: torch.device, model: CausalLM
 ) -> Iterator[tuple[str, torch.Tensor]]:
     # Reading straight onto the GPU lets the dtype conversion run there.
     read_device = str(device) if device.type == "cuda" else "cpu"
@@ -158,7 +164,14 @@ def _iter_safetensors(
         try:
             with safe_open(str(file), framework="pt", device=read_device) as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    yield name, f.get_tensor(name)
+                    part = model.checkpoint_slice(name)
+                    if part is None:
+                        yield name, f.get_tensor(name)
+                        continue
+                    # A tensor-parallel rank reads only its slice from the file.
+                    dim, start, size = part
+                    index = (slice(None),) * dim + (slice(start, start + size),)
+                    yield name, f.get_slice(name)[index]
         except SafetensorError as e:
             raise ValueError(f"cannot read {file}: {e}") from e
 
@@ -212,8 +225,17 @@ def _load_tokenizer(
     return Tokenizer.byte_level(arch.vocab_size, arch.bos_token_id, arch.eos_token_ids)
 
 
-def load_model(config: ModelConfig, device: torch.device) -> LoadedModel:
-    """Load config.model (or the default model) onto `device`; each phase is logged."""
+def load_model(
+    config: ModelConfig,
+    device: torch.device,
+    tp: TensorParallel = SINGLE,
+    weights: bool = True,
+) -> LoadedModel:
+    """Load config.model (or the default model) onto `device`; each phase is logged.
+
+    `tp`: this rank's slice of a tensor-parallel model. weights=False builds the model on
+    the meta device and reads no weights (the engine process of a multi-process executor
+    needs only the config, tokenizer and generation config)."""
     start = time.monotonic()
     path = Path(config.model) if config.model is not None else Path(default_model_path())
     kind, source = _find_source(path)
@@ -232,18 +254,21 @@ def load_model(config: ModelConfig, device: torch.device) -> LoadedModel:
             f"max_model_len ({config.max_model_len}) exceeds the model's "
             f"max_position_embeddings ({arch.max_position_embeddings})"
         )
+    check_tensor_parallel(arch, tp.size)
     dtype = resolve_dtype(config.dtype, arch.torch_dtype, device)
     tokenizer = _load_tokenizer(config, root, gguf_file, arch)
     logger.info("tokenizer ready (%.1f s); building %s in %s", time.monotonic() - start,
                 arch.architecture, dtype)  # fmt: skip
-    model = _build_model(arch, device, dtype)
+    model = _build_model(arch, device if weights else torch.device("meta"), dtype, tp)
     logger.info("reading %s weights (%.1f s)", config.load_format, time.monotonic() - start)
-    if config.load_format == "dummy":
+    if not weights:
+        pass  # a shape-only model on the meta device
+    elif config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
     elif gguf_file is not None:
         model.load_weights(iter_gguf_weights(gguf_file, arch))
     elif root is not None:
-        model.load_weights(_iter_safetensors(_safetensors_files(root), device))
+        model.load_weights(_iter_safetensors(_safetensors_files(root), device, model))
     logger.info(
         "loaded %s (%s, %s) from %s in %.1f s",
         arch.architecture,

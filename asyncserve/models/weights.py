@@ -21,6 +21,8 @@ class Target:
     rows: tuple[int, int] | None = None  # (start, size) along the next dim
     source_experts: list[int] | None = None  # rows of a stacked source tensor to keep
     offset: float = 0.0  # added on load (Gemma stores norm weights as weight - 1)
+    # (dim, start, size): the slice of the checkpoint tensor this tensor-parallel rank holds.
+    source: tuple[int, int, int] | None = None
 
 
 Router = Callable[[str], Target | None]
@@ -48,6 +50,11 @@ def load_checkpoint(
         if target.rows is not None:
             start, size = target.rows
             view = view[start : start + size]
+        if target.source is not None:
+            dim, start, size = target.source
+            # Readers that slice on read (safetensors) hand over the slice already.
+            if tensor.shape[dim] != size:
+                tensor = tensor.narrow(dim, start, size)
         if target.source_experts is not None:
             tensor = tensor[target.source_experts]
         if tuple(view.shape) != tuple(tensor.shape):

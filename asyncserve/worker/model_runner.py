@@ -12,6 +12,7 @@ tensor the sampler wrote.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -22,6 +23,7 @@ import torch
 from asyncserve.config import EngineConfig
 from asyncserve.core.step import GrammarBitmask, StepPlan, StepResult
 from asyncserve.models.loader import LoadedModel
+from asyncserve.models.parallel import SINGLE, TensorParallel
 from asyncserve.worker.cuda_graphs import DecodeGraphs
 from asyncserve.worker.grammar_mask import apply_grammar_bitmask
 from asyncserve.worker.input_batch import (
@@ -76,10 +78,22 @@ class ForwardedStep:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, device: torch.device) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig,
+        device: torch.device,
+        tp: TensorParallel = SINGLE,
+    ) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.arch = loaded.arch
+        # Only rank 0 samples; the other ranks take its sampled ids (see _sample).
+        self.tp = tp
+        # The KV pool holds this rank's KV heads only.
+        self.kv_arch = dataclasses.replace(
+            loaded.arch, num_key_value_heads=tp.kv_heads(loaded.arch.num_key_value_heads)[1]
+        )
         self.config = config
         self.device = device
         self.dtype = loaded.dtype
@@ -97,12 +111,12 @@ class ModelRunner:
 
     def determine_num_blocks(self, max_model_len: int) -> int:
         """How many KV blocks this device holds (see worker/kv_pool.py)."""
-        return determine_num_blocks(self.model, self.arch, self.config, self.dtype, self.device,
-                                    max_model_len)  # fmt: skip
+        return determine_num_blocks(self.model, self.kv_arch, self.config, self.dtype,
+                                    self.device, max_model_len)  # fmt: skip
 
     def allocate_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
         self.kv_caches = allocate_kv_caches(
-            self.arch, num_blocks, self.block_size, self.dtype, self.device
+            self.kv_arch, num_blocks, self.block_size, self.dtype, self.device
         )
         self.num_blocks = num_blocks
         if self.device.type == "cuda" and self.config.enable_cuda_graphs:
@@ -213,19 +227,36 @@ class ModelRunner:
             else:
                 assert forwarded.hidden is not None
                 logits = self.model.compute_logits(forwarded.hidden[inputs.logits_indices])
-            # Filled on the grammar thread while the forward ran.
-            bitmask = grammar.result() if grammar is not None else None
-            if bitmask is not None:
-                apply_grammar_bitmask(logits, bitmask, inputs.sample_request_ids)
-            rows = [self._sampling_row(self.states[rid]) for rid in inputs.sample_request_ids]
-            meta = SamplingMetadata.build(rows, self.vocab_size, self.device)
-            sampler_out = self.sampler(logits, meta)
+            sampler_out = self._sample(logits, inputs.sample_request_ids, grammar)
 
         for rid, count in zip(inputs.request_ids, inputs.counts, strict=True):
             self.states[rid].num_computed_tokens += count
         if sampler_out is not None:
             self._start_copy(inputs, sampler_out, step)
         return step
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        request_ids: list[str],
+        grammar: Future[GrammarBitmask | None] | None,
+    ) -> SamplerOutput:
+        """Rank 0 samples; under tensor parallelism every other rank takes its ids, so all
+        ranks feed the same tokens to the next step."""
+        if self.tp.rank == 0:
+            # Filled on the grammar thread while the forward ran.
+            bitmask = grammar.result() if grammar is not None else None
+            if bitmask is not None:
+                apply_grammar_bitmask(logits, bitmask, request_ids)
+            rows = [self._sampling_row(self.states[rid]) for rid in request_ids]
+            meta = SamplingMetadata.build(rows, self.vocab_size, self.device)
+            out = self.sampler(logits, meta)
+        else:
+            out = SamplerOutput(
+                torch.empty(len(request_ids), dtype=torch.int64, device=self.device)
+            )
+        self.tp.broadcast_from_first(out.sampled_token_ids)
+        return out
 
     def _fill_placeholders(self, inputs: StepInputs) -> None:
         """Input tokens still being sampled by the step before come from its device tensor."""

@@ -1,0 +1,228 @@
+"""Several worker processes, one per tensor-parallel rank, behind the Executor interface.
+
+The scheduler stays in the engine process. Each worker (multiprocessing spawn) joins a
+torch.distributed group (gloo on CPU, NCCL on CUDA), loads its slice of the model and runs
+a ModelRunner. Every step reaches every worker as pickled messages over its pipe:
+
+  launch_forward   ("forward", plan)     the worker applies the plan and runs the forward
+  launch_sampling  ("sample", bitmask)   rank 0 samples (with the grammar masks) and the
+                                         others take its ids; each worker collects the step
+  collect                                one reply per worker: rank 0's is the StepResult
+
+The stages run in submission order on one thread here, so the futures contract of
+Executor holds as with UniProcExecutor. A worker that dies fails the stage waiting on it
+(and every later one) with an error naming it; shutdown ends every worker process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from multiprocessing import get_context
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import torch
+
+from asyncserve.config import EngineConfig
+from asyncserve.core.step import StepPlan, StepResult
+from asyncserve.executor.abstract import Executor, MasksFuture
+from asyncserve.executor.tp_worker import worker_main
+
+logger = logging.getLogger(__name__)
+
+# Seconds a worker gets to exit on its own at shutdown before it is terminated.
+_EXIT_GRACE_S = 5.0
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def check_devices(tensor_parallel_size: int, device: torch.device) -> None:
+    """One-line ValueError when the ranks outnumber the visible GPUs."""
+    if device.type == "cuda":
+        visible = torch.cuda.device_count()
+        if tensor_parallel_size > visible:
+            raise ValueError(
+                f"tensor_parallel_size ({tensor_parallel_size}) exceeds the {visible} visible "
+                "CUDA devices"
+            )
+
+
+class WorkerDied(RuntimeError):
+    """A worker process ended or failed; the engine cannot go on."""
+
+
+class MultiProcExecutor(Executor):
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        size = config.parallel.tensor_parallel_size
+        check_devices(size, device)
+        ctx = get_context("spawn")
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        self.size = size
+        self._procs: list[BaseProcess] = []
+        self._conns: list[Connection] = []
+        self._failure: str | None = None
+        self._closing = False
+        self._failure_callbacks: list[Callable[[str], None]] = []
+        for rank in range(size):
+            parent, child = ctx.Pipe()
+            # Daemonic: the workers end with the engine process even when nobody calls
+            # shutdown.
+            proc = ctx.Process(
+                target=worker_main,
+                args=(config, device.type, rank, size, init_method, child),
+                name=f"asyncserve-tp{rank}",
+                daemon=True,
+            )
+            proc.start()
+            # Only the worker holds its end, so a dead worker reads as EOF here.
+            child.close()
+            self._procs.append(proc)
+            self._conns.append(parent)
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncserve-step")
+        try:
+            self._replies()  # every worker reports once its model is loaded
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("%d tensor-parallel workers ready (pids %s)", size, self.pids)
+        threading.Thread(target=self._watch, name="asyncserve-tp-watch", daemon=True).start()
+
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        self._failure_callbacks.append(callback)
+
+    def _watch(self) -> None:
+        """Report the first worker that ends while nobody waits on it (an idle engine would
+        otherwise learn of it only at its next step)."""
+        ended = wait([p.sentinel for p in self._procs])
+        if self._closing:
+            return
+        for proc in self._procs:
+            if proc.sentinel in ended:
+                proc.join()  # reaped, so its exit code is known
+        reason = self._dead_worker()
+        if reason is None:
+            return
+        self._failure = self._failure or reason
+        for callback in self._failure_callbacks:
+            callback(self._failure)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs if p.pid is not None]
+
+    # ---- messages ------------------------------------------------------------------------
+
+    def _dead_worker(self) -> str | None:
+        """Which worker has ended, if any. Read from the sentinels: is_alive() reads a
+        process as alive when another thread (the watcher) is reaping it at that moment."""
+        ended = wait([p.sentinel for p in self._procs], timeout=0)
+        for rank, proc in enumerate(self._procs):
+            if proc.sentinel in ended:
+                proc.join(1.0)
+                code = "" if proc.exitcode is None else f" (exit code {proc.exitcode})"
+                return f"tensor-parallel worker {rank} (pid {proc.pid}) died{code}"
+        return None
+
+    def _fail(self, reason: str) -> WorkerDied:
+        self._failure = self._failure or reason
+        return WorkerDied(self._failure)
+
+    def _send(self, messages: list[tuple[Any, ...]]) -> None:
+        if self._failure is not None:
+            raise WorkerDied(self._failure)
+        for rank, (conn, message) in enumerate(zip(self._conns, messages, strict=True)):
+            try:
+                conn.send(message)
+            except OSError as e:
+                # A broken pipe comes before the exit is reaped: give it a moment.
+                self._procs[rank].join(1.0)
+                raise self._fail(self._dead_worker() or f"worker {rank} is unreachable: {e}") from e
+
+    def _replies(self) -> list[Any]:
+        """One reply from every worker, in rank order; raises once any worker has died."""
+        if self._failure is not None:
+            raise WorkerDied(self._failure)
+        sentinels = [p.sentinel for p in self._procs]
+        out = []
+        for rank, conn in enumerate(self._conns):
+            # A rank blocked in a collective with a dead peer never answers: watch them all.
+            while not conn.poll():
+                wait([conn, *sentinels])
+                if not conn.poll() and (dead := self._dead_worker()) is not None:
+                    raise self._fail(dead)
+            try:
+                status, value = conn.recv()
+            except (EOFError, OSError) as e:
+                raise self._fail(self._dead_worker() or f"worker {rank} closed its pipe") from e
+            if status != "ok":
+                # A rank whose peer died fails its collective: name the dead one as the cause.
+                wait(sentinels, timeout=1.0)
+                raise self._fail(
+                    self._dead_worker() or f"tensor-parallel worker {rank} failed: {value}"
+                )
+            out.append(value)
+        return out
+
+    # ---- Executor ------------------------------------------------------------------------
+
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        return self._thread.submit(self._rpc, method, args).result()
+
+    def _rpc(self, method: str, args: tuple[Any, ...]) -> list[Any]:
+        self._send([("rpc", method, args)] * self.size)
+        return self._replies()
+
+    def launch_forward(self, plan: StepPlan, on_launched: Callable[[], None]) -> Future[Any]:
+        job = self._thread.submit(self._send, [("forward", plan)] * self.size)
+        # The forward is under way once every worker has the plan (or the stage failed).
+        job.add_done_callback(lambda _: on_launched())
+        return job
+
+    def launch_sampling(self, forwarded: Future[Any], masks: MasksFuture | None) -> Future[Any]:
+        return self._thread.submit(self._sample, forwarded, masks)
+
+    def _sample(self, forwarded: Future[Any], masks: MasksFuture | None) -> None:
+        forwarded.result()  # ran before on this thread: raises if it failed
+        bitmask = masks.result() if masks is not None else None
+        # Only rank 0 samples, so only it needs the masks.
+        self._send([("sample", bitmask)] + [("sample", None)] * (self.size - 1))
+
+    def collect(self, launched: Future[Any]) -> Future[StepResult]:
+        return self._thread.submit(self._collect, launched)
+
+    def _collect(self, launched: Future[Any]) -> StepResult:
+        launched.result()
+        result = self._replies()[0]
+        assert isinstance(result, StepResult)
+        return result
+
+    def shutdown(self) -> None:
+        self._closing = True
+        self._thread.shutdown(wait=False, cancel_futures=True)
+        for proc, conn in zip(self._procs, self._conns, strict=True):
+            if proc.is_alive():
+                with contextlib.suppress(OSError):
+                    conn.send(("stop",))
+        # After a failure the live ranks may be blocked in a collective: no grace then.
+        grace = _EXIT_GRACE_S if self._failure is None and self._dead_worker() is None else 0.0
+        for proc in self._procs:
+            proc.join(grace)
+            if proc.is_alive():
+                # Blocked in a collective with a dead peer: it never reads "stop".
+                proc.terminate()
+                proc.join(_EXIT_GRACE_S)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self._conns:
+            conn.close()

@@ -1,0 +1,128 @@
+"""Tensor parallelism: which slice of each weight a rank holds, and the collectives that
+join the slices (torch.distributed's default group: one worker process per rank).
+
+Column-parallel layers (fused QKV, gate/up, the vocabulary of the embedding and LM head)
+hold a slice of the output rows; row-parallel layers (o_proj, down_proj) hold a slice of the
+input columns and all-reduce their partial sums. KV heads are split like query heads, or
+replicated when there are fewer KV heads than ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from asyncserve.models.arch_config import ArchConfig
+
+# The families whose layers take a TensorParallel (the others run on one device only).
+TP_ARCHITECTURES = frozenset(
+    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+)
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This rank's place in the tensor-parallel group; size 1 makes every collective a no-op."""
+
+    rank: int = 0
+    size: int = 1
+
+    def split(self, total: int) -> tuple[int, int]:
+        """(start, size) of this rank's equal share of `total`."""
+        per = total // self.size
+        return self.rank * per, per
+
+    def kv_heads(self, num_kv_heads: int) -> tuple[int, int]:
+        """(first KV head, KV heads) this rank holds: a share of them, or one replicated head
+        when the ranks outnumber them."""
+        if num_kv_heads >= self.size:
+            return self.split(num_kv_heads)
+        return self.rank * num_kv_heads // self.size, 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's `x` along the last dim (the vocabulary of the logits)."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x)
+        return torch.cat(parts, dim=-1)
+
+    def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `x` on every rank, in place (the sampled ids: only rank 0 samples)."""
+        if self.size > 1:
+            dist.broadcast(x, src=0)
+        return x
+
+
+SINGLE = TensorParallel()
+
+
+def check_tensor_parallel(arch: ArchConfig, size: int) -> None:
+    """One-line ValueError when `arch` cannot be split over `size` ranks."""
+    if size == 1:
+        return
+    if arch.architecture not in TP_ARCHITECTURES:
+        raise ValueError(
+            f"tensor_parallel_size > 1 is not supported for {arch.architecture} yet "
+            f"(supported: {', '.join(sorted(TP_ARCHITECTURES))})"
+        )
+    heads, kv = arch.num_attention_heads, arch.num_key_value_heads
+    if heads % size:
+        raise ValueError(
+            f"tensor_parallel_size ({size}) must divide the number of attention heads ({heads})"
+        )
+    if (kv >= size and kv % size) or (kv < size and size % kv):
+        raise ValueError(
+            f"tensor_parallel_size ({size}) and the number of KV heads ({kv}) must divide one "
+            "another"
+        )
+    for name in ("intermediate_size", "vocab_size"):
+        value = getattr(arch, name)
+        if value % size:
+            raise ValueError(f"tensor_parallel_size ({size}) must divide {name} ({value})")
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_slice @ W_slice^T) + b: this rank holds W's columns for its slice of
+    the input features."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features // tp.size), requires_grad=False
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(F.linear(x, self.weight))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds a contiguous slice of the vocabulary's rows; a token outside it looks
+    up zeros, and the all-reduce puts every token's row together. Also the (tied) LM head's
+    weight: the logits of this rank's vocabulary slice."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_start, per = tp.split(vocab_size)
+        self.weight = nn.Parameter(torch.empty(per, hidden_size), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside[:, None], 0.0)
+        return self.tp.all_reduce(out)

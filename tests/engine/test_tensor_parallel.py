@@ -1,0 +1,175 @@
+"""Tensor parallelism on CPU (gloo, 2 worker processes): greedy output equal to one device,
+token for token, through chunked prefill, prefix hits and preemption; a killed worker ends
+the engine with a clear error and no process left behind; bad sizes fail before any start.
+
+SmolLM2-135M (the default model) has 9 attention heads, which 2 ranks cannot split, so the
+equality runs on a small Llama checkpoint (random weights, safetensors) and the default
+model is the bad-size case.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from safetensors.torch import save_file
+
+from asyncserve import LLM, RequestOutput, SamplingParams
+from asyncserve.executor.multiproc import MultiProcExecutor, check_devices
+from tests.models.test_loader import random_state, write_config
+
+# Small steps (chunked prefill) and a small pool (preemption); blocks of 4 tokens.
+ENGINE_ARGS = {
+    "device": "cpu",
+    "dtype": "float32",
+    "block_size": 4,
+    "max_num_batched_tokens": 16,
+    "num_gpu_blocks_override": 24,
+    "max_model_len": 128,
+}
+SHARED = list(range(10, 34))  # 6 full blocks: later prompts hit the prefix cache
+
+
+def _prompts() -> list[list[int]]:
+    prompts = [SHARED + [40 + i, 41 + i] for i in range(4)]
+    prompts += [list(range(100, 140)), [7, 8, 9], list(range(200, 230))]
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = write_config(tmp_path_factory.mktemp("tp") / "llama")
+    save_file(random_state(seed=3), str(root / "model.safetensors"))
+    return root
+
+
+@pytest.fixture(scope="module")
+def tp_llm(checkpoint: Path) -> Iterator[LLM]:
+    llm = LLM(str(checkpoint), tensor_parallel_size=2, **ENGINE_ARGS)  # type: ignore[arg-type]
+    yield llm
+    llm.close()
+
+
+def _generate(llm: LLM) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    first = llm.generate(_prompts()[:1], params, use_tqdm=False)  # fills the prefix cache
+    rest = llm.generate(_prompts()[1:], params, use_tqdm=False)
+    return [list(out.outputs[0].token_ids) for out in first + rest]
+
+
+@pytest.fixture(scope="module")
+def single_llm(checkpoint: Path) -> Iterator[LLM]:
+    llm = LLM(str(checkpoint), **ENGINE_ARGS)  # type: ignore[arg-type]
+    yield llm
+    llm.close()
+
+
+def test_tp2_greedy_equals_one_device(single_llm: LLM, tp_llm: LLM) -> None:
+    expected = _generate(single_llm)
+    assert _generate(tp_llm) == expected
+    assert all(len(ids) == 12 for ids in expected)
+    scheduler = tp_llm.engine.scheduler
+    assert scheduler.num_preemptions_total > 0
+    assert scheduler.prefix_cache_hits > 0
+    # The pool took every block back.
+    assert tp_llm.engine.num_free_blocks == tp_llm.engine.num_blocks
+
+
+def test_tp2_logprobs_come_from_rank_0(single_llm: LLM, tp_llm: LLM) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, prompt_logprobs=2)
+    (want,) = single_llm.generate([list(range(50, 70))], params, use_tqdm=False)
+    (got,) = tp_llm.generate([list(range(50, 70))], params, use_tqdm=False)
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert got.outputs[0].logprobs is not None and want.outputs[0].logprobs is not None
+    for got_row, want_row in zip(got.outputs[0].logprobs, want.outputs[0].logprobs, strict=True):
+        assert list(got_row) == list(want_row)
+        for token, entry in want_row.items():
+            assert got_row[token].logprob == pytest.approx(entry.logprob, abs=1e-4)
+    assert got.prompt_logprobs is not None and want.prompt_logprobs is not None
+    assert len(got.prompt_logprobs) == len(want.prompt_logprobs)
+    for got_row, want_row in zip(got.prompt_logprobs, want.prompt_logprobs, strict=True):
+        assert (got_row is None) == (want_row is None)
+        for token, entry in (want_row or {}).items():
+            assert got_row is not None
+            assert got_row[token].logprob == pytest.approx(entry.logprob, abs=1e-4)
+
+
+def test_replicated_kv_head_equals_one_device(tmp_path: Path) -> None:
+    # One KV head, two ranks: each rank holds a copy of it.
+    state = random_state(seed=5)
+    for i in range(2):
+        for name in ("k_proj", "v_proj"):
+            key = f"model.layers.{i}.self_attn.{name}.weight"
+            state[key] = state[key][:8].contiguous()
+    root = write_config(tmp_path / "kv1", num_key_value_heads=1)
+    save_file(state, str(root / "model.safetensors"))
+    outputs = []
+    for size in (1, 2):
+        llm = LLM(str(root), tensor_parallel_size=size, **ENGINE_ARGS)  # type: ignore[arg-type]
+        try:
+            outputs.append(_generate(llm))
+        finally:
+            llm.close()
+    assert outputs[0] == outputs[1]
+
+
+def test_tp2_async_scheduling_equals_one_device(checkpoint: Path, tp_llm: LLM) -> None:
+    expected = _generate(tp_llm)
+    llm = LLM(str(checkpoint), tensor_parallel_size=2, async_scheduling=True, **ENGINE_ARGS)  # type: ignore[arg-type]
+    try:
+        assert _generate(llm) == expected
+    finally:
+        llm.close()
+
+
+def test_killed_worker_ends_the_engine(tp_llm: LLM) -> None:
+    executor = tp_llm.engine.executor
+    assert isinstance(executor, MultiProcExecutor)
+    pids = executor.pids
+    engine = tp_llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+
+    async def run() -> RequestOutput:
+        # Killed mid-run, once the first token is out: the steps in flight fail.
+        last = None
+        async for out in engine.generate([5, 6, 7], params, "killed"):
+            if last is None:
+                os.kill(pids[1], signal.SIGKILL)
+            last = out
+        assert last is not None
+        return last
+
+    out = tp_llm._loop.run_until_complete(run())
+    assert out.error is not None and "worker 1" in out.error and "died" in out.error
+    assert len(out.outputs[0].token_ids) < 50
+    assert "died" in tp_llm.engine._dead_reason  # type: ignore[operator]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and multiprocessing.active_children():
+        time.sleep(0.05)
+    assert not multiprocessing.active_children()
+    for pid in pids:  # reaped: no orphan left
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_bad_tensor_parallel_size_fails_before_any_process() -> None:
+    # SmolLM2-135M has 9 attention heads.
+    with pytest.raises(ValueError, match=r"must divide the number of attention heads \(9\)"):
+        LLM(device="cpu", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
+        LLM(device="cpu", tensor_parallel_size=0)
+    assert not multiprocessing.active_children()
+
+
+def test_more_ranks_than_gpus_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size \(2\) exceeds the 1 visible"):
+        check_devices(2, torch.device("cuda"))
+    check_devices(2, torch.device("cpu"))
