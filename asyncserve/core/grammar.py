@@ -28,6 +28,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -82,8 +84,31 @@ def build_ll_tokenizer(
     return LLTokenizer(plain.to_str(), n_vocab=vocab_size, eos_token=eos)
 
 
+# Deeper schemas given as text would exhaust json.loads' recursion (a RecursionError).
+MAX_SCHEMA_DEPTH = 128
+
+
+def _json_depth(text: str) -> int:
+    """The deepest bracket nesting outside strings (a cheap pre-check before json.loads)."""
+    stripped = re.sub(r'"(?:[^"\\]|\\.)*"', "", text)
+    depth = deepest = 0
+    for char in stripped:
+        if char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth -= 1
+    return deepest
+
+
 def _json_schema(value: str | dict[str, Any] | bool) -> dict[str, Any] | bool:
     if isinstance(value, str):
+        depth = _json_depth(value)
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ValueError(
+                f"structured_outputs.json: invalid schema: nested {depth} levels deep; "
+                f"the limit is {MAX_SCHEMA_DEPTH}"
+            )
         try:
             value = json.loads(value)
         except json.JSONDecodeError as exc:
@@ -195,6 +220,7 @@ class StructuredOutputManager:
             build_ll_tokenizer, backend, vocab_size, list(eos_token_ids)
         )
         self._templates: OrderedDict[str, LLMatcher] = OrderedDict()
+        self._templates_lock = threading.Lock()
         self._matchers: dict[str, _MatcherState] = {}
         self._buffer: torch.Tensor | None = None
         if num_threads is None:
@@ -224,18 +250,21 @@ class StructuredOutputManager:
 
     def _template(self, params: StructuredOutputsParams) -> LLMatcher:
         compiled = compile_grammar(params, self.whitespace_flexible)
-        template = self._templates.get(compiled.grammar)
-        if template is not None:
-            self._templates.move_to_end(compiled.grammar)
-            return template
+        # validate() may run in the server's preprocessing threads: the cache is shared.
+        with self._templates_lock:
+            template = self._templates.get(compiled.grammar)
+            if template is not None:
+                self._templates.move_to_end(compiled.grammar)
+                return template
         # Short errors: a rejected token's message goes to the client, without parser state.
         limits = LLParserLimits(verbose_errors=False)
         template = LLMatcher(self.tokenizer, compiled.grammar, log_level=0, limits=limits)
         if template.is_error():
             raise _invalid(compiled.field, template.get_error())
-        self._templates[compiled.grammar] = template
-        if len(self._templates) > self._cache_size:
-            self._templates.popitem(last=False)
+        with self._templates_lock:
+            self._templates[compiled.grammar] = template
+            if len(self._templates) > self._cache_size:
+                self._templates.popitem(last=False)
         return template
 
     def add_request(self, request_id: str, params: StructuredOutputsParams) -> None:

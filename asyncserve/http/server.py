@@ -21,7 +21,7 @@ from uvicorn.config import LOGGING_CONFIG
 from asyncserve.config import ServerConfig
 from asyncserve.http.app import build_app
 from asyncserve.http.engine_client import EngineClient
-from asyncserve.http.listener import EagerAcceptServer
+from asyncserve.http.listener import EagerAcceptServer, timed_protocol
 from asyncserve.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,9 @@ def uvicorn_config(app: Any, config: ServerConfig) -> uvicorn.Config:
         host=config.host,
         port=config.port,
         loop="uvloop" if fast else "asyncio",
-        http="httptools" if importlib.util.find_spec("httptools") else "h11",
+        http=timed_protocol(config.timeout_request_header),  # type: ignore[arg-type]
+        timeout_keep_alive=config.timeout_keep_alive,  # type: ignore[arg-type]
+        limit_concurrency=config.limit_concurrency,
         lifespan="on",
         log_config=log_config(config.log_level),
         log_level=config.log_level,
