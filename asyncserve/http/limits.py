@@ -5,6 +5,7 @@ read deadline and atomic admission against --max-waiting-requests."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import re
@@ -111,8 +112,8 @@ class Preprocessor:
 
 
 class Ticket:
-    """Places held in the waiting count for a request admitted but not yet seen scheduled;
-    each goes back on the stream's first output, its end, or when the ticket is dropped."""
+    """Places held in the waiting count for requests admitted but not yet added to the
+    engine; each goes back once its request is added, or when the ticket is dropped."""
 
     def __init__(self, admission: Admission, count: int) -> None:
         self._admission = admission
@@ -127,17 +128,27 @@ class Ticket:
         self.release(self._held)
 
     async def watch(self, stream: AsyncIterator[T]) -> AsyncIterator[T]:
-        """`stream`, giving this request's place back once its first output arrives."""
-        released = False
+        """`stream`, giving this request's place back once the engine has added it (from
+        then on the engine's waiting count includes it)."""
+        # The engine adds the request in the first step of the first __anext__; one pass of
+        # the loop runs that step, so the place can go back right after it.
+        first = asyncio.ensure_future(stream.__anext__())  # type: ignore[arg-type]
         try:
+            await asyncio.sleep(0)
+            self.release()
+            try:
+                item = await first
+            except StopAsyncIteration:
+                return
+            yield item
             async for item in stream:
-                if not released:
-                    released = True
-                    self.release()
                 yield item
         finally:
-            if not released:
-                self.release()
+            self.release()
+            if not first.done():
+                first.cancel()
+                with contextlib.suppress(BaseException):
+                    await first
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:
                 await aclose()
@@ -151,8 +162,8 @@ class Admission:
         self.pending = 0
 
     def admit(self, engine_waiting: int, limit: int | None, count: int = 1) -> Ticket:
-        # The engine's queue includes admitted requests once added, so take the larger.
-        waiting = max(engine_waiting, self.pending)
+        # Admitted requests the engine has not added yet, and those it has and not scheduled.
+        waiting = engine_waiting + self.pending
         if limit is not None and waiting + count > limit:
             raise APIError(
                 f"the server is overloaded: {waiting} requests are waiting "

@@ -117,6 +117,13 @@ class EagerAcceptServer(uvicorn.Server):
 
     # Bound by the caller before the model loaded (see bound_socket); else bound here.
     bound: socket.socket | None = None
+    # Called when shutdown begins (SIGTERM), to start the --shutdown-timeout clock.
+    on_shutdown: Callable[[], None] | None = None
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.on_shutdown is not None:
+            self.on_shutdown()
+        await super().shutdown(sockets)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         if sockets is not None or self.config.uds is not None or self.config.fd is not None:

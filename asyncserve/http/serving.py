@@ -3,6 +3,7 @@ tokenization and checks that turn bad input into a 400 before anything reaches t
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import time
@@ -75,6 +76,8 @@ class ServerState:
         self.token_text = TokenText(self.engine.tokenizer)
         self._id_prefix = uuid.uuid4().hex[:8]
         self.preprocessor = Preprocessor()
+        # Set once --shutdown-timeout has run out after SIGTERM: streams end with an error.
+        self.shutdown_deadline = asyncio.Event()
         self.admission = Admission()
         self.body_limit = self.config.max_request_body_bytes or default_body_limit(
             self.engine.max_model_len
