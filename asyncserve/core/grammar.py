@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -40,6 +39,7 @@ import tokenizers
 import torch
 from llguidance import LLExecutor, LLMatcher, LLParserLimits, LLTokenizer
 
+from asyncserve.core.grammar_limits import MAX_SCHEMA_DEPTH, check_regex, json_depth
 from asyncserve.core.request import Request
 from asyncserve.core.step import GrammarBitmask, StepPlan
 from asyncserve.sampling_params import StructuredOutputsParams
@@ -84,26 +84,9 @@ def build_ll_tokenizer(
     return LLTokenizer(plain.to_str(), n_vocab=vocab_size, eos_token=eos)
 
 
-# Deeper schemas given as text would exhaust json.loads' recursion (a RecursionError).
-MAX_SCHEMA_DEPTH = 128
-
-
-def _json_depth(text: str) -> int:
-    """The deepest bracket nesting outside strings (a cheap pre-check before json.loads)."""
-    stripped = re.sub(r'"(?:[^"\\]|\\.)*"', "", text)
-    depth = deepest = 0
-    for char in stripped:
-        if char in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif char in "]}":
-            depth -= 1
-    return deepest
-
-
 def _json_schema(value: str | dict[str, Any] | bool) -> dict[str, Any] | bool:
     if isinstance(value, str):
-        depth = _json_depth(value)
+        depth = json_depth(value)
         if depth > MAX_SCHEMA_DEPTH:
             raise ValueError(
                 f"structured_outputs.json: invalid schema: nested {depth} levels deep; "
@@ -150,6 +133,7 @@ def compile_grammar(
         )
         return CompiledGrammar("json_object", grammar)
     if params.regex is not None:
+        check_regex(params.regex)
         return CompiledGrammar("regex", LLMatcher.grammar_from_regex(params.regex))
     if params.choice is not None:
         # Lark string literals take JSON's escapes; one alternative per choice.

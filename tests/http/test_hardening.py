@@ -25,6 +25,7 @@ ARGS = [
     "--timeout-keep-alive", "1",
     "--shutdown-timeout", "2",
     "--enable-log-requests",
+    "--limit-concurrency", "32",
 ]  # fmt: skip
 
 
@@ -34,7 +35,10 @@ def hard(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     proc = ServerProcess(ARGS, tmp_path_factory.mktemp("hardening"))
     proc.wait_ready()
     yield proc
-    proc.stop()
+    code = proc.stop()
+    logs = proc.logs()
+    assert code == 0, logs[-3000:]
+    assert "Traceback" not in logs, logs[logs.index("Traceback") - 1000 :][:4000]
 
 
 @pytest.fixture()
@@ -200,3 +204,49 @@ def test_bearer_scheme_is_case_insensitive(server: ServerProcess) -> None:
         assert httpx.get(f"{server.base_url}/v1/models", headers=headers).status_code == 200
     wrong = {"Authorization": f"Basic {API_KEY}"}
     assert httpx.get(f"{server.base_url}/v1/models", headers=wrong).status_code == 401
+
+
+def test_explosive_regex_is_rejected_at_validation(hc: httpx.Client) -> None:
+    body = {"prompt": "x", "max_tokens": 4, "structured_outputs": {"regex": "(a{1000}){1000}"}}
+    t0 = time.monotonic()
+    response = hc.post("/v1/completions", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert "the limit is 10000" in error["message"]
+    assert error["param"] == "structured_outputs.regex" or "regex" in error["message"]
+    assert time.monotonic() - t0 < 1
+    body["structured_outputs"] = {"regex": "(a{10}){10}"}
+    assert hc.post("/v1/completions", json=body).status_code == 200
+
+
+def test_null_content_names_the_message(hc: httpx.Client) -> None:
+    body = {"messages": [{"role": "system", "content": "Hi"}, {"role": "user", "content": None}]}
+    response = hc.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "messages[1].content"
+
+
+def test_limit_concurrency_answers_503(hard: ServerProcess, hc: httpx.Client) -> None:
+    idle = [_raw(hard.port) for _ in range(32)]
+    try:
+        time.sleep(0.2)  # every connection accepted (well inside the 1 s header timeout)
+        with httpx.Client(base_url=hard.base_url, timeout=5) as fresh:
+            response = fresh.get("/health")
+        assert response.status_code == 503, response.text
+    finally:
+        for sock in idle:
+            sock.close()
+    time.sleep(0.2)
+    assert hc.get("/health").status_code == 200
+
+
+def test_openapi_has_bounds_and_401s() -> None:
+    from asyncserve.http.openapi import openapi_schema
+
+    schema = openapi_schema("test", auth=True)
+    top_p = schema["components"]["schemas"]["CompletionRequest"]["properties"]["top_p"]
+    assert {"type": "number", "exclusiveMinimum": 0, "maximum": 1}.items() <= top_p["anyOf"][
+        0
+    ].items()
+    for path in ("/v1/models", "/version"):
+        assert "401" in schema["paths"][path]["get"]["responses"]
