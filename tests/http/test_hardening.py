@@ -3,6 +3,7 @@ client disconnects mid-upload, deep JSON, request-log bounds and the auth scheme
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -32,7 +33,17 @@ ARGS = [
 @pytest.fixture(scope="module")
 def hard(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     require_model()
-    proc = ServerProcess(ARGS, tmp_path_factory.mktemp("hardening"))
+    # One torch thread: on a 2-core test machine the preprocessing thread then has a core
+    # of its own, so a stall can only come from the event loop, which is what is tested.
+    old = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        proc = ServerProcess(ARGS, tmp_path_factory.mktemp("hardening"))
+    finally:
+        if old is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = old
     proc.wait_ready()
     yield proc
     code = proc.stop()
@@ -47,8 +58,12 @@ def hc(hard: ServerProcess) -> Iterator[httpx.Client]:
         yield c
 
 
+LAST_CHUNK = [0.0]  # when the stream's last chunk arrived
+
+
 def _stream_gaps(base_url: str, started: threading.Event, gaps: list[float]) -> None:
-    body = {"prompt": "Count:", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    """Appends the time between consecutive stream chunks to `gaps`."""
+    body = {"prompt": "Count:", "max_tokens": 200, "ignore_eos": True, "stream": True}
     with (
         httpx.Client(base_url=base_url, timeout=60) as c,
         c.stream("POST", "/v1/completions", json=body) as response,
@@ -62,6 +77,7 @@ def _stream_gaps(base_url: str, started: threading.Event, gaps: list[float]) -> 
             if last is not None:
                 gaps.append(now - last)
             last = now
+            LAST_CHUNK[0] = now
             started.set()
 
 
@@ -78,14 +94,20 @@ def test_stream_keeps_flowing_while_large_prompts_are_handled(hc: httpx.Client) 
     assert response.status_code == 400, response.text
     assert "characters per token" in response.json()["error"]["message"]
     assert time.monotonic() - t0 < 2
-    # Under the bound each, but 60 of them: tokenized (in the pool) and rejected as too long.
-    batch = ["word " * 3000] * 60
+    # Under the bound each, but 480 of them (7.7 MB): seconds of tokenizing, in the pool,
+    # then rejected as too long.
+    batch = ["word " * 3200] * 480
     response = hc.post("/v1/completions", json={"prompt": batch, "max_tokens": 2})
     assert response.status_code == 400, response.text
     assert "max_model_len" in response.json()["error"]["message"]
+    batch_done = time.monotonic()
     streamer.join(60)
+    assert LAST_CHUNK[0] > batch_done, "the stream ended before the batch was handled"
     assert len(gaps) > 50
     assert max(gaps) < 1.0, f"longest gap between tokens: {max(gaps):.2f} s"
+
+
+BURST = 24
 
 
 def test_burst_admission_holds_the_waiting_limit(hc: httpx.Client) -> None:
@@ -100,11 +122,11 @@ def test_burst_admission_holds_the_waiting_limit(hc: httpx.Client) -> None:
             response.read()
             return response.status_code, response.headers.get("retry-after")
 
-    with ThreadPoolExecutor(10) as pool:
-        results = list(pool.map(one, range(10)))
+    with ThreadPoolExecutor(BURST) as pool:
+        results = list(pool.map(one, range(BURST)))
     accepted = [r for r in results if r[0] == 200]
     rejected = [r for r in results if r[0] == 503]
-    assert len(accepted) + len(rejected) == 10, results
+    assert len(accepted) + len(rejected) == BURST, results
     # One running (--max-num-seqs 1) and two waiting at most; never the whole burst.
     assert 1 <= len(accepted) <= 3, results
     assert all(retry == "1" for _, retry in rejected)
