@@ -40,6 +40,14 @@ def _json_list(text: str) -> list[str]:
     return value
 
 
+def _positive_or_none(text: str) -> float | None:
+    """A timeout in seconds; 0 turns it off."""
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    return value or None
+
+
 def load_chat_template(value: str | None) -> str | None:
     """--chat-template as vLLM reads it: a file's contents, else the template itself when it
     looks like Jinja (escapes such as \\n decoded); anything else is a missing file."""
@@ -104,8 +112,32 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--max-request-body-bytes",
         type=parse_bytes,
-        default=16 * 1024 * 1024,
-        help="larger request bodies get 413",
+        default=None,
+        help="larger request bodies get 413 (default: max_model_len x 48 bytes, at least 1M)",
+    )
+    group.add_argument(
+        "--timeout-request-header",
+        type=_positive_or_none,
+        default=10.0,
+        help="seconds a connection gets to send a request's headers, then 408 (0: none)",
+    )
+    group.add_argument(
+        "--timeout-request-body",
+        type=_positive_or_none,
+        default=60.0,
+        help="seconds a request gets to send its whole body, then 408 (0: none)",
+    )
+    group.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=5.0,
+        help="seconds an idle keep-alive connection stays open",
+    )
+    group.add_argument(
+        "--limit-concurrency",
+        type=int,
+        default=None,
+        help="most connections and requests at once; more get 503 (default: no limit)",
     )
     group.add_argument(
         "--enable-log-requests", action="store_true", help="log every request's prompt and params"
@@ -114,7 +146,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-log-len",
         type=int,
         default=None,
-        help="prompt characters (or token ids) written per logged request (default: all)",
+        help="prompt characters (or token ids) written per logged request (default: 512)",
     )
     group.add_argument(
         "--disable-uvicorn-access-log", action="store_true", help="no access log at all"
@@ -225,6 +257,10 @@ def server_config_from_args(args: argparse.Namespace, env: Environment) -> Serve
         disable_access_log_for_endpoints=endpoints,
         max_waiting_requests=args.max_waiting_requests,
         max_request_body_bytes=args.max_request_body_bytes,
+        timeout_request_header=args.timeout_request_header,
+        timeout_request_body=args.timeout_request_body,
+        timeout_keep_alive=args.timeout_keep_alive,
+        limit_concurrency=args.limit_concurrency,
         log_level=(args.uvicorn_log_level or env.log_level).lower(),
         root_path=(args.root_path or "").rstrip("/"),
         allowed_origins=tuple(args.allowed_origins),

@@ -195,7 +195,15 @@ class ServerConfig:
     disable_access_log_for_endpoints: tuple[str, ...] = ()
     # 503 + Retry-After once this many requests wait to be scheduled; None: no limit.
     max_waiting_requests: int | None = None
-    max_request_body_bytes: int = 16 * 1024 * 1024
+    # Larger bodies get 413; None: derived from max_model_len (http/limits.py).
+    max_request_body_bytes: int | None = None
+    # Seconds a client gets to send a request's headers, then its body (408 after), and
+    # an idle keep-alive connection stays open; None: no limit.
+    timeout_request_header: float | None = 10.0
+    timeout_request_body: float | None = 60.0
+    timeout_keep_alive: float = 5.0
+    # Connections (and requests) served at once; more get 503. None: no limit.
+    limit_concurrency: int | None = None
     log_level: str = "info"
     # Behind a path-prefix proxy: the prefix the proxy strips (ASGI root_path), e.g. "/llm".
     root_path: str = ""
@@ -229,7 +237,15 @@ class ServerConfig:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
-        if self.max_request_body_bytes < 1:
+        for name in ("timeout_request_header", "timeout_request_body"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if self.timeout_keep_alive <= 0:
+            raise ValueError(f"timeout_keep_alive must be > 0, got {self.timeout_keep_alive}")
+        if self.limit_concurrency is not None and self.limit_concurrency < 1:
+            raise ValueError(f"limit_concurrency must be >= 1, got {self.limit_concurrency}")
+        if self.max_request_body_bytes is not None and self.max_request_body_bytes < 1:
             raise ValueError(
                 f"max_request_body_bytes must be >= 1, got {self.max_request_body_bytes}"
             )

@@ -101,7 +101,7 @@ def test_defaults() -> None:
     assert (server.host, server.port) == ("127.0.0.1", 8000)
     assert server.served_model_names == (DEFAULT_SERVED_NAME,)
     assert server.api_key is None
-    assert server.max_request_body_bytes == 16 * 1024 * 1024
+    assert server.max_request_body_bytes is None  # derived from max_model_len
 
 
 @pytest.mark.parametrize(

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,6 +39,7 @@ import tokenizers
 import torch
 from llguidance import LLExecutor, LLMatcher, LLParserLimits, LLTokenizer
 
+from asyncserve.core.grammar_limits import MAX_SCHEMA_DEPTH, check_regex, json_depth
 from asyncserve.core.request import Request
 from asyncserve.core.step import GrammarBitmask, StepPlan
 from asyncserve.sampling_params import StructuredOutputsParams
@@ -84,6 +86,12 @@ def build_ll_tokenizer(
 
 def _json_schema(value: str | dict[str, Any] | bool) -> dict[str, Any] | bool:
     if isinstance(value, str):
+        depth = json_depth(value)
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ValueError(
+                f"structured_outputs.json: invalid schema: nested {depth} levels deep; "
+                f"the limit is {MAX_SCHEMA_DEPTH}"
+            )
         try:
             value = json.loads(value)
         except json.JSONDecodeError as exc:
@@ -125,6 +133,7 @@ def compile_grammar(
         )
         return CompiledGrammar("json_object", grammar)
     if params.regex is not None:
+        check_regex(params.regex)
         return CompiledGrammar("regex", LLMatcher.grammar_from_regex(params.regex))
     if params.choice is not None:
         # Lark string literals take JSON's escapes; one alternative per choice.
@@ -195,6 +204,7 @@ class StructuredOutputManager:
             build_ll_tokenizer, backend, vocab_size, list(eos_token_ids)
         )
         self._templates: OrderedDict[str, LLMatcher] = OrderedDict()
+        self._templates_lock = threading.Lock()
         self._matchers: dict[str, _MatcherState] = {}
         self._buffer: torch.Tensor | None = None
         if num_threads is None:
@@ -224,18 +234,21 @@ class StructuredOutputManager:
 
     def _template(self, params: StructuredOutputsParams) -> LLMatcher:
         compiled = compile_grammar(params, self.whitespace_flexible)
-        template = self._templates.get(compiled.grammar)
-        if template is not None:
-            self._templates.move_to_end(compiled.grammar)
-            return template
+        # validate() may run in the server's preprocessing threads: the cache is shared.
+        with self._templates_lock:
+            template = self._templates.get(compiled.grammar)
+            if template is not None:
+                self._templates.move_to_end(compiled.grammar)
+                return template
         # Short errors: a rejected token's message goes to the client, without parser state.
         limits = LLParserLimits(verbose_errors=False)
         template = LLMatcher(self.tokenizer, compiled.grammar, log_level=0, limits=limits)
         if template.is_error():
             raise _invalid(compiled.field, template.get_error())
-        self._templates[compiled.grammar] = template
-        if len(self._templates) > self._cache_size:
-            self._templates.popitem(last=False)
+        with self._templates_lock:
+            self._templates[compiled.grammar] = template
+            if len(self._templates) > self._cache_size:
+                self._templates.popitem(last=False)
         return template
 
     def add_request(self, request_id: str, params: StructuredOutputsParams) -> None:

@@ -49,7 +49,7 @@ class APIKeyMiddleware:
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or route_path(scope) in OPEN_PATHS:
@@ -60,7 +60,9 @@ class APIKeyMiddleware:
             if name == b"authorization":
                 given = value
                 break
-        if not hmac.compare_digest(given, self.expected):
+        # The scheme is case-insensitive (RFC 7235): "bearer <key>" is as good.
+        scheme, _, token = given.partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.expected):
             response = APIError(
                 "Invalid or missing API key: send `Authorization: Bearer <key>`",
                 401,
@@ -137,6 +139,7 @@ def build_app(
         finally:
             watcher.cancel()
             await engine.shutdown(timeout=config.shutdown_timeout)
+            state.preprocessor.shutdown()
 
     app = Starlette(
         routes=routes_openai.routes(state) + routes_ops.routes(state),

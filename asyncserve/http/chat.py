@@ -12,6 +12,7 @@ from starlette.responses import Response
 
 from asyncserve.http.chat_prompt import render_chat_prompt
 from asyncserve.http.errors import APIError
+from asyncserve.http.limits import Ticket
 from asyncserve.http.logprobs import chat_logprobs, prompt_logprobs
 from asyncserve.http.protocol import (
     ChatChoice,
@@ -66,11 +67,15 @@ class _Job:
         self.created = int(time.time())
         self.engine_id = state.new_request_id()
         self.token_text = state.token_text_for(body.return_tokens_as_token_ids)
+        self.ticket: Ticket | None = None
 
     def stream(self, params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        assert self.ticket is not None
         self.state.log_request(self.engine_id, self.prompt, params)
-        return self.state.engine.generate(
-            self.prompt.token_ids, params, self.engine_id, priority=self.body.priority
+        return self.ticket.watch(
+            self.state.engine.generate(
+                self.prompt.token_ids, params, self.engine_id, priority=self.body.priority
+            )
         )
 
     def logprobs(self, comp: CompletionOutput) -> ChatLogprobs | None:
@@ -108,13 +113,18 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     body.top_logprobs = state.resolve_logprobs(body.top_logprobs, "top_logprobs")
     body.prompt_logprobs = state.resolve_logprobs(body.prompt_logprobs, "prompt_logprobs", "prompt")
     params = chat_params(body, state.generation_config)
-    text = render_chat_prompt(state.engine.tokenizer, body, state.config.chat_template)
-    prompt = state.truncate(state.tokenize(text, body.add_special_tokens), params)
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     constraint = "response_format" if body.response_format is not None else "structured_outputs"
-    state.validate(prompt, params, "messages", max_tokens_param, constraint)
-    state.check_ready(body.priority)
+
+    def prepare() -> PromptInput:  # in the preprocessing pool: off the event loop
+        text = render_chat_prompt(state.engine.tokenizer, body, state.config.chat_template)
+        prompt = state.prepare(text, body.add_special_tokens, params)
+        state.validate(prompt, params, "messages", max_tokens_param, constraint)
+        return prompt
+
+    prompt = await state.preprocessor.run(prepare)
     job = _Job(state, body, prompt, model, request)
+    job.ticket = state.check_ready(body.priority)
     if body.stream:
         return EventStreamResponse(_stream(job, params))
     final = await cancel_on_disconnect(_final(job.stream(params)), request.receive)

@@ -59,25 +59,30 @@ async def create_batch_chat_completion(state: ServerState, request: Request) -> 
     _check(body)
     body.top_logprobs = state.resolve_logprobs(body.top_logprobs, "top_logprobs")
     params = chat_params(body, state.generation_config)
-    prompts: list[PromptInput] = []
-    for i, conversation in enumerate(body.messages):
-        one = msgspec.structs.replace(body, messages=conversation)
-        try:
-            text = render_chat_prompt(state.engine.tokenizer, one, state.config.chat_template)
-        except APIError as exc:  # name the conversation: messages[1] -> messages[2][1]
-            param = exc.param or "messages"
-            exc.param = param.replace("messages", f"messages[{i}]", 1)
-            raise
-        prompt = state.truncate(state.tokenize(text, body.add_special_tokens), params)
-        state.validate(prompt, params, f"messages[{i}]")
-        prompts.append(prompt)
-    state.check_ready(body.priority)
+
+    def prepare() -> list[PromptInput]:  # in the preprocessing pool: off the event loop
+        prompts: list[PromptInput] = []
+        for i, conversation in enumerate(body.messages):
+            one = msgspec.structs.replace(body, messages=conversation)
+            try:
+                text = render_chat_prompt(state.engine.tokenizer, one, state.config.chat_template)
+            except APIError as exc:  # name the conversation: messages[1] -> messages[2][1]
+                param = exc.param or "messages"
+                exc.param = param.replace("messages", f"messages[{i}]", 1)
+                raise
+            prompt = state.prepare(text, body.add_special_tokens, params)
+            state.validate(prompt, params, f"messages[{i}]")
+            prompts.append(prompt)
+        return prompts
+
+    prompts = await state.preprocessor.run(prepare)
+    ticket = state.check_ready(body.priority, len(prompts))
     request_id = f"chatcmpl-{state.base_request_id(request, body.request_id)}"
     engine_ids = [state.new_request_id() for _ in prompts]
     for rid, prompt in zip(engine_ids, prompts, strict=True):
         state.log_request(rid, prompt, params)
     streams = [
-        state.engine.generate(p.token_ids, params, rid, priority=body.priority)
+        ticket.watch(state.engine.generate(p.token_ids, params, rid, priority=body.priority))
         for rid, p in zip(engine_ids, prompts, strict=True)
     ]
 

@@ -12,6 +12,7 @@ from starlette.responses import Response
 
 from asyncserve.http.beam import beam_completion
 from asyncserve.http.errors import APIError
+from asyncserve.http.limits import Ticket
 from asyncserve.http.logprobs import completion_logprobs, prompt_logprobs
 from asyncserve.http.protocol import (
     CompletionLogprobs,
@@ -55,10 +56,12 @@ class _Job:
         body: CompletionRequest,
         prompts: list[PromptInput],
         request: Request,
+        ticket: Ticket,
     ) -> None:
         self.state = state
         self.body = body
         self.prompts = prompts
+        self.ticket = ticket
         self.id = f"cmpl-{state.base_request_id(request, body.request_id)}"
         self.created = int(time.time())
         self.engine_ids = [state.new_request_id() for _ in prompts]
@@ -69,7 +72,9 @@ class _Job:
         for rid, prompt in zip(self.engine_ids, self.prompts, strict=True):
             self.state.log_request(rid, prompt, params)
         return [
-            engine.generate(p.token_ids, params, rid, priority=self.body.priority)
+            self.ticket.watch(
+                engine.generate(p.token_ids, params, rid, priority=self.body.priority)
+            )
             for rid, p in zip(self.engine_ids, self.prompts, strict=True)
         ]
 
@@ -140,14 +145,19 @@ async def create_completion(state: ServerState, request: Request) -> Response:
             400,
             "prompt",
         )
-    prompts = [state.truncate(state.tokenize(p, body.add_special_tokens), params)
-               for p in raw_prompts]  # fmt: skip
-    for prompt in prompts:
-        state.validate(prompt, params, "prompt")
-    state.check_ready(body.priority)
+
+    def prepare() -> list[PromptInput]:  # in the preprocessing pool: off the event loop
+        prompts = [state.prepare(p, body.add_special_tokens, params) for p in raw_prompts]
+        for prompt in prompts:
+            state.validate(prompt, params, "prompt")
+        return prompts
+
+    prompts = await state.preprocessor.run(prepare)
+    ticket = state.check_ready(body.priority, len(prompts))
     if body.use_beam_search:
+        ticket.release(len(prompts))  # beam search runs its own requests
         return await beam_completion(state, body, prompts, model, request)
-    job = _Job(state, body, prompts, request)
+    job = _Job(state, body, prompts, request, ticket)
     if body.stream:
         return EventStreamResponse(_stream(job, params, model))
     return await _complete(job, params, model, request)

@@ -117,6 +117,13 @@ class EagerAcceptServer(uvicorn.Server):
 
     # Bound by the caller before the model loaded (see bound_socket); else bound here.
     bound: socket.socket | None = None
+    # Called when shutdown begins (SIGTERM), to start the --shutdown-timeout clock.
+    on_shutdown: Callable[[], None] | None = None
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.on_shutdown is not None:
+            self.on_shutdown()
+        await super().shutdown(sockets)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         if sockets is not None or self.config.uds is not None or self.config.fd is not None:
@@ -142,3 +149,59 @@ class EagerAcceptServer(uvicorn.Server):
         self.servers = [EagerAcceptor(sock, create_protocol, config.ssl)]  # type: ignore[list-item]
         self._log_started_message([sock])
         self.started = True
+
+
+def timed_protocol(header_timeout_s: float | None) -> type[asyncio.Protocol] | str:
+    """uvicorn's httptools protocol that answers 408 and closes a connection whose request
+    headers do not all arrive within `header_timeout_s` (a slow or silent client would
+    otherwise hold the connection forever); "h11" when httptools is missing."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:
+        return "h11"
+
+    class HeaderTimeoutProtocol(HttpToolsProtocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def _arm(self) -> None:
+            if header_timeout_s is not None and self._header_timer is None:
+                self._header_timer = self.loop.call_later(header_timeout_s, self._header_timeout)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._arm()  # a later request on a kept-alive connection
+
+        def on_headers_complete(self) -> None:
+            self._disarm()
+            super().on_headers_complete()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _header_timeout(self) -> None:
+            self._header_timer = None
+            if self.transport.is_closing():
+                return
+            if self.cycle is not None and not self.cycle.response_complete:
+                return  # a response is still being sent: its request was read in time
+            body = b'{"error":{"message":"request headers not received in time","code":408}}'
+            self.transport.write(
+                b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                b"connection: close\r\ncontent-length: "
+                + str(len(body)).encode()
+                + b"\r\n\r\n"
+                + body
+            )
+            self.transport.close()
+
+    return HeaderTimeoutProtocol

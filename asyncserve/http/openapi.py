@@ -66,6 +66,39 @@ _ENDPOINTS: list[tuple[str, str, str, Any, Any, Any]] = [
 ]
 
 
+# The value ranges SamplingParams enforces (a 400 outside them), for schema-driven clients.
+_BOUNDS: dict[str, dict[str, float]] = {
+    "n": {"minimum": 1},
+    "best_of": {"minimum": 1},
+    "temperature": {"minimum": 0},
+    "top_p": {"exclusiveMinimum": 0, "maximum": 1},
+    "top_k": {"minimum": -1},
+    "min_p": {"minimum": 0, "maximum": 1},
+    "max_tokens": {"minimum": 1},
+    "max_completion_tokens": {"minimum": 1},
+    "min_tokens": {"minimum": 0},
+    "presence_penalty": {"minimum": -2, "maximum": 2},
+    "frequency_penalty": {"minimum": -2, "maximum": 2},
+    "repetition_penalty": {"exclusiveMinimum": 0},
+    "truncate_prompt_tokens": {"minimum": -1},
+}
+
+
+def _add_bounds(components: dict[str, Any]) -> None:
+    for name, component in components.items():
+        if not name.endswith("Request"):
+            continue
+        for field, prop in component.get("properties", {}).items():
+            bounds = _BOUNDS.get(field)
+            if bounds is None:
+                continue
+            # Optional fields are anyOf [number, null]: bound the number branch.
+            branches = prop.get("anyOf", [prop])
+            for branch in branches:
+                if branch.get("type") in ("integer", "number"):
+                    branch.update(bounds)
+
+
 def _ref(cls: Any) -> dict[str, str]:
     return {"$ref": REF.format(name=cls.__name__)}
 
@@ -81,11 +114,13 @@ def openapi_schema(version: str, auth: bool) -> dict[str, Any]:
     types.add(ErrorResponse)
     ordered = sorted(types, key=lambda t: t.__name__)
     _, components = msgspec.json.schema_components(ordered, ref_template=REF)
+    _add_bounds(components)
     errors = {
         str(code): {"description": text, "content": _json_content(ErrorResponse)}
         for code, text in (
             (400, "Invalid request; `error.param` names the field"),
             (401, "Missing or wrong API key"),
+            (408, "Request headers or body not received in time"),
             (413, "Request body over the size limit"),
             (503, "Engine down or overloaded (see Retry-After)"),
         )
@@ -102,6 +137,7 @@ def openapi_schema(version: str, auth: bool) -> dict[str, Any]:
             op["responses"].update(errors)
         if auth and path not in ("/health", "/load"):
             op["security"] = [{"bearer": []}]
+            op["responses"]["401"] = errors["401"]
         paths[path] = {method: op}
     paths["/invocations"] = {
         "post": {

@@ -41,12 +41,17 @@ async def generate(state: ServerState, request: Request) -> Response:
     """{"prompt", "n", "temperature", "top_p", "max_tokens", "stream"} -> {"text": [...]}."""
     body = await state.read_json(request, GenerateRequest)
     params = generate_params(body, state.generation_config)
-    if isinstance(body.prompt, str):
-        prompt = state.tokenize(body.prompt, True)
-    else:
-        prompt = PromptInput(None, list(body.prompt))
-    state.validate(prompt, params, "prompt")
-    state.check_ready()
+
+    def prepare() -> PromptInput:  # in the preprocessing pool: off the event loop
+        if isinstance(body.prompt, str):
+            prompt = state.prepare(body.prompt, True, params)
+        else:
+            prompt = PromptInput(None, list(body.prompt))
+        state.validate(prompt, params, "prompt")
+        return prompt
+
+    prompt = await state.preprocessor.run(prepare)
+    ticket = state.check_ready()
     request_id = state.new_request_id()
     prefix = state.prompt_text(prompt)
     if body.use_beam_search:
@@ -54,7 +59,7 @@ async def generate(state: ServerState, request: Request) -> Response:
         out = (await run_beam_search(state, [prompt], beam, n, request))[0]
         return _json(GenerateResponse(text=_texts(prefix, out)))
     state.log_request(request_id, prompt, params)
-    outputs = state.engine.generate(prompt.token_ids, params, request_id)
+    outputs = ticket.watch(state.engine.generate(prompt.token_ids, params, request_id))
     if body.stream:
         return EventStreamResponse(
             _ndjson(state, outputs, prefix), "application/x-ndjson", keepalive_s=None

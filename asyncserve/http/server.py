@@ -6,10 +6,10 @@ SIGTERM (or Ctrl-C) stops accepting connections, lets running requests finish fo
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import importlib.util
 import logging
-import math
 import signal
 import socket
 from types import FrameType
@@ -21,7 +21,7 @@ from uvicorn.config import LOGGING_CONFIG
 from asyncserve.config import ServerConfig
 from asyncserve.http.app import build_app
 from asyncserve.http.engine_client import EngineClient
-from asyncserve.http.listener import EagerAcceptServer
+from asyncserve.http.listener import EagerAcceptServer, timed_protocol
 from asyncserve.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
@@ -58,14 +58,18 @@ def uvicorn_config(app: Any, config: ServerConfig) -> uvicorn.Config:
         host=config.host,
         port=config.port,
         loop="uvloop" if fast else "asyncio",
-        http="httptools" if importlib.util.find_spec("httptools") else "h11",
+        http=timed_protocol(config.timeout_request_header),  # type: ignore[arg-type]
+        timeout_keep_alive=config.timeout_keep_alive,  # type: ignore[arg-type]
+        limit_concurrency=config.limit_concurrency,
         lifespan="on",
         log_config=log_config(config.log_level),
         log_level=config.log_level,
         access_log=not config.disable_access_log,
         ssl_keyfile=config.ssl_keyfile,
         ssl_certfile=config.ssl_certfile,
-        timeout_graceful_shutdown=math.ceil(config.shutdown_timeout),
+        # Past --shutdown-timeout streams end themselves (ServerState.shutdown_deadline);
+        # uvicorn cancels what is left shortly after.
+        timeout_graceful_shutdown=config.shutdown_timeout + 0.5,  # type: ignore[arg-type]
         backlog=4096,
     )
     if config.disable_access_log_for_endpoints:
@@ -93,6 +97,12 @@ def run_server(
     server.bound = sock
     state = app.state.asyncserve
     state.request_exit = lambda: setattr(server, "should_exit", True)
+
+    def start_deadline() -> None:
+        loop = asyncio.get_running_loop()
+        loop.call_later(config.shutdown_timeout, state.shutdown_deadline.set)
+
+    server.on_shutdown = start_deadline
     previous = {sig: signal.signal(sig, _swallow) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         server.run()

@@ -3,6 +3,7 @@ tokenization and checks that turn bad input into a 400 before anything reaches t
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import time
@@ -12,11 +13,21 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import msgspec
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from asyncserve.config import ServerConfig
 from asyncserve.http.engine_client import EngineClient
 from asyncserve.http.errors import APIError, from_validation_error, from_value_error
+from asyncserve.http.limits import (
+    MAX_JSON_DEPTH,
+    Admission,
+    Preprocessor,
+    Ticket,
+    check_json_depth,
+    check_prompt_chars,
+    default_body_limit,
+    read_body,
+)
 from asyncserve.http.logprobs import TokenText
 from asyncserve.http.protocol import (
     PerRequestMetrics,
@@ -24,12 +35,15 @@ from asyncserve.http.protocol import (
     StreamOptions,
     UsageInfo,
 )
+from asyncserve.http.sse import ClientDisconnected
 from asyncserve.metrics import EngineMetrics
 from asyncserve.outputs import RequestOutput
 from asyncserve.sampling_params import SamplingParams
 
 T = TypeVar("T")
 logger = logging.getLogger("asyncserve.http.requests")
+# Prompt characters (and token ids) logged per request when --max-log-len is not given.
+DEFAULT_MAX_LOG_LEN = 512
 
 
 @dataclass
@@ -61,29 +75,43 @@ class ServerState:
             raise ValueError("the server needs at least one served model name")
         self.token_text = TokenText(self.engine.tokenizer)
         self._id_prefix = uuid.uuid4().hex[:8]
+        self.preprocessor = Preprocessor()
+        # Set once --shutdown-timeout has run out after SIGTERM: streams end with an error.
+        self.shutdown_deadline = asyncio.Event()
+        self.admission = Admission()
+        self.body_limit = self.config.max_request_body_bytes or default_body_limit(
+            self.engine.max_model_len
+        )
 
     # ---- request plumbing ------------------------------------------------------------------
 
     async def read_json(self, request: Request, body_type: type[T]) -> T:
-        """The body decoded into `body_type`: 413 over the size limit, 400 naming the field."""
-        limit = self.config.max_request_body_bytes
+        """The body decoded into `body_type`: 413 over the size limit, 408 when it arrives
+        too slowly, 400 naming the field (or the nesting limit)."""
+        limit = self.body_limit
         declared = request.headers.get("content-length")
         if declared is not None:
             if not declared.isdigit():
                 raise APIError("Content-Length must be a non-negative integer", 400)
             if int(declared) > limit:
                 raise _too_large(limit)
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise _too_large(limit)
+        try:
+            body = await read_body(request, limit, self.config.timeout_request_body)
+        except ClientDisconnect:
+            # A client that gives up mid-upload is routine: one line, no traceback.
+            logger.info("client disconnected while sending %s", request.url.path)
+            raise ClientDisconnected from None
+        check_json_depth(body)
         try:
             return msgspec.json.decode(body, type=body_type)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise from_validation_error(exc) from exc
         except UnicodeDecodeError as exc:
             raise APIError(f"the request body is not valid UTF-8: {exc}", 400) from exc
+        except RecursionError:
+            raise APIError(
+                f"the request body is nested too deeply (limit {MAX_JSON_DEPTH})", 400
+            ) from None
 
     def response_model(self, model: str | None) -> str:
         """The name to report; 400 when the client asked for a model this server lacks."""
@@ -99,23 +127,19 @@ class ServerState:
             )
         return model
 
-    def check_ready(self, priority: int = 0) -> None:
-        """503 when the engine is down or the waiting queue is full; 400 for a bad priority."""
+    def check_ready(self, priority: int = 0, count: int = 1) -> Ticket:
+        """503 when the engine is down or the waiting queue is full; 400 for a bad priority.
+        The returned ticket holds `count` places in the waiting count until the requests
+        are scheduled (see Ticket.watch)."""
         if not self.engine.is_running:
             raise APIError("the engine is not running", 503, headers={"Retry-After": "5"})
-        limit = self.config.max_waiting_requests
-        if limit is not None and self.engine.num_waiting >= limit:
-            raise APIError(
-                f"the server is overloaded: {self.engine.num_waiting} requests are waiting "
-                f"(--max-waiting-requests {limit}); retry later",
-                503,
-                code="overloaded",
-                headers={"Retry-After": "1"},
-            )
         if priority != 0 and self.engine.config.scheduler.policy != "priority":
             raise APIError(
                 "priority is only honored with --scheduling-policy priority", 400, "priority"
             )
+        return self.admission.admit(
+            self.engine.num_waiting, self.config.max_waiting_requests, count
+        )
 
     def new_request_id(self) -> str:
         """A unique engine request id (client-given ids never reach the engine)."""
@@ -126,6 +150,15 @@ class ServerState:
             ids = self.engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
             return PromptInput(prompt, list(ids))
         return PromptInput(None, prompt)
+
+    def prepare(
+        self, prompt: str | list[int], add_special_tokens: bool, params: SamplingParams
+    ) -> PromptInput:
+        """Size check, tokenization and truncation of one prompt (blocking: call it through
+        self.preprocessor)."""
+        if isinstance(prompt, str) and params.truncate_prompt_tokens is None:
+            check_prompt_chars(prompt, self.engine.max_model_len)
+        return self.truncate(self.tokenize(prompt, add_special_tokens), params)
 
     def truncate(self, prompt: PromptInput, params: SamplingParams) -> PromptInput:
         """The prompt's last truncate_prompt_tokens tokens (-1: as many as max_model_len
@@ -227,12 +260,12 @@ class ServerState:
     def log_request(self, request_id: str, prompt: PromptInput, params: SamplingParams) -> None:
         if not self.config.enable_log_requests:
             return
+        # Unbounded, one long prompt would write a line of megabytes.
         limit = self.config.max_log_len
-        text = prompt.text
-        ids = prompt.token_ids
-        if limit is not None:
-            text = text[:limit] if text is not None else None
-            ids = ids[:limit]
+        if limit is None:
+            limit = DEFAULT_MAX_LOG_LEN
+        text = prompt.text[:limit] if prompt.text is not None else None
+        ids = prompt.token_ids[:limit]
         logger.info(
             "request %s: prompt %r, prompt_token_ids %s, params %s", request_id, text, ids, params
         )

@@ -108,18 +108,45 @@ class EventStreamResponse(Response):
         self._last_send = loop.time()
         pump = asyncio.ensure_future(self._pump(send))
         watch = asyncio.ensure_future(wait_for_disconnect(receive))
-        tasks = [pump, watch]
+        tasks: list[asyncio.Future[Any]] = [pump, watch]
         if self.keepalive_s is not None:
             tasks.append(asyncio.ensure_future(self._keepalive(send, self.keepalive_s)))
+        waits: set[asyncio.Future[Any]] = {pump, watch}
+        deadline = _shutdown_deadline(scope)
+        if deadline is not None:
+            cut = asyncio.ensure_future(deadline.wait())
+            tasks.append(cut)
+            waits.add(cut)
         try:
-            await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
             # Cancelling the pump runs the body iterator's cleanup: the engine aborts.
             await _finish(*tasks)
+        if not pump.done() or pump.cancelled():
+            if deadline is not None and deadline.is_set() and not self._complete:
+                await self._send_cut(send)
+            return
         if pump.done() and not pump.cancelled():
             exc = pump.exception()
             if exc is not None and not isinstance(exc, OSError):
                 raise exc
+
+    async def _send_cut(self, send: Send) -> None:
+        """The server's shutdown deadline passed: end the stream with an error the client
+        can read (then [DONE] on SSE) instead of a broken chunked body."""
+        error = {
+            "error": {
+                "message": "the server is shutting down (--shutdown-timeout ran out)",
+                "type": "ServiceUnavailableError",
+                "param": None,
+                "code": 503,
+            }
+        }
+        tail = sse_event(error) + DONE if self.media_type == "text/event-stream" else b""
+        if self.media_type != "text/event-stream":
+            tail = ndjson_line(error)
+        with contextlib.suppress(Exception):  # the client may be gone too
+            await send({"type": "http.response.body", "body": tail, "more_body": False})
 
     async def _pump(self, send: Send) -> None:
         body = self.body_iterator
@@ -148,6 +175,14 @@ class EventStreamResponse(Response):
             except RuntimeError:  # the pump ended the response while this send waited to drain
                 return
             self._last_send = loop.time()
+
+
+def _shutdown_deadline(scope: Scope) -> asyncio.Event | None:
+    """Set by the server when --shutdown-timeout runs out after SIGTERM (ServerState)."""
+    app_state = getattr(scope.get("app"), "state", None)
+    server_state = getattr(app_state, "asyncserve", None)
+    event = getattr(server_state, "shutdown_deadline", None)
+    return event if isinstance(event, asyncio.Event) else None
 
 
 _END = object()
