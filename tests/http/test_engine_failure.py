@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
-from tests.http.conftest import MODEL, REPO, free_port, require_model, sse_events
+from tests.http.conftest import MODEL, REPO, free_port, require_model, sse_events, wait_healthy
 from tests.http.failing_step_server import FAIL_MARKER
 
 pytestmark = pytest.mark.timeout(300)
@@ -47,14 +46,7 @@ def test_server_exits_non_zero_when_the_engine_fails(tmp_path) -> None:  # type:
         )
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.25)
+        wait_healthy(proc, base, log)
         ok = httpx.post(f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
                         timeout=60)  # fmt: skip
         assert ok.status_code == 200

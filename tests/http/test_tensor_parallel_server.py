@@ -7,14 +7,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 from safetensors.torch import save_file
 
-from tests.http.conftest import REPO, free_port
+from tests.http.conftest import REPO, free_port, wait_healthy
 from tests.models.test_loader import random_state, write_config
 
 pytestmark = pytest.mark.timeout(300)
@@ -54,14 +53,7 @@ def test_server_exits_1_when_a_worker_dies(tmp_path: Path) -> None:
     workers: list[int] = []
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.25)
+        wait_healthy(proc, base, log)
         body = {"prompt": [1, 2, 3], "max_tokens": 4}
         assert httpx.post(f"{base}/v1/completions", json=body, timeout=60).status_code == 200
         # The spawned workers (multiprocessing also starts a resource tracker: skip it).
