@@ -129,6 +129,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--enforce-eager", action="store_true", help="no CUDA graphs (GPU only; always on CPU)"
     )
     group.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        help="export one OpenTelemetry span per request to this OTLP collector "
+        "(grpc by default; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf for HTTP)",
+    )
+    group.add_argument(
+        "--collect-detailed-traces",
+        default=None,
+        choices=["model", "worker", "all"],
+        help="also time the engine steps each traced request was in",
+    )
+    group.add_argument(
         "--stream-interval",
         type=_positive_int,
         default=1,
@@ -157,6 +169,9 @@ def engine_config_from_args(args: argparse.Namespace, env: Environment) -> Engin
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
         stream_interval=args.stream_interval,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
+        collect_detailed_traces=args.collect_detailed_traces,
+        served_model_name=(getattr(args, "served_model_name", None) or [None])[0],
     )
 
 

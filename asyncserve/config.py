@@ -92,12 +92,43 @@ class ParallelConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
 
 
+DetailedTraces = Literal["model", "worker", "all"]
+
+
+@dataclass(frozen=True)
+class ObservabilityConfig:
+    """OpenTelemetry request traces (asyncserve/tracing.py); off without an endpoint."""
+
+    otlp_traces_endpoint: str | None = None
+    # "grpc" or "http/protobuf", from OTEL_EXPORTER_OTLP_TRACES_PROTOCOL as vLLM reads it.
+    otlp_traces_protocol: str = "grpc"
+    # Also time the steps each request was in (gen_ai.latency.time_in_model_execute).
+    collect_detailed_traces: DetailedTraces | None = None
+    # The model name spans report (gen_ai.response.model); None: the model path's name.
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.otlp_traces_protocol not in ("grpc", "http/protobuf"):
+            raise ValueError(
+                "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL must be 'grpc' or 'http/protobuf', "
+                f"got {self.otlp_traces_protocol!r}"
+            )
+        if self.collect_detailed_traces not in (None, "model", "worker", "all"):
+            raise ValueError(
+                "collect_detailed_traces must be 'model', 'worker' or 'all', "
+                f"got {self.collect_detailed_traces!r}"
+            )
+        if self.collect_detailed_traces is not None and self.otlp_traces_endpoint is None:
+            raise ValueError("collect_detailed_traces needs otlp_traces_endpoint")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     # Step-loop behaviour.
     enable_cuda_graphs: bool = True
     stream_interval: int = 1
@@ -125,6 +156,9 @@ class EngineConfig:
         enforce_eager: bool = False,
         stream_interval: int = 1,
         tensor_parallel_size: int = 1,
+        otlp_traces_endpoint: str | None = None,
+        collect_detailed_traces: str | None = None,
+        served_model_name: str | None = None,
     ) -> EngineConfig:
         """The engine's configuration from vLLM's engine argument names (LLM(...) and the
         serve flags both come here)."""
@@ -152,6 +186,12 @@ class EngineConfig:
                 async_scheduling=async_scheduling,
             ),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+            observability=ObservabilityConfig(
+                otlp_traces_endpoint=otlp_traces_endpoint,
+                otlp_traces_protocol=os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc"),
+                collect_detailed_traces=collect_detailed_traces,  # type: ignore[arg-type]
+                served_model_name=served_model_name,
+            ),
             enable_cuda_graphs=not enforce_eager,
             stream_interval=stream_interval,
         )

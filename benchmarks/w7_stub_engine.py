@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,6 +127,7 @@ class StubEngine:
         sampling_params: SamplingParams,
         request_id: str,
         priority: int = 0,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         stream = RequestStream(request_id, sampling_params.output_kind)

@@ -62,6 +62,8 @@ class Request:
     error: str | None = None
     # Monotonic timestamps for metrics.
     first_scheduled_time: float | None = None
+    # Wall time of the steps it was in (only counted for detailed traces).
+    model_execute_time: float = 0.0
     first_token_time: float | None = None
 
     @property

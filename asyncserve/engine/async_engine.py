@@ -7,7 +7,8 @@ import asyncio
 import contextlib
 import copy
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
 
 import torch
 
@@ -27,6 +28,7 @@ from asyncserve.output.output_processor import OutputProcessor, ParentState
 from asyncserve.output.request_stream import RequestStream
 from asyncserve.outputs import RequestOutput
 from asyncserve.sampling_params import SamplingParams
+from asyncserve.tracing import RequestTracer
 from asyncserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -71,7 +73,10 @@ class AsyncEngine:
         self.executor.allocate_kv_cache(num_blocks, self.max_model_len)
         self.num_blocks = num_blocks
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len)
-        self.output_processor = OutputProcessor(self.tokenizer, config.stream_interval, metrics)
+        self.tracer = make_tracer(config, self.model_path)
+        self.output_processor = OutputProcessor(
+            self.tokenizer, config.stream_interval, metrics, self.tracer
+        )
         self.eos_token_ids = eos_token_ids(loaded, self.tokenizer.eos_token_id)
         # Grammar matchers; masks are filled on its own thread while the forward runs.
         self.structured = StructuredOutputManager(
@@ -84,7 +89,12 @@ class AsyncEngine:
         async_scheduling = config.scheduler.async_scheduling
         if async_scheduling is None:
             async_scheduling = self.device.type == "cuda"
-        self.step_loop = StepLoop(self.core, self.executor, async_scheduling)
+        self.step_loop = StepLoop(
+            self.core,
+            self.executor,
+            async_scheduling,
+            time_steps=self.tracer is not None and self.tracer.detailed,
+        )
         self._loop_task: asyncio.Task[None] | None = None
         self._wakeup: asyncio.Event | None = None
         self._stopping = False
@@ -179,11 +189,15 @@ class AsyncEngine:
         with contextlib.suppress(asyncio.CancelledError):
             await self._loop_task
         self._loop_task = None
+        if self.tracer is not None:
+            await asyncio.to_thread(self.tracer.flush)
 
     async def close(self) -> None:
         """Shut down, then stop the workers for good (worker processes end here)."""
         await self.shutdown(timeout=0)
         await asyncio.to_thread(self.executor.shutdown)
+        if self.tracer is not None:
+            self.tracer.shutdown()
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -263,6 +277,7 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str,
         priority: int = 0,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> RequestStream:
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -289,6 +304,7 @@ class AsyncEngine:
             prompt_token_ids=prompt_ids,
             params=params,
             stream=stream,
+            trace_headers=trace_headers,
         )
         requests = []
         for index in range(params.n):
@@ -315,10 +331,12 @@ class AsyncEngine:
         sampling_params: SamplingParams,
         request_id: str,
         priority: int = 0,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        """`trace_headers`: the W3C trace context of the HTTP request, when tracing is on."""
         if not self.is_running:
             await self.start()
-        stream = self.add_request(prompt, sampling_params, request_id, priority)
+        stream = self.add_request(prompt, sampling_params, request_id, priority, trace_headers)
         try:
             while True:
                 output = await stream.get()
@@ -367,6 +385,16 @@ class AsyncEngine:
             self._dead.set()
             # No worker outlives a failed engine (a dead rank leaves the others blocked).
             await asyncio.to_thread(self.executor.shutdown)
+
+
+def make_tracer(config: EngineConfig, model_path: str) -> RequestTracer | None:
+    """The request tracer when --otlp-traces-endpoint is set; None costs nothing."""
+    observability = config.observability
+    if observability.otlp_traces_endpoint is None:
+        return None
+    path = Path(model_path.rstrip("/"))
+    name = observability.served_model_name or (path.stem if path.suffix == ".gguf" else path.name)
+    return RequestTracer(observability, name)
 
 
 def eos_token_ids(loaded: LoadedModel, tokenizer_eos: int | None) -> list[int]:

@@ -23,10 +23,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from asyncserve.core.request import Request
@@ -49,6 +50,7 @@ class _InFlight:
     masks: MasksFuture | None
     masks_submitted: bool = False
     collecting: Future[StepResult] | None = None
+    launched_at: float = field(default_factory=time.monotonic)
 
 
 def _resolve(future: asyncio.Future[None]) -> None:
@@ -72,10 +74,15 @@ def _copy_future(source: Future[GrammarBitmask], target: MasksFuture) -> None:
 class StepLoop:
     """Drives the engine core and the executor, one step after another."""
 
-    def __init__(self, core: EngineCore, executor: Executor, async_scheduling: bool) -> None:
+    def __init__(
+        self, core: EngineCore, executor: Executor, async_scheduling: bool, time_steps: bool = False
+    ) -> None:
         self.core = core
         self.executor = executor
         self.depth = 2 if async_scheduling else 1
+        # Charge each step's device time to its requests (detailed traces).
+        self.time_steps = time_steps
+        self._last_collected_at = 0.0
 
     async def run(self, wakeup: asyncio.Event, stopping: Callable[[], bool]) -> None:
         """Step until `stopping()`; sleeps on `wakeup` while there is nothing to do. A failed
@@ -149,10 +156,24 @@ class StepLoop:
         finally:
             if step.masks is not None and not step.masks.done():
                 step.masks.set_result(None)  # the step failed before it sampled
+        if self.time_steps:
+            self._charge_step_time(step)
         updated, grammar_done = self.core.update(step.plan, result)
         if following is not None:
             self._fill_masks(following)
         return updated, result, grammar_done
+
+    def _charge_step_time(self, step: _InFlight) -> None:
+        # With a step in flight before it, this one's device time starts when that one's
+        # tokens came back, not when it was launched.
+        now = time.monotonic()
+        elapsed = now - max(step.launched_at, self._last_collected_at)
+        self._last_collected_at = now
+        get = self.core.scheduler.get_request
+        for request_id in step.plan.num_scheduled_tokens:
+            request = get(request_id)
+            if request is not None:
+                request.model_execute_time += elapsed
 
     def _fill_masks(self, step: _InFlight) -> None:
         """Resolve the step's masks future with the masks of its constrained sampling rows

@@ -4,6 +4,8 @@ and a lifespan that starts the engine's step loop on the server's event loop."""
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import hmac
 import logging
 from collections.abc import AsyncIterator
@@ -18,7 +20,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from asyncserve.config import ServerConfig
-from asyncserve.http import routes_openai, routes_ops
+from asyncserve.http import dashboard, routes_openai, routes_ops
 from asyncserve.http.engine_client import EngineClient
 from asyncserve.http.errors import APIError, error_response
 from asyncserve.http.middleware import (
@@ -44,17 +46,30 @@ def default_model_name(model_path: str) -> str:
     return path.stem if path.suffix == ".gguf" else (path.name or model_path)
 
 
+def _basic_password(credentials: bytes) -> bytes | None:
+    """The password of an HTTP Basic `user:password` (base64), or None if malformed."""
+    try:
+        decoded = base64.b64decode(credentials.strip(), validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    _, sep, password = decoded.partition(b":")
+    return password if sep else None
+
+
 class APIKeyMiddleware:
-    """401 unless `Authorization: Bearer <key>` matches (constant-time), except OPEN_PATHS."""
+    """401 unless `Authorization: Bearer <key>` matches (constant-time), except OPEN_PATHS.
+    The dashboard, opened by a browser, also takes the key as an HTTP Basic password."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or route_path(scope) in OPEN_PATHS:
+        path = route_path(scope) if scope["type"] == "http" else ""
+        if scope["type"] != "http" or path in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
+        browser_page = path == dashboard.DASHBOARD_PATH
         given = b""
         for name, value in scope["headers"]:
             if name == b"authorization":
@@ -62,12 +77,17 @@ class APIKeyMiddleware:
                 break
         # The scheme is case-insensitive (RFC 7235): "bearer <key>" is as good.
         scheme, _, token = given.partition(b" ")
-        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.expected):
+        scheme = scheme.lower()
+        if browser_page and scheme == b"basic":
+            token = _basic_password(token) or b""
+            scheme = b"bearer"
+        if scheme != b"bearer" or not hmac.compare_digest(token.strip(), self.expected):
+            challenge = 'Basic realm="asyncserve", charset="UTF-8"' if browser_page else "Bearer"
             response = APIError(
                 "Invalid or missing API key: send `Authorization: Bearer <key>`",
                 401,
                 code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
+                headers={"WWW-Authenticate": challenge},
             ).response()
             await response(scope, receive, send)
             return
@@ -142,7 +162,7 @@ def build_app(
             state.preprocessor.shutdown()
 
     app = Starlette(
-        routes=routes_openai.routes(state) + routes_ops.routes(state),
+        routes=routes_openai.routes(state) + routes_ops.routes(state) + dashboard.routes(state),
         exception_handlers={
             APIError: _api_error,
             HTTPException: _http_error,

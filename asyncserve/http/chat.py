@@ -37,6 +37,7 @@ from asyncserve.http.sse import (
 )
 from asyncserve.outputs import CompletionOutput, RequestOutput
 from asyncserve.sampling_params import SamplingParams
+from asyncserve.tracing import trace_headers
 
 logger = logging.getLogger(__name__)
 
@@ -68,13 +69,18 @@ class _Job:
         self.engine_id = state.new_request_id()
         self.token_text = state.token_text_for(body.return_tokens_as_token_ids)
         self.ticket: Ticket | None = None
+        self.trace_headers = trace_headers(request.headers)
 
     def stream(self, params: SamplingParams) -> AsyncIterator[RequestOutput]:
         assert self.ticket is not None
         self.state.log_request(self.engine_id, self.prompt, params)
         return self.ticket.watch(
             self.state.engine.generate(
-                self.prompt.token_ids, params, self.engine_id, priority=self.body.priority
+                self.prompt.token_ids,
+                params,
+                self.engine_id,
+                priority=self.body.priority,
+                trace_headers=self.trace_headers,
             )
         )
 

@@ -23,6 +23,7 @@ from asyncserve.http.sampling import chat_params
 from asyncserve.http.serving import PromptInput, ServerState, engine_error, usage
 from asyncserve.http.sse import cancel_on_disconnect, closing, merge_streams
 from asyncserve.outputs import RequestOutput
+from asyncserve.tracing import trace_headers
 
 MAX_CONVERSATIONS = 1024
 
@@ -79,10 +80,15 @@ async def create_batch_chat_completion(state: ServerState, request: Request) -> 
     ticket = state.check_ready(body.priority, len(prompts))
     request_id = f"chatcmpl-{state.base_request_id(request, body.request_id)}"
     engine_ids = [state.new_request_id() for _ in prompts]
+    traced = trace_headers(request.headers)
     for rid, prompt in zip(engine_ids, prompts, strict=True):
         state.log_request(rid, prompt, params)
     streams = [
-        ticket.watch(state.engine.generate(p.token_ids, params, rid, priority=body.priority))
+        ticket.watch(
+            state.engine.generate(
+                p.token_ids, params, rid, priority=body.priority, trace_headers=traced
+            )
+        )
         for rid, p in zip(engine_ids, prompts, strict=True)
     ]
 

@@ -42,6 +42,7 @@ from asyncserve.http.sse import (
 )
 from asyncserve.outputs import CompletionOutput, RequestOutput
 from asyncserve.sampling_params import SamplingParams
+from asyncserve.tracing import trace_headers
 
 logger = logging.getLogger(__name__)
 MAX_CHOICES = 2048  # prompts x n in one request
@@ -66,6 +67,7 @@ class _Job:
         self.created = int(time.time())
         self.engine_ids = [state.new_request_id() for _ in prompts]
         self.token_text = state.token_text_for(body.return_tokens_as_token_ids)
+        self.trace_headers = trace_headers(request.headers)
 
     def streams(self, params: SamplingParams) -> list[AsyncIterator[RequestOutput]]:
         engine = self.state.engine
@@ -73,7 +75,13 @@ class _Job:
             self.state.log_request(rid, prompt, params)
         return [
             self.ticket.watch(
-                engine.generate(p.token_ids, params, rid, priority=self.body.priority)
+                engine.generate(
+                    p.token_ids,
+                    params,
+                    rid,
+                    priority=self.body.priority,
+                    trace_headers=self.trace_headers,
+                )
             )
             for rid, p in zip(self.engine_ids, self.prompts, strict=True)
         ]

@@ -6,7 +6,7 @@ W7 benchmark's stub engine can stand in for it.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, Protocol
 
 from asyncserve.config import EngineConfig
@@ -71,6 +71,7 @@ class EngineClient(Protocol):
         sampling_params: SamplingParams,
         request_id: str,
         priority: int = 0,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: str) -> None: ...

@@ -154,6 +154,16 @@ def openapi_schema(version: str, auth: bool) -> dict[str, Any]:
             "responses": {"200": {"description": "OK", "content": {"text/plain": {}}}},
         }
     }
+    paths["/dashboard"] = {
+        "get": {
+            "summary": "Live dashboard of the server's metrics (HTML; the API key is also "
+            "taken as an HTTP Basic password)",
+            "responses": {"200": {"description": "OK", "content": {"text/html": {}}}},
+        }
+    }
+    if auth:
+        paths["/dashboard"]["get"]["security"] = [{"bearer": []}, {"basic": []}]
+        paths["/dashboard"]["get"]["responses"]["401"] = errors["401"]
     schema: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": "asyncserve", "version": version},
@@ -161,5 +171,8 @@ def openapi_schema(version: str, auth: bool) -> dict[str, Any]:
         "components": {"schemas": components},
     }
     if auth:
-        schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        schema["components"]["securitySchemes"] = {
+            "bearer": {"type": "http", "scheme": "bearer"},
+            "basic": {"type": "http", "scheme": "basic"},
+        }
     return schema

@@ -25,6 +25,7 @@ from asyncserve.http.sampling import generate_params
 from asyncserve.http.serving import PromptInput, ServerState, engine_error
 from asyncserve.http.sse import EventStreamResponse, cancel_on_disconnect, closing, ndjson_line
 from asyncserve.outputs import RequestOutput
+from asyncserve.tracing import trace_headers
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,11 @@ async def generate(state: ServerState, request: Request) -> Response:
         out = (await run_beam_search(state, [prompt], beam, n, request))[0]
         return _json(GenerateResponse(text=_texts(prefix, out)))
     state.log_request(request_id, prompt, params)
-    outputs = ticket.watch(state.engine.generate(prompt.token_ids, params, request_id))
+    outputs = ticket.watch(
+        state.engine.generate(
+            prompt.token_ids, params, request_id, trace_headers=trace_headers(request.headers)
+        )
+    )
     if body.stream:
         return EventStreamResponse(
             _ndjson(state, outputs, prefix), "application/x-ndjson", keepalive_s=None

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from asyncserve.core.request import Request, RequestStatus
@@ -18,6 +18,7 @@ from asyncserve.output.request_stream import RequestStream
 from asyncserve.outputs import CompletionOutput, Logprob, LogprobsDict, RequestOutput
 from asyncserve.sampling_params import RequestOutputKind, SamplingParams
 from asyncserve.tokenizer import Tokenizer
+from asyncserve.tracing import FinishedRequest, RequestTracer
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,8 @@ class ParentState:
     error: str | None = None
     # The error is a fault of the server, not of the request.
     internal_error: bool = False
+    # W3C trace context of the HTTP request (only kept when tracing is on).
+    trace_headers: Mapping[str, str] | None = None
 
     @property
     def finished(self) -> bool:
@@ -73,11 +76,16 @@ class ParentState:
 
 class OutputProcessor:
     def __init__(
-        self, tokenizer: Tokenizer, stream_interval: int, metrics: EngineMetrics | None
+        self,
+        tokenizer: Tokenizer,
+        stream_interval: int,
+        metrics: EngineMetrics | None,
+        tracer: RequestTracer | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.stream_interval = max(1, stream_interval)
         self.metrics = metrics
+        self.tracer = tracer
         self.parents: dict[str, ParentState] = {}
         # child request id -> (parent, child)
         self.children: dict[str, tuple[ParentState, ChildState]] = {}
@@ -367,7 +375,34 @@ class OutputProcessor:
         metrics = {"e2e_s": e2e_s, "queue_s": queue_s}
         if parent.first_token_time is not None:
             metrics["ttft_s"] = parent.first_token_time - parent.arrival_time
+        if self.tracer is not None:
+            self._trace(parent, now)
         return metrics
+
+    def _trace(self, parent: ParentState, now: float) -> None:
+        assert self.tracer is not None
+        requests = [c.request for c in parent.children]
+        scheduled = [r.first_scheduled_time for r in requests if r.first_scheduled_time]
+        params = parent.params
+        self.tracer.record(
+            FinishedRequest(
+                request_id=parent.request_id,
+                arrival=parent.arrival_time,
+                first_scheduled=min(scheduled) if scheduled else None,
+                first_token=parent.first_token_time,
+                finished=now,
+                prompt_tokens=len(parent.prompt_token_ids),
+                completion_tokens=sum(r.num_output_tokens for r in requests),
+                num_sequences=len(requests),
+                max_tokens=params.max_tokens,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                model_execute_s=(
+                    sum(r.model_execute_time for r in requests) if self.tracer.detailed else None
+                ),
+                headers=parent.trace_headers,
+            )
+        )
 
     def _forget(self, parent: ParentState) -> None:
         self.parents.pop(parent.request_id, None)
