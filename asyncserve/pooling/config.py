@@ -70,7 +70,9 @@ class PoolerConfig:
             )
 
 
-def pooler_config(model_dir: Path | None, hf_config: dict[str, Any], is_encoder: bool) -> PoolerConfig:
+def pooler_config(
+    model_dir: Path | None, hf_config: dict[str, Any], is_encoder: bool
+) -> PoolerConfig:
     """sentence-transformers' modules when present; else CLS for encoders and the last token
     (normalized) for decoders, as vLLM does."""
     pooling: PoolingType = "CLS" if is_encoder else "LAST"
@@ -110,4 +112,6 @@ def _st_pooling(config: dict[str, Any]) -> PoolingType:
     if config.get("pooling_mode_mean_tokens"):
         return "MEAN"
     modes = [k for k, v in config.items() if k.startswith("pooling_mode") and v]
-    raise ValueError(f"sentence-transformers pooling {modes} is not supported (cls, mean, lasttoken)")
+    raise ValueError(
+        f"sentence-transformers pooling {modes} is not supported (cls, mean, lasttoken)"
+    )

@@ -63,6 +63,13 @@ class PoolingModel:
         self.is_encoder = isinstance(model, BertEncoder)
         self.is_cross_encoder = isinstance(model, BertEncoder) and model.is_classifier
 
+    @property
+    def vocab_size(self) -> int:
+        if isinstance(self.model, BertEncoder):
+            return self.model.config.vocab_size
+        assert self.arch is not None
+        return self.arch.vocab_size
+
     @classmethod
     def load(cls, config: ModelConfig, device: torch.device) -> PoolingModel:
         path = Path(config.model) if config.model is not None else Path(default_model_path())
@@ -80,7 +87,9 @@ class PoolingModel:
             else:
                 encoder.load_weights(_iter_safetensors(_safetensors_files(path), device, encoder))  # type: ignore[arg-type]
             tokenizer = Tokenizer.from_dir(config.tokenizer or path)
-            max_len = min(config.max_model_len or bert.max_position_embeddings, bert.max_position_embeddings)
+            max_len = min(
+                config.max_model_len or bert.max_position_embeddings, bert.max_position_embeddings
+            )
             return cls(encoder, tokenizer, pooler_config(path, hf, True), bert.hidden_size,
                        max_len, str(path), None, device, dtype)  # fmt: skip
         # A decoder: the generation model without its LM head (never used for pooling).
@@ -91,9 +100,13 @@ class PoolingModel:
         if config.load_format == "dummy":
             init_dummy_weights(decoder, config.seed)
         else:
-            decoder.load_weights(_decoder_weights(_iter_safetensors(_safetensors_files(path), device, decoder)))
+            decoder.load_weights(
+                _decoder_weights(_iter_safetensors(_safetensors_files(path), device, decoder))
+            )
         tokenizer = _load_tokenizer(config, path, None, arch)
-        max_len = min(config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
+        max_len = min(
+            config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings
+        )
         return cls(decoder, tokenizer, pooler_config(path, hf, False), arch.hidden_size,
                    max_len, str(path), arch, device, dtype)  # fmt: skip
 
@@ -179,4 +192,3 @@ def _decoder_weights(
         if name.startswith("lm_head."):
             continue
         yield (name if name.startswith("model.") else "model." + name), tensor
-

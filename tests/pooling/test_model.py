@@ -42,7 +42,9 @@ def test_qwen3_body_last_token_equals_transformers(qwen3_body_dir: Path) -> None
     for row, seq in zip(got, ids, strict=True):
         with torch.no_grad():
             hidden = ref(torch.tensor([seq])).last_hidden_state[0, -1]
-        torch.testing.assert_close(row, torch.nn.functional.normalize(hidden, dim=-1), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(
+            row, torch.nn.functional.normalize(hidden, dim=-1), atol=1e-5, rtol=1e-4
+        )
     assert resolve_runner("auto", qwen3_body_dir) == "pooling"
 
 
