@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
-# A string, a list of strings, token ids, or a list of token-id lists (as OpenAI takes).
-EmbeddingInput = str | list[str] | list[int] | list[list[int]]
+# A string, a list of strings, token ids, or a list of token-id lists (as OpenAI takes);
+# the list's items are checked by the route (msgspec takes one list type in a union).
+EmbeddingInput = str | list[Any]
 
 
 class EmbeddingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

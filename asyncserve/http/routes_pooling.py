@@ -77,11 +77,18 @@ def _usage(batches: Sequence[Sequence[int]]) -> PoolingUsage:
 
 def _items(raw: Any) -> list[Any]:
     """OpenAI's `input`: a string, strings, token ids, or lists of token ids."""
-    if isinstance(raw, str) or (raw and all(isinstance(x, int) for x in raw)):
+    if isinstance(raw, str) or (raw and all(_is_int(x) for x in raw)):
         return [raw]
     if not raw:
         raise APIError("input must not be empty", 400, "input")
+    for i, item in enumerate(raw):
+        if not (isinstance(item, str) or (isinstance(item, list) and all(map(_is_int, item)))):
+            raise APIError(f"input[{i}] must be a string or a list of token ids", 400, "input")
     return list(raw)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def routes(state: ServerState) -> list[Route]:
