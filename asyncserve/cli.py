@@ -10,7 +10,7 @@ import argparse
 import asyncio
 import logging
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # Re-exported: asyncserve.cli is where the serve flags have always been imported from.
 from asyncserve.cli_server import DEFAULT_SERVED_NAME as DEFAULT_SERVED_NAME
@@ -25,6 +25,9 @@ from asyncserve.config import (
     EngineConfig,
     Environment,
 )
+
+if TYPE_CHECKING:
+    from asyncserve.metrics import EngineMetrics
 
 
 def _positive_int(text: str) -> int:
@@ -129,6 +132,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--enforce-eager", action="store_true", help="no CUDA graphs (GPU only; always on CPU)"
     )
     group.add_argument(
+        "--runner",
+        default="auto",
+        choices=["auto", "generate", "pooling"],
+        help="pooling: embeddings and scores (/v1/embeddings, /pooling, /score, /rerank); "
+        "auto: pooling for encoders, decoder bodies and sentence-transformers checkpoints",
+    )
+    group.add_argument(
         "--otlp-traces-endpoint",
         default=None,
         help="export one OpenTelemetry span per request to this OTLP collector "
@@ -157,6 +167,7 @@ def engine_config_from_args(args: argparse.Namespace, env: Environment) -> Engin
         max_model_len=args.max_model_len,
         seed=args.seed,
         device=args.device,
+        runner=args.runner,
         block_size=args.block_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory=args.kv_cache_memory,
@@ -202,18 +213,34 @@ def run_serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    from asyncserve.engine.async_engine import AsyncEngine
     from asyncserve.http.server import run_server
     from asyncserve.metrics import EngineMetrics
 
     metrics = EngineMetrics(server_config.served_model_names[0])
     try:
-        engine = AsyncEngine.from_config(engine_config, metrics=metrics)
+        engine = build_engine(engine_config, metrics)
     except (ValueError, FileNotFoundError) as exc:
         sock.close()
         print(f"asyncserve serve: error: {exc}", file=sys.stderr)
         return 2
     return run_server(engine, server_config, metrics, sock)
+
+
+def build_engine(config: EngineConfig, metrics: EngineMetrics | None) -> Any:
+    """The engine the checkpoint needs: a pooling engine or a generating one."""
+    from pathlib import Path
+
+    from asyncserve.engine.async_engine import AsyncEngine
+    from asyncserve.pooling.config import resolve_runner
+    from asyncserve.pooling.engine import PoolingEngine
+
+    model = Path(config.model.model) if config.model.model else None
+    if (
+        resolve_runner(config.model.runner, model if model and model.is_dir() else None)
+        == "pooling"
+    ):
+        return PoolingEngine.from_config(config, metrics=metrics)
+    return AsyncEngine.from_config(config, metrics=metrics)
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:

@@ -25,6 +25,9 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
+    # generate | pooling (embeddings and scores) | auto: pooling for encoders, decoder bodies
+    # and sentence-transformers checkpoints (asyncserve/pooling/config.py).
+    runner: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "float", "bfloat16", "float16", "half"):
@@ -35,6 +38,8 @@ class ModelConfig:
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ValueError(f"runner must be 'auto', 'generate' or 'pooling', got {self.runner!r}")
 
 
 @dataclass(frozen=True)
@@ -144,6 +149,7 @@ class EngineConfig:
         max_model_len: int | None = None,
         seed: int = 0,
         device: str = "auto",
+        runner: str = "auto",
         block_size: int = 16,
         gpu_memory_utilization: float = 0.9,
         kv_cache_memory: int | None = None,
@@ -171,6 +177,7 @@ class EngineConfig:
                 max_model_len=max_model_len,
                 seed=seed,
                 device=device,
+                runner=runner,
             ),
             cache=CacheConfig(
                 block_size=block_size,

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import itertools
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
@@ -15,6 +16,14 @@ from asyncserve.beam_search import BeamSearchOutput, BeamSearchParams, beam_sear
 from asyncserve.config import EngineConfig
 from asyncserve.engine.async_engine import AsyncEngine
 from asyncserve.outputs import CompletionOutput, RequestOutput
+from asyncserve.pooling.config import resolve_runner
+from asyncserve.pooling.engine import PoolingEngine
+from asyncserve.pooling.outputs import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from asyncserve.sampling_params import MODEL_SAMPLING_DEFAULTS, RequestOutputKind, SamplingParams
 from asyncserve.tokenizer import Tokenizer
 
@@ -34,6 +43,7 @@ class LLM:
         max_model_len: int | None = None,
         seed: int = 0,
         device: str = "auto",
+        runner: str = "auto",
         block_size: int = 16,
         gpu_memory_utilization: float = 0.9,
         kv_cache_memory: int | None = None,
@@ -59,6 +69,7 @@ class LLM:
             max_model_len=max_model_len,
             seed=seed,
             device=device,
+            runner=runner,
             block_size=block_size,
             gpu_memory_utilization=gpu_memory_utilization,
             kv_cache_memory=kv_cache_memory,
@@ -73,12 +84,76 @@ class LLM:
             otlp_traces_endpoint=otlp_traces_endpoint,
             collect_detailed_traces=collect_detailed_traces,
         )
-        self.engine = AsyncEngine.from_config(config)
+        self._engine: AsyncEngine | None = None
+        self._pooling: PoolingEngine | None = None
+        model_dir = Path(model) if model is not None and Path(model).is_dir() else None
+        if resolve_runner(runner, model_dir) == "pooling":
+            self._pooling = PoolingEngine.from_config(config)
+        else:
+            self._engine = AsyncEngine.from_config(config)
         self._loop = asyncio.new_event_loop()
         self._ids = itertools.count()
 
+    @property
+    def engine(self) -> AsyncEngine:
+        """The generating engine; a pooling model has none (use embed() and score())."""
+        if self._engine is None:
+            raise ValueError(
+                "this LLM runs a pooling model (runner='pooling'): use embed() or score()"
+            )
+        return self._engine
+
     def get_tokenizer(self) -> Tokenizer:
+        if self._pooling is not None:
+            return self._pooling.tokenizer
         return self.engine.tokenizer
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One pooled vector per prompt (normalized if the model says so), in input order."""
+        pooling = self._pooling_engine()
+        items: list[str | list[int]] = []
+        for prompt in _as_prompt_list(prompts):
+            text, prompt_ids = _split_prompt(prompt)
+            items.append(prompt_ids if prompt_ids is not None else text or "")
+        vectors, ids = self._loop.run_until_complete(
+            pooling.embed_inputs(items, truncate_prompt_tokens=truncate_prompt_tokens)
+        )
+        return [
+            EmbeddingRequestOutput(str(next(self._ids)), tokens, EmbeddingOutput(vec.tolist()))
+            for vec, tokens in zip(vectors, ids, strict=True)
+        ]
+
+    def score(
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """Relevance of data_2's texts to data_1 (one text for all, or one each): a
+        cross-encoder's score, or an embedding model's cosine similarity."""
+        pooling = self._pooling_engine()
+        seconds = [data_2] if isinstance(data_2, str) else list(data_2)
+        firsts = [data_1] if isinstance(data_1, str) else list(data_1)
+        if len(firsts) == 1:
+            firsts = firsts * len(seconds)
+        scores, _ = self._loop.run_until_complete(
+            pooling.score(firsts, seconds, truncate_prompt_tokens)
+        )
+        return [ScoringRequestOutput(str(next(self._ids)), [], ScoringOutput(s)) for s in scores]
+
+    def _check_generates(self) -> None:
+        self.engine  # noqa: B018 - raises the ValueError for a pooling model
+
+    def _pooling_engine(self) -> PoolingEngine:
+        if self._pooling is None:
+            raise ValueError(
+                "embed() and score() need a pooling model: LLM(model, runner='pooling')"
+            )
+        return self._pooling
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation_config defaults, as vLLM applies them."""
@@ -96,6 +171,7 @@ class LLM:
 
         A prompt is a string, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]}.
         """
+        self._check_generates()
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -134,6 +210,7 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation and generate."""
+        self._check_generates()
         conversations: list[list[dict[str, Any]]]
         if messages and isinstance(messages[0], dict):
             conversations = [messages]  # type: ignore[list-item]
@@ -158,6 +235,7 @@ class LLM:
 
         Each sequence's tokens and text include the prompt; sequences are sorted best first.
         """
+        self._check_generates()
         token_prompts: list[list[int]] = []
         for prompt in _as_prompt_list(prompts):
             text, ids = _split_prompt(prompt)
@@ -205,7 +283,9 @@ class LLM:
 
     def close(self) -> None:
         if not self._loop.is_closed():
-            self._loop.run_until_complete(self.engine.close())
+            engine = self._pooling if self._pooling is not None else self._engine
+            if engine is not None:
+                self._loop.run_until_complete(engine.close())
             self._loop.close()
 
     def __del__(self) -> None:

@@ -20,7 +20,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from asyncserve.config import ServerConfig
-from asyncserve.http import dashboard, routes_openai, routes_ops
+from asyncserve.http import dashboard, routes_openai, routes_ops, routes_pooling
 from asyncserve.http.engine_client import EngineClient
 from asyncserve.http.errors import APIError, error_response
 from asyncserve.http.middleware import (
@@ -162,7 +162,10 @@ def build_app(
             state.preprocessor.shutdown()
 
     app = Starlette(
-        routes=routes_openai.routes(state) + routes_ops.routes(state) + dashboard.routes(state),
+        routes=routes_openai.routes(state)
+        + routes_pooling.routes(state)
+        + routes_ops.routes(state)
+        + dashboard.routes(state),
         exception_handlers={
             APIError: _api_error,
             HTTPException: _http_error,

@@ -22,6 +22,15 @@ from asyncserve.http.protocol import (
     ModelList,
     VersionResponse,
 )
+from asyncserve.http.protocol_pooling import (
+    EmbeddingRequest,
+    EmbeddingResponse,
+    PoolingResponse,
+    RerankRequest,
+    RerankResponse,
+    ScoreRequest,
+    ScoreResponse,
+)
 
 REF = "#/components/schemas/{name}"
 
@@ -57,6 +66,38 @@ _ENDPOINTS: list[tuple[str, str, str, Any, Any, Any]] = [
         "Several conversations (`messages`: a list of them), one choice each (vLLM)",
         BatchChatCompletionRequest,
         ChatCompletionResponse,
+        None,
+    ),
+    (
+        "/v1/embeddings",
+        "post",
+        "Embeddings (pooling models)",
+        EmbeddingRequest,
+        EmbeddingResponse,
+        None,
+    ),
+    (
+        "/pooling",
+        "post",
+        "Pooled hidden states (vLLM; pooling models)",
+        EmbeddingRequest,
+        PoolingResponse,
+        None,
+    ),
+    (
+        "/score",
+        "post",
+        "Relevance of text_2 to text_1 (vLLM; pooling models)",
+        ScoreRequest,
+        ScoreResponse,
+        None,
+    ),
+    (
+        "/rerank",
+        "post",
+        "Documents ranked by relevance to a query (pooling models)",
+        RerankRequest,
+        RerankResponse,
         None,
     ),
     ("/v1/models", "get", "The served model names", None, ModelList, None),
