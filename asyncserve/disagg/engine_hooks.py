@@ -42,9 +42,19 @@ def check_kv_transfer_params(transfer: KVTransfer | None, params: SamplingParams
     if raw.get("do_remote_decode") and not transfer.config.is_producer:
         raise ValueError(f"kv_transfer_params: do_remote_decode needs a producer, this server "
                          f"is a {transfer.config.kv_role}")  # fmt: skip
-    if raw.get("do_remote_prefill") and not transfer.config.is_consumer:
-        raise ValueError(f"kv_transfer_params: do_remote_prefill needs a consumer, this server "
-                         f"is a {transfer.config.kv_role}")  # fmt: skip
+    if raw.get("do_remote_prefill"):
+        if not transfer.config.is_consumer:
+            raise ValueError(f"kv_transfer_params: do_remote_prefill needs a consumer, this "
+                             f"server is a {transfer.config.kv_role}")  # fmt: skip
+        if not (
+            isinstance(raw.get("remote_url"), str)
+            and isinstance(raw.get("remote_request_id"), str)
+            and isinstance(raw.get("remote_block_hashes"), list)
+        ):
+            raise ValueError(
+                "kv_transfer_params: do_remote_prefill needs remote_url, remote_request_id and "
+                "remote_block_hashes (a producer's kv_transfer_params, with its URL)"
+            )
 
 
 def failed_output(

@@ -212,6 +212,8 @@ class AsyncEngine:
         self, prompt_token_ids: list[int], params: SamplingParams, strict_max_tokens: bool = True
     ) -> None:
         """Raise ValueError when a request cannot run; the message names what is wrong."""
+        if params.kv_transfer_params is not None:
+            check_kv_transfer_params(self.kv_transfer, params)
         n_prompt = len(prompt_token_ids)
         if n_prompt == 0:
             raise ValueError("prompt must not be empty")
@@ -290,8 +292,6 @@ class AsyncEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if self._dead_reason is not None:
             raise RuntimeError(f"engine is not running: {self._dead_reason}")
-        if params.kv_transfer_params is not None:
-            check_kv_transfer_params(self.kv_transfer, params)
         if isinstance(prompt, str):
             prompt_text: str | None = prompt
             prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
@@ -346,12 +346,15 @@ class AsyncEngine:
         if not self.is_running:
             await self.start()
         transfer = sampling_params.kv_transfer_params
+        if transfer is not None:
+            check_kv_transfer_params(self.kv_transfer, sampling_params)
         if self.kv_transfer is not None and transfer and transfer.get("do_remote_prefill"):
             # A consumer: the prompt's KV blocks come from the producer first.
             ids = prompt if isinstance(prompt, list) else self.tokenizer.encode(prompt, True)
             try:
                 await self.kv_transfer.pull(ids, transfer)
             except KVTransferError as exc:
+                logger.warning("request %s failed: %s", request_id, exc)
                 yield failed_output(request_id, prompt, ids, sampling_params.n, str(exc))
                 return
         stream = self.add_request(prompt, sampling_params, request_id, priority, trace_headers)
