@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import sys
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,16 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
     return value
 
 
@@ -139,6 +150,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "auto: pooling for encoders, decoder bodies and sentence-transformers checkpoints",
     )
     group.add_argument(
+        "--kv-transfer-config",
+        type=_json_object,
+        default=None,
+        help='disaggregated prefill, as JSON: {"kv_connector": "TCPConnector", "kv_role": '
+        '"kv_producer" | "kv_consumer" | "kv_both", "kv_rank": r, "kv_parallel_size": 2}',
+    )
+    group.add_argument(
         "--otlp-traces-endpoint",
         default=None,
         help="export one OpenTelemetry span per request to this OTLP collector "
@@ -181,6 +199,7 @@ def engine_config_from_args(args: argparse.Namespace, env: Environment) -> Engin
         tensor_parallel_size=args.tensor_parallel_size,
         stream_interval=args.stream_interval,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
+        kv_transfer_config=args.kv_transfer_config,
         collect_detailed_traces=args.collect_detailed_traces,
         served_model_name=(getattr(args, "served_model_name", None) or [None])[0],
     )
@@ -367,6 +386,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_arguments(generate)
     add_engine_arguments(generate)
     generate.set_defaults(handler=run_generate)
+    from asyncserve.disagg.proxy import add_proxy_arguments, run_proxy
+
+    proxy = commands.add_parser(
+        "proxy",
+        help="route requests to prefill then decode instances (disaggregated prefill)",
+        description="An OpenAI-compatible router: each request is prefilled on a --prefill "
+        "instance (kv_producer), then decoded on a --decode instance (kv_consumer).",
+    )
+    add_proxy_arguments(proxy)
+    proxy.set_defaults(handler=run_proxy)
     try:
         from asyncserve.bench.cli import add_parser as add_bench_parser
     except ImportError:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
 
 SchedulingPolicy = Literal["fcfs", "priority"]
 LoadFormat = Literal["auto", "dummy"]
@@ -97,6 +97,62 @@ class ParallelConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
 
 
+KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
+KV_CONNECTORS = ("TCPConnector",)
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Disaggregated prefill (asyncserve/disagg/): vLLM's --kv-transfer-config keys. A
+    producer prefills and keeps the request's KV blocks for a consumer to pull; a consumer
+    pulls them before it decodes. `kv_rank` / `kv_parallel_size` are taken as vLLM names
+    them and describe the deployment; pulls go to the producer named in each request."""
+
+    kv_connector: str = "TCPConnector"
+    kv_role: KVRole = "kv_both"
+    kv_rank: int | None = None
+    kv_parallel_size: int = 2
+    # Seconds a producer keeps a finished request's blocks for its consumer to pull.
+    kv_export_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.kv_connector not in KV_CONNECTORS:
+            raise ValueError(
+                f"kv_connector must be one of {list(KV_CONNECTORS)}, got {self.kv_connector!r}"
+            )
+        if self.kv_role not in ("kv_producer", "kv_consumer", "kv_both"):
+            raise ValueError(
+                f"kv_role must be 'kv_producer', 'kv_consumer' or 'kv_both', got {self.kv_role!r}"
+            )
+        if self.kv_parallel_size < 1:
+            raise ValueError(f"kv_parallel_size must be >= 1, got {self.kv_parallel_size}")
+        if self.kv_export_timeout_s <= 0:
+            raise ValueError(f"kv_export_timeout_s must be > 0, got {self.kv_export_timeout_s}")
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> KVTransferConfig:
+        known = {f.name for f in fields(cls)}
+        extra = raw.get("kv_connector_extra_config") or {}
+        unknown = sorted(set(raw) - known - {"kv_connector_extra_config", "kv_buffer_size",
+                                             "kv_buffer_device", "kv_ip", "kv_port"})  # fmt: skip
+        if unknown:
+            raise ValueError(f"kv_transfer_config: unknown keys {unknown}")
+        if not isinstance(extra, dict):
+            raise ValueError("kv_transfer_config: kv_connector_extra_config must be an object")
+        args = {k: v for k, v in raw.items() if k in known}
+        if "export_timeout_s" in extra:
+            args["kv_export_timeout_s"] = float(extra["export_timeout_s"])
+        return cls(**args)
+
+
 DetailedTraces = Literal["model", "worker", "all"]
 
 
@@ -134,6 +190,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    kv_transfer: KVTransferConfig | None = None
     # Step-loop behaviour.
     enable_cuda_graphs: bool = True
     stream_interval: int = 1
@@ -165,6 +222,7 @@ class EngineConfig:
         otlp_traces_endpoint: str | None = None,
         collect_detailed_traces: str | None = None,
         served_model_name: str | None = None,
+        kv_transfer_config: dict[str, Any] | None = None,
     ) -> EngineConfig:
         """The engine's configuration from vLLM's engine argument names (LLM(...) and the
         serve flags both come here)."""
@@ -198,6 +256,11 @@ class EngineConfig:
                 otlp_traces_protocol=os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc"),
                 collect_detailed_traces=collect_detailed_traces,  # type: ignore[arg-type]
                 served_model_name=served_model_name,
+            ),
+            kv_transfer=(
+                KVTransferConfig.from_dict(kv_transfer_config)
+                if kv_transfer_config is not None
+                else None
             ),
             enable_cuda_graphs=not enforce_eager,
             stream_interval=stream_interval,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 # Top logprobs at one position: token id -> Logprob.
 LogprobsDict = dict[int, "Logprob"]
@@ -43,3 +44,5 @@ class RequestOutput:
     error: str | None = None
     # The failure is the server's fault (a bug while processing it), not the request's.
     internal_error: bool = False
+    # Disaggregated prefill: what a producer tells the consumer (on the final output).
+    kv_transfer_params: dict[str, Any] | None = None

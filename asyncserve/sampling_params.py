@@ -79,6 +79,10 @@ class SamplingParams:
     bad_words: list[str] | None = None
     # Keep only the last k prompt tokens (-1: as many as max_model_len allows).
     truncate_prompt_tokens: int | None = None
+    # Disaggregated prefill (vLLM's field): {"do_remote_decode": true} on a producer keeps
+    # the prompt's KV blocks for a consumer; {"do_remote_prefill": true, "remote_url", ...}
+    # on a consumer pulls them first (asyncserve/disagg/).
+    kv_transfer_params: dict[str, Any] | None = None
     # Filled by the engine from the model's generation config; never set by users.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
     # Filled by the engine from bad_words with the model's tokenizer.

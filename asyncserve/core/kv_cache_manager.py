@@ -11,7 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from asyncserve.core.block_pool import BlockPool, KVBlock, hash_block
-from asyncserve.core.request import Request
+from asyncserve.core.request import Request, RequestStatus
+
+# A request that ended normally keeps its prompt blocks for a consumer to pull.
+_EXPORTABLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
 
 
 class KVCacheManager:
@@ -26,6 +29,8 @@ class KVCacheManager:
         self._req_blocks: dict[str, list[KVBlock]] = {}
         # How many leading blocks of each request have gone through cache_full_blocks.
         self._num_cached: dict[str, int] = {}
+        # Disaggregated prefill: request id -> the prompt blocks a consumer may still pull.
+        self.exports: dict[str, list[KVBlock]] = {}
         # Prefix cache stats in tokens: tokens looked up and tokens found, per admission.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -130,6 +135,9 @@ class KVCacheManager:
         if not blocks:
             return
         pool = self.block_pool
+        params = request.sampling_params.kv_transfer_params
+        if params and params.get("do_remote_decode") and request.status in _EXPORTABLE:
+            self._hold_for_export(request, blocks)
         for block in blocks[request.num_computed_tokens // self.block_size :]:
             if block.block_hash is not None and block.ref_cnt == 1:
                 pool.uncache_block(block)
@@ -137,6 +145,49 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
+
+    # ---- disaggregated prefill ---------------------------------------------------------------
+
+    def _hold_for_export(self, request: Request, blocks: list[KVBlock]) -> None:
+        """Keep the request's full prompt blocks (cached under their hashes) referenced
+        until a consumer pulls them or the hold expires (release_export)."""
+        full = min(request.num_prompt_tokens, request.num_computed_tokens) // self.block_size
+        held = [b for b in blocks[:full] if b.block_hash is not None]
+        self.block_pool.touch(held)
+        self.release_export(request.request_id)  # a request id reused: drop the older hold
+        self.exports[request.request_id] = held
+
+    def release_export(self, request_id: str) -> None:
+        held = self.exports.pop(request_id, None)
+        if held:
+            self.block_pool.free_blocks(reversed(held))
+
+    def prompt_block_hashes(self, prompt_token_ids: Sequence[int]) -> list[int]:
+        """The chained hashes of a prompt's full blocks, as its request would get them."""
+        bs = self.block_size
+        hashes: list[int] = []
+        parent: int | None = None
+        for i in range(len(prompt_token_ids) // bs):
+            parent = hash_block(parent, tuple(prompt_token_ids[i * bs : (i + 1) * bs]))
+            hashes.append(parent)
+        return hashes
+
+    def cached_blocks(self, block_hashes: Sequence[int]) -> list[KVBlock | None]:
+        get = self.block_pool.get_cached_block
+        return [get(h) for h in block_hashes]
+
+    def take_blocks_for_import(self, n: int) -> list[KVBlock] | None:
+        """n free blocks to write pulled K/V into (referenced until register_imported), or
+        None when the pool has no room (the request then computes its prefix itself)."""
+        if n > self.block_pool.num_free_blocks:
+            return None
+        return self.block_pool.get_new_blocks(n)
+
+    def register_imported(self, blocks: list[KVBlock], block_hashes: Sequence[int]) -> None:
+        """Pulled blocks join the prefix cache under their hashes, free and evictable: the
+        request that needs them takes them back as a prefix hit."""
+        self.block_pool.cache_full_blocks(blocks, block_hashes, 0, len(blocks))
+        self.block_pool.free_blocks(reversed(blocks))
 
     def _update_block_hashes(self, request: Request, num_blocks: int) -> list[int]:
         """Extend request.block_hashes to cover its first num_blocks full blocks."""

@@ -82,12 +82,13 @@ class Scheduler:
             request = self._requests.get(rid)
             if request is None or request.is_finished:
                 continue
-            if request.status == RequestStatus.RUNNING:
+            was_running = request.status == RequestStatus.RUNNING
+            request.status = status  # before free: how a request ended decides what it keeps
+            if was_running:
                 self._running.remove(request)
                 self.kv_cache_manager.free(request)
             else:
                 self._waiting.discard(request)
-            request.status = status
             self._release(request)
             finished.append(request)
         return finished

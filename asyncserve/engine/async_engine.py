@@ -16,6 +16,12 @@ from asyncserve.config import EngineConfig
 from asyncserve.core.grammar import StructuredOutputManager
 from asyncserve.core.request import Request
 from asyncserve.core.scheduler import Scheduler
+from asyncserve.disagg.engine_hooks import (
+    check_kv_transfer_params,
+    failed_output,
+    make_kv_transfer,
+)
+from asyncserve.disagg.kv_transfer import KVTransferError
 from asyncserve.engine.engine_core import EngineCore
 from asyncserve.engine.step_loop import StepLoop
 from asyncserve.executor.abstract import Executor
@@ -73,6 +79,7 @@ class AsyncEngine:
         self.executor.allocate_kv_cache(num_blocks, self.max_model_len)
         self.num_blocks = num_blocks
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len)
+        self.kv_transfer = make_kv_transfer(config, self.scheduler, executor)
         self.tracer = make_tracer(config, self.model_path)
         self.output_processor = OutputProcessor(
             self.tokenizer, config.stream_interval, metrics, self.tracer
@@ -205,6 +212,8 @@ class AsyncEngine:
         self, prompt_token_ids: list[int], params: SamplingParams, strict_max_tokens: bool = True
     ) -> None:
         """Raise ValueError when a request cannot run; the message names what is wrong."""
+        if params.kv_transfer_params is not None:
+            check_kv_transfer_params(self.kv_transfer, params)
         n_prompt = len(prompt_token_ids)
         if n_prompt == 0:
             raise ValueError("prompt must not be empty")
@@ -336,10 +345,25 @@ class AsyncEngine:
         """`trace_headers`: the W3C trace context of the HTTP request, when tracing is on."""
         if not self.is_running:
             await self.start()
+        transfer = sampling_params.kv_transfer_params
+        if transfer is not None:
+            check_kv_transfer_params(self.kv_transfer, sampling_params)
+        if self.kv_transfer is not None and transfer and transfer.get("do_remote_prefill"):
+            # A consumer: the prompt's KV blocks come from the producer first.
+            ids = prompt if isinstance(prompt, list) else self.tokenizer.encode(prompt, True)
+            try:
+                await self.kv_transfer.pull(ids, transfer)
+            except KVTransferError as exc:
+                logger.warning("request %s failed: %s", request_id, exc)
+                yield failed_output(request_id, prompt, ids, sampling_params.n, str(exc))
+                return
         stream = self.add_request(prompt, sampling_params, request_id, priority, trace_headers)
         try:
             while True:
                 output = await stream.get()
+                if output.finished and transfer and transfer.get("do_remote_decode"):
+                    assert self.kv_transfer is not None
+                    output.kv_transfer_params = self.kv_transfer.export_params(request_id)
                 yield output
                 if output.finished:
                     return

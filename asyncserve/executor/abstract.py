@@ -56,6 +56,16 @@ class Executor(ABC):
         fail only inside steps."""
         return None
 
+    def submit_rpc(self, method: str, *args: Any) -> Future[list[Any]]:
+        """collective_rpc queued behind the steps launched so far: work on the KV pool that
+        must not overlap a step still in flight (disaggregated prefill's block copies)."""
+        done: Future[list[Any]] = Future()
+        try:
+            done.set_result(self.collective_rpc(method, *args))
+        except BaseException as exc:
+            done.set_exception(exc)
+        return done
+
     def execute(self, plan: StepPlan, masks: MasksFuture | None = None) -> Future[StepResult]:
         """One whole step: forward, sampling, collect."""
         forwarded = self.launch_forward(plan, lambda: None)

@@ -24,6 +24,9 @@ class UniProcExecutor(Executor):
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         return [getattr(self.runner, method)(*args)]
 
+    def submit_rpc(self, method: str, *args: Any) -> Future[list[Any]]:
+        return self._thread.submit(lambda: [getattr(self.runner, method)(*args)])
+
     def launch_forward(self, plan: StepPlan, on_launched: Callable[[], None]) -> Future[Any]:
         job = self._thread.submit(self.runner.launch_forward, plan, on_launched)
         # A stage that fails before it launches never calls on_launched: its end does.

@@ -20,7 +20,13 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from asyncserve.config import ServerConfig
-from asyncserve.http import dashboard, routes_openai, routes_ops, routes_pooling
+from asyncserve.http import (
+    dashboard,
+    routes_kv_transfer,
+    routes_openai,
+    routes_ops,
+    routes_pooling,
+)
 from asyncserve.http.engine_client import EngineClient
 from asyncserve.http.errors import APIError, error_response
 from asyncserve.http.middleware import (
@@ -164,6 +170,7 @@ def build_app(
     app = Starlette(
         routes=routes_openai.routes(state)
         + routes_pooling.routes(state)
+        + routes_kv_transfer.routes(state)
         + routes_ops.routes(state)
         + dashboard.routes(state),
         exception_handlers={
@@ -191,4 +198,7 @@ def build_app(
     if config.root_path:
         app.add_middleware(RootPathMiddleware, root_path=config.root_path)
     app.state.asyncserve = state
+    transfer = getattr(engine, "kv_transfer", None)
+    if transfer is not None:
+        transfer.api_key = config.api_key  # pulls from the producer carry this server's key
     return app

@@ -160,6 +160,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
         else None,
         prompt_token_ids=prompt.token_ids if body.return_token_ids else None,
         metrics=state.request_metrics(final, completion_tokens, body.n == 1),
+        kv_transfer_params=final.kv_transfer_params,
     )
     return Response(msgspec.json.encode(response), media_type="application/json")
 

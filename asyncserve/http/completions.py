@@ -213,6 +213,7 @@ async def _complete(job: _Job, params: SamplingParams, model: str, request: Requ
         choices=choices,
         usage=usage(finals, job.prompts, completion_tokens),
         metrics=job.state.request_metrics(finals[0] if finals else None, completion_tokens, single),
+        kv_transfer_params=finals[0].kv_transfer_params if single else None,
     )
     return _json(response)
 

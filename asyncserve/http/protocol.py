@@ -83,6 +83,8 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     allowed_token_ids: list[Int64] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: Count | None = None
+    # Disaggregated prefill (vLLM's field; see asyncserve/disagg/).
+    kv_transfer_params: dict[str, Any] | None = None
     prompt_logprobs: Count | None = None
     # Tokens in logprobs as "token_id:<id>" (for tokens that are not valid UTF-8 alone);
     # None: the server's --return-tokens-as-token-ids.
@@ -238,6 +240,7 @@ class CompletionResponse(msgspec.Struct):
     usage: UsageInfo | None
     system_fingerprint: str | None = None
     metrics: PerRequestMetrics | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionStreamResponse(msgspec.Struct, omit_defaults=True):
@@ -293,6 +296,7 @@ class ChatCompletionResponse(msgspec.Struct):
     prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None
     metrics: PerRequestMetrics | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class DeltaMessage(msgspec.Struct, omit_defaults=True):

@@ -218,6 +218,7 @@ def _shared(body: SamplingFields, output_kind: RequestOutputKind) -> dict[str, A
         "allowed_token_ids": body.allowed_token_ids,
         "bad_words": body.bad_words,
         "truncate_prompt_tokens": body.truncate_prompt_tokens,
+        "kv_transfer_params": body.kv_transfer_params,
         "prompt_logprobs": body.prompt_logprobs,
         "output_kind": output_kind,
     }

@@ -24,6 +24,7 @@ from asyncserve.config import EngineConfig
 from asyncserve.core.step import GrammarBitmask, StepPlan, StepResult
 from asyncserve.models.loader import LoadedModel
 from asyncserve.models.parallel import SINGLE, TensorParallel
+from asyncserve.worker import kv_blocks
 from asyncserve.worker.cuda_graphs import DecodeGraphs
 from asyncserve.worker.grammar_mask import apply_grammar_bitmask
 from asyncserve.worker.input_batch import (
@@ -128,6 +129,13 @@ class ModelRunner:
                 self.block_size,
                 self.device,
             )
+
+    def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Whole blocks of the pool, on the CPU (a consumer pulls them; see worker/kv_blocks.py)."""
+        return kv_blocks.read_blocks(self.kv_caches, block_ids)
+
+    def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        kv_blocks.write_blocks(self.kv_caches, block_ids, data)
 
     # ---- one step ------------------------------------------------------------------------
 

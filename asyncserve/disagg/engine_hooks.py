@@ -1,0 +1,75 @@
+"""The engine's few contact points with disaggregated prefill, kept here so AsyncEngine
+reads as before: building the KVTransfer, checking a request's kv_transfer_params, and the
+output of a request whose pull failed."""
+
+from __future__ import annotations
+
+from asyncserve.config import EngineConfig
+from asyncserve.core.scheduler import Scheduler
+from asyncserve.disagg.kv_transfer import KVTransfer
+from asyncserve.executor.abstract import Executor
+from asyncserve.outputs import CompletionOutput, RequestOutput
+from asyncserve.sampling_params import SamplingParams
+
+
+def make_kv_transfer(
+    config: EngineConfig, scheduler: Scheduler, executor: Executor
+) -> KVTransfer | None:
+    kv = config.kv_transfer
+    if kv is None:
+        return None
+    if config.parallel.tensor_parallel_size != 1:
+        raise ValueError(
+            "kv_transfer_config: disaggregated prefill runs with tensor_parallel_size 1 "
+            "(a tensor-parallel pool holds each rank's heads apart)"
+        )
+    if not config.cache.enable_prefix_caching:
+        raise ValueError(
+            "kv_transfer_config needs prefix caching: pulled blocks join the prefix cache"
+        )
+    return KVTransfer(kv, scheduler.kv_cache_manager, executor)
+
+
+def check_kv_transfer_params(transfer: KVTransfer | None, params: SamplingParams) -> None:
+    """A ValueError naming kv_transfer_params when this engine cannot honour them."""
+    raw = params.kv_transfer_params
+    if not isinstance(raw, dict):
+        raise ValueError("kv_transfer_params must be an object")
+    if transfer is None:
+        raise ValueError("kv_transfer_params: this server runs without --kv-transfer-config")
+    if params.n != 1:
+        raise ValueError("kv_transfer_params: disaggregated prefill takes n = 1")
+    if raw.get("do_remote_decode") and not transfer.config.is_producer:
+        raise ValueError(f"kv_transfer_params: do_remote_decode needs a producer, this server "
+                         f"is a {transfer.config.kv_role}")  # fmt: skip
+    if raw.get("do_remote_prefill"):
+        if not transfer.config.is_consumer:
+            raise ValueError(f"kv_transfer_params: do_remote_prefill needs a consumer, this "
+                             f"server is a {transfer.config.kv_role}")  # fmt: skip
+        if not (
+            isinstance(raw.get("remote_url"), str)
+            and isinstance(raw.get("remote_request_id"), str)
+            and isinstance(raw.get("remote_block_hashes"), list)
+        ):
+            raise ValueError(
+                "kv_transfer_params: do_remote_prefill needs remote_url, remote_request_id and "
+                "remote_block_hashes (a producer's kv_transfer_params, with its URL)"
+            )
+
+
+def failed_output(
+    request_id: str, prompt: str | list[int], prompt_ids: list[int], n: int, error: str
+) -> RequestOutput:
+    """The one output of a request that could not get its KV blocks."""
+    return RequestOutput(
+        request_id=request_id,
+        prompt=prompt if isinstance(prompt, str) else None,
+        prompt_token_ids=prompt_ids,
+        outputs=[
+            CompletionOutput(index=i, text="", token_ids=[], finish_reason="error")
+            for i in range(n)
+        ],
+        finished=True,
+        error=error,
+        internal_error=True,
+    )

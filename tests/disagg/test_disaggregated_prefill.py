@@ -1,0 +1,153 @@
+"""Disaggregated prefill on loopback: a producer, a consumer and the proxy in front, as three
+real processes on SmolLM2. Greedy output equals one server's; blocks the consumer caches
+already are not sent again; a lost transfer fails only its own request; the proxy fails over."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.http.conftest import REPO, ServerProcess, free_port, require_model, wait_healthy
+
+KEY = "disagg-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+COMMON = ["--max-model-len", "1024", "--kv-cache-memory", "48M", "--served-model-name", "smol",
+          "--api-key", KEY, "--shutdown-timeout", "2"]  # fmt: skip
+# Long enough for several full blocks of 16 tokens.
+PROMPT = (
+    "The history of the river begins in the mountains, where snow melts each spring and "
+    "runs down through forests and villages toward the sea. Along the way it turns mills, "
+    "feeds farms, and carries boats loaded with grain and timber. Tell me how it ends:"
+)
+
+
+def _counter(base: str, name: str) -> float:
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    found = re.findall(rf"^asyncserve:{name}_total(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    return sum(float(v) for v in found)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]]:
+    require_model()
+    logs = tmp_path_factory.mktemp("disagg")
+    producer = ServerProcess(
+        [
+            *COMMON,
+            "--kv-transfer-config",
+            '{"kv_connector": "TCPConnector", "kv_role": "kv_producer"}',
+        ],
+        logs,
+    )
+    consumer = ServerProcess(
+        [
+            *COMMON,
+            "--kv-transfer-config",
+            '{"kv_connector": "TCPConnector", "kv_role": "kv_consumer"}',
+        ],
+        logs,
+    )
+    port = free_port()
+    proxy_log = logs / "proxy.log"
+    with open(proxy_log, "wb") as out:
+        proxy = subprocess.Popen(
+            [sys.executable, "-m", "asyncserve", "proxy", "--port", str(port),
+             "--prefill", producer.base_url, "--decode", consumer.base_url],
+            cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        producer.wait_ready()
+        consumer.wait_ready()
+        wait_healthy(proxy, f"http://127.0.0.1:{port}", proxy_log)
+        yield {"producer": producer, "consumer": consumer, "proxy": f"http://127.0.0.1:{port}"}
+    finally:
+        proxy.send_signal(signal.SIGTERM)
+        proxy.wait(30)
+        for server in (consumer, producer):
+            server.stop()
+
+
+def _complete(base: str, prompt: str, **extra: object) -> httpx.Response:
+    body = {"model": "smol", "prompt": prompt, "max_tokens": 12, "temperature": 0, **extra}
+    return httpx.post(f"{base}/v1/completions", json=body, headers=AUTH, timeout=120)
+
+
+def test_greedy_through_the_proxy_equals_one_server(cluster: dict[str, object]) -> None:
+    consumer, proxy = cluster["consumer"], str(cluster["proxy"])
+    assert isinstance(consumer, ServerProcess)
+    received_before = _counter(consumer.base_url, "kv_transfer_blocks_received")
+    via_proxy = _complete(proxy, PROMPT)
+    assert via_proxy.status_code == 200, via_proxy.text
+    received = _counter(consumer.base_url, "kv_transfer_blocks_received") - received_before
+    assert received >= 3  # the prompt's full blocks came from the producer
+    usage = via_proxy.json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == received * 16
+    # The same prompt on one server, computed there: the same tokens.
+    producer = cluster["producer"]
+    assert isinstance(producer, ServerProcess)
+    reference = _complete(producer.base_url, PROMPT)
+    assert reference.json()["choices"][0]["text"] == via_proxy.json()["choices"][0]["text"]
+    # Streams work through the proxy too.
+    with httpx.stream("POST", f"{proxy}/v1/chat/completions", headers=AUTH, timeout=120, json={
+        "model": "smol", "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": 8, "temperature": 0, "stream": True,
+    }) as stream:  # fmt: skip
+        events = [line for line in stream.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) > 3
+
+
+def test_cached_blocks_are_not_sent_again(cluster: dict[str, object]) -> None:
+    producer, consumer, proxy = cluster["producer"], cluster["consumer"], str(cluster["proxy"])
+    assert isinstance(producer, ServerProcess) and isinstance(consumer, ServerProcess)
+    first = _complete(proxy, "Question one. " + PROMPT)
+    assert first.status_code == 200, first.text
+    sent = _counter(producer.base_url, "kv_transfer_blocks_sent")
+    again = _complete(proxy, "Question one. " + PROMPT)
+    assert again.status_code == 200
+    assert _counter(producer.base_url, "kv_transfer_blocks_sent") == sent  # all cached already
+    assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+
+
+def test_lost_transfer_fails_only_its_request(tmp_path: Path, cluster: dict[str, object]) -> None:
+    consumer = cluster["consumer"]
+    assert isinstance(consumer, ServerProcess)
+    # A producer of its own, killed between its prefill and the consumer's pull.
+    producer = ServerProcess(
+        [
+            *COMMON,
+            "--kv-transfer-config",
+            '{"kv_connector": "TCPConnector", "kv_role": "kv_producer"}',
+        ],
+        tmp_path,
+    )
+    producer.wait_ready()
+    prompt = "A lost transfer. " + PROMPT
+    prefilled = _complete(producer.base_url, prompt, max_tokens=1,
+                          kv_transfer_params={"do_remote_decode": True})  # fmt: skip
+    params = prefilled.json()["kv_transfer_params"]
+    assert params["do_remote_prefill"] and params["remote_block_hashes"]
+    producer.proc.kill()
+    producer.stop()
+    lost = _complete(consumer.base_url, prompt,
+                     kv_transfer_params={**params, "remote_url": producer.base_url})  # fmt: skip
+    # A non-streaming response carries finish_reason "error"; the log says why.
+    assert lost.json()["choices"][0]["finish_reason"] == "error", lost.text
+    assert f"KV transfer from {producer.base_url} failed" in consumer.logs()
+    # The consumer goes on serving.
+    assert _complete(consumer.base_url, "Hello there").status_code == 200
+
+
+def test_bad_kv_transfer_params_are_400(cluster: dict[str, object]) -> None:
+    consumer = cluster["consumer"]
+    assert isinstance(consumer, ServerProcess)
+    wrong_role = _complete(consumer.base_url, "Hi", kv_transfer_params={"do_remote_decode": True})
+    assert wrong_role.status_code == 400 and "producer" in wrong_role.text
+    incomplete = _complete(consumer.base_url, "Hi", kv_transfer_params={"do_remote_prefill": True})
+    assert incomplete.status_code in (400, 500) and "remote_url" in incomplete.text
