@@ -93,11 +93,38 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters (vLLM's defaults): how many one step may mix, their largest rank, and
+    how many stay loaded in host memory."""
+
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    # None: max_loras.
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
+
+    @property
+    def cpu_capacity(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     # Step-loop behaviour.
     enable_cuda_graphs: bool = True
     stream_interval: int = 1
@@ -125,6 +152,10 @@ class EngineConfig:
         enforce_eager: bool = False,
         stream_interval: int = 1,
         tensor_parallel_size: int = 1,
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
     ) -> EngineConfig:
         """The engine's configuration from vLLM's engine argument names (LLM(...) and the
         serve flags both come here)."""
@@ -152,6 +183,12 @@ class EngineConfig:
                 async_scheduling=async_scheduling,
             ),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+            lora=LoRAConfig(
+                enable_lora=enable_lora,
+                max_loras=max_loras,
+                max_lora_rank=max_lora_rank,
+                max_cpu_loras=max_cpu_loras,
+            ),
             enable_cuda_graphs=not enforce_eager,
             stream_interval=stream_interval,
         )
@@ -164,6 +201,9 @@ class Environment:
     api_key: str | None
     default_model: str | None
     log_level: str
+    # The runtime /v1/load_lora_adapter and /v1/unload_lora_adapter endpoints (vLLM reads
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING for the same switch).
+    allow_runtime_lora_updating: bool = False
 
     @classmethod
     def read(cls) -> Environment:
@@ -171,6 +211,10 @@ class Environment:
             api_key=os.environ.get("ASYNCSERVE_API_KEY") or None,
             default_model=os.environ.get("ASYNCSERVE_MODEL") or None,
             log_level=os.environ.get("ASYNCSERVE_LOG_LEVEL", "INFO"),
+            allow_runtime_lora_updating=os.environ.get(
+                "ASYNCSERVE_ALLOW_RUNTIME_LORA_UPDATING", ""
+            ).lower()
+            in ("1", "true"),
         )
 
 

@@ -14,6 +14,7 @@ from tqdm import tqdm
 from asyncserve.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from asyncserve.config import EngineConfig
 from asyncserve.engine.async_engine import AsyncEngine
+from asyncserve.lora.request import LoRARequest
 from asyncserve.outputs import CompletionOutput, RequestOutput
 from asyncserve.sampling_params import MODEL_SAMPLING_DEFAULTS, RequestOutputKind, SamplingParams
 from asyncserve.tokenizer import Tokenizer
@@ -46,6 +47,10 @@ class LLM:
         enforce_eager: bool = False,
         tensor_parallel_size: int = 1,
         max_logprobs: int = 20,
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
     ) -> None:
         # Most logprobs (and prompt_logprobs) a SamplingParams may ask for, as in vLLM.
         self.max_logprobs = max_logprobs
@@ -68,6 +73,10 @@ class LLM:
             async_scheduling=async_scheduling,
             enforce_eager=enforce_eager,
             tensor_parallel_size=tensor_parallel_size,
+            enable_lora=enable_lora,
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
+            max_cpu_loras=max_cpu_loras,
         )
         self.engine = AsyncEngine.from_config(config)
         self._loop = asyncio.new_event_loop()
@@ -87,10 +96,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order.
 
         A prompt is a string, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]}.
+        `lora_request`: one adapter for every prompt, or one (or None) per prompt.
         """
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
@@ -117,9 +128,29 @@ class LLM:
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"priority: got {len(priority)} values for {len(prompt_list)} prompts")
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        loras: list[LoRARequest | None]
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompt_list)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompt_list):
+                raise ValueError(f"lora_request: got {len(loras)} for {len(prompt_list)} prompts")
+        # A bad adapter is the caller's error: raise before any work.
+        for lora in {id(r): r for r in loras if r is not None}.values():
+            self.engine.add_lora(lora)
         return self._loop.run_until_complete(
-            self._run_all(prompt_list, params_list, priorities, use_tqdm)
+            self._run_all(prompt_list, params_list, priorities, use_tqdm, loras)
         )
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Validate and register an adapter ahead of its first request."""
+        return self.engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.engine.remove_lora(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        return [r.lora_int_id for r in self.engine.list_loras()]
 
     def chat(
         self,
@@ -171,6 +202,7 @@ class LLM:
         params_list: list[SamplingParams],
         priorities: list[int],
         use_tqdm: bool,
+        loras: list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * len(prompts)
         progress = tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm)
@@ -183,8 +215,9 @@ class LLM:
             request_id = str(next(self._ids))
             engine_prompt: str | list[int] = ids if ids is not None else (text or "")
             try:
+                lora = loras[index] if loras is not None else None
                 async for output in self.engine.generate(
-                    engine_prompt, final, request_id, priorities[index]
+                    engine_prompt, final, request_id, priorities[index], lora
                 ):
                     results[index] = output
             except ValueError as exc:

@@ -38,7 +38,9 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         max_model_len: int,
+        max_loras: int | None = None,
     ) -> None:
+        """`max_loras`: most LoRA adapters one step may use (None: LoRA is off)."""
         self.config = scheduler_config
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_num_seqs = scheduler_config.max_num_seqs
@@ -46,6 +48,7 @@ class Scheduler:
         self.block_size = cache_config.block_size
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
+        self.max_loras = max_loras
         self.block_pool = BlockPool(
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
         )
@@ -59,6 +62,7 @@ class Scheduler:
         self._freed_ids: set[str] = set()
         self._errored: list[Request] = []
         self.num_preemptions_total = 0
+        self._removed_loras: set[int] = set()
 
     # ----------------------------------------------------------------- requests in and out
 
@@ -91,6 +95,10 @@ class Scheduler:
             self._release(request)
             finished.append(request)
         return finished
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """The adapter was unloaded: the next plan tells the runner to drop its weights."""
+        self._removed_loras.add(lora_int_id)
 
     def take_errored(self) -> list[Request]:
         """Requests failed by schedule() (FINISHED_ERROR, with .error) since the last call."""
@@ -188,6 +196,9 @@ class Scheduler:
         """Admit waiting requests in queue order while budget, seats and blocks last."""
         kv = self.kv_cache_manager
         waiting = self._waiting
+        # A step's adapters must fit the device's slots: admission stops at one that would
+        # exceed them, until a running adapter's requests finish.
+        loras = {r.lora_int_id for r in self._running if r.lora_int_id} if self.max_loras else set()
         while step.budget > 0 and len(self._running) < self.max_num_seqs:
             request = waiting.peek()
             if request is None:
@@ -199,6 +210,9 @@ class Scheduler:
                 waiting.pop()
                 self._fail(request)
                 continue
+            lora_id = request.lora_int_id
+            if lora_id and lora_id not in loras and self.max_loras and len(loras) >= self.max_loras:
+                break
             hit_blocks, num_hit = kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, step.budget)
             if kv.allocate_slots(request, num_new, hit_blocks) is None:
@@ -212,6 +226,8 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
             self._running.append(request)
+            if lora_id:
+                loras.add(lora_id)
             step.add_new(request, num_new)
 
     def _make_plan(self, step: _StepBudget) -> StepPlan:
@@ -225,6 +241,7 @@ class Scheduler:
                     sampling_params=r.sampling_params,
                     block_ids=kv.get_block_ids(r.request_id),
                     num_computed_tokens=r.num_computed_tokens,
+                    lora_request=r.lora_request,
                 )
                 for r in step.new
             ],
@@ -239,8 +256,10 @@ class Scheduler:
             num_scheduled_tokens=step.num_scheduled,
             total_num_scheduled_tokens=self.max_num_batched_tokens - step.budget,
             freed_request_ids=self._freed_ids,
+            removed_lora_ids=self._removed_loras,
         )
         self._freed_ids = set()
+        self._removed_loras = set()
         # The plan carries the start positions; from here on the tokens count as computed,
         # and a request whose chunk reaches its last token awaits the token sampled now.
         for r in itertools.chain(step.running, step.new):

@@ -20,6 +20,9 @@ from asyncserve.engine.step_loop import StepLoop
 from asyncserve.executor.abstract import Executor
 from asyncserve.executor.multiproc import MultiProcExecutor
 from asyncserve.executor.uniproc import UniProcExecutor
+from asyncserve.lora.adapter import load_adapter
+from asyncserve.lora.layers import module_shapes
+from asyncserve.lora.request import LoRARequest
 from asyncserve.metrics import EngineMetrics
 from asyncserve.models.loader import LoadedModel, load_model
 from asyncserve.models.parallel import TensorParallel
@@ -63,6 +66,12 @@ class AsyncEngine:
             config.model.max_model_len or loaded.arch.max_position_embeddings,
             loaded.arch.max_position_embeddings,
         )
+        if config.lora.enable_lora and config.parallel.tensor_parallel_size > 1:
+            raise ValueError("enable_lora is not supported with tensor_parallel_size > 1 yet")
+        # Adapter targets, read before the runner wraps the projections.
+        self.lora_shapes = module_shapes(loaded.model) if config.lora.enable_lora else {}
+        # Validated adapters by lora_int_id (the runner loads their weights on first use).
+        self.loras: dict[int, LoRARequest] = {}
         if executor is None:
             self.runner = ModelRunner(loaded, config, self.device)
             executor = UniProcExecutor(self.runner)
@@ -70,7 +79,13 @@ class AsyncEngine:
         num_blocks = self.executor.determine_num_blocks(self.max_model_len)
         self.executor.allocate_kv_cache(num_blocks, self.max_model_len)
         self.num_blocks = num_blocks
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len)
+        self.scheduler = Scheduler(
+            config.scheduler,
+            config.cache,
+            num_blocks,
+            self.max_model_len,
+            config.lora.max_loras if config.lora.enable_lora else None,
+        )
         self.output_processor = OutputProcessor(self.tokenizer, config.stream_interval, metrics)
         self.eos_token_ids = eos_token_ids(loaded, self.tokenizer.eos_token_id)
         # Grammar matchers; masks are filled on its own thread while the forward runs.
@@ -221,6 +236,48 @@ class AsyncEngine:
                     f"{params.max_tokens} in the completion)"
                 )
 
+    # ---- LoRA adapters ---------------------------------------------------------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Validate an adapter (config and tensor shapes against this model) and register it;
+        False when it is registered already. Raises ValueError naming what is wrong."""
+        lora = self.config.lora
+        if not lora.enable_lora:
+            raise ValueError("lora_request: LoRA is not enabled (enable_lora=True / --enable-lora)")
+        known = self.loras.get(lora_request.lora_int_id)
+        if known is not None:
+            if (known.lora_name, known.lora_path) != (
+                lora_request.lora_name,
+                lora_request.lora_path,
+            ):
+                raise ValueError(
+                    f"lora_int_id {lora_request.lora_int_id} is already used by adapter "
+                    f"{known.lora_name!r} at {known.lora_path!r}"
+                )
+            return False
+        # A full read (not only the header): weights that fail to load would otherwise
+        # fail a step on the worker.
+        load_adapter(
+            lora_request.lora_name,
+            lora_request.lora_path,
+            self.lora_shapes,
+            lora.max_lora_rank,
+            self.loaded.dtype,
+        )
+        self.loras[lora_request.lora_int_id] = lora_request
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter; its cached weights go with the next step. Requests running
+        with it finish with it (their weights reload from its path if they must)."""
+        if self.loras.pop(lora_int_id, None) is None:
+            return False
+        self.scheduler.remove_lora(lora_int_id)
+        return True
+
+    def list_loras(self) -> list[LoRARequest]:
+        return list(self.loras.values())
+
     def truncate_prompt(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
         """The last truncate_prompt_tokens prompt tokens (-1: what max_model_len leaves room
         for, one token kept for the output)."""
@@ -263,6 +320,7 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -276,6 +334,8 @@ class AsyncEngine:
             prompt_ids = list(prompt)
         prompt_ids = self.truncate_prompt(prompt_ids, params)
         self.validate_request(prompt_ids, params, strict_max_tokens=False)
+        if lora_request is not None:
+            self.add_lora(lora_request)
         if params.bad_words:
             words = params.bad_words
             params = copy.copy(params)
@@ -302,6 +362,7 @@ class AsyncEngine:
                     priority=priority,
                     arrival_time=parent.arrival_time,
                     max_tokens=max_tokens,
+                    lora_request=lora_request,
                 )
             )
         self.core.add(parent, requests)
@@ -315,10 +376,11 @@ class AsyncEngine:
         sampling_params: SamplingParams,
         request_id: str,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         if not self.is_running:
             await self.start()
-        stream = self.add_request(prompt, sampling_params, request_id, priority)
+        stream = self.add_request(prompt, sampling_params, request_id, priority, lora_request)
         try:
             while True:
                 output = await stream.get()

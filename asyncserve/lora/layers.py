@@ -1,0 +1,197 @@
+"""LoRA around a model's projections: the wrapper layer and the step's adapter groups.
+
+The model's code is untouched: `attach_lora` swaps each decoder layer's q/k/v, o, gate/up
+and down projection for a LoRALinear holding the base layer plus one stack of adapter
+weights per slot. Every LoRALinear reads the same LoRABatch, which the runner fills once
+per step with the batch's rows grouped by adapter slot; its buffers are persistent, so a
+captured CUDA graph replays the LoRA kernels with whatever groups the step has.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from asyncserve.kernels import reference
+from asyncserve.lora.adapter import ModuleShapes
+from asyncserve.models.layers import Linear
+
+ShrinkOp = Callable[..., None]
+ExpandOp = Callable[..., None]
+
+
+def lora_ops(device: torch.device) -> tuple[ShrinkOp, ExpandOp]:
+    """The shrink / expand pair: Triton on CUDA, the torch reference elsewhere."""
+    if device.type == "cuda":
+        from asyncserve.kernels import lora
+
+        return lora.lora_shrink, lora.lora_expand
+    return reference.lora_shrink, reference.lora_expand
+
+
+class LoRABatch:
+    """This step's rows grouped by adapter slot (see kernels/reference.py for the layout)."""
+
+    def __init__(self, max_tokens: int, num_slots: int, device: torch.device) -> None:
+        self.device = device
+        self.num_slots = num_slots
+        self.sorted_tokens = torch.zeros(max_tokens, dtype=torch.int32, device=device)
+        self.group_slots = torch.full((num_slots,), -1, dtype=torch.int32, device=device)
+        self.group_starts = torch.zeros(num_slots + 1, dtype=torch.int32, device=device)
+        # Whether any row of this step has an adapter (an eager forward skips LoRA if not).
+        self.active = False
+        self.shrink, self.expand = lora_ops(device)
+
+    def set_rows(self, token_slots: np.ndarray) -> None:
+        """Group the step's rows ([T] slot per token, -1 for none) by slot."""
+        num_tokens = len(token_slots)
+        if num_tokens > self.sorted_tokens.shape[0]:
+            raise ValueError(
+                f"{num_tokens} tokens exceed the LoRA buffers' {self.sorted_tokens.shape[0]}"
+            )
+        slots = np.full(self.num_slots, -1, dtype=np.int32)
+        starts = np.zeros(self.num_slots + 1, dtype=np.int32)
+        order = np.argsort(token_slots, kind="stable").astype(np.int32)
+        used, counts = np.unique(token_slots, return_counts=True)
+        keep = used >= 0
+        used, counts = used[keep], counts[keep]
+        # Rows without an adapter sort first; the groups start after them.
+        first = num_tokens - int(counts.sum())
+        slots[: len(used)] = used
+        starts[: len(used) + 1] = first + np.concatenate(([0], np.cumsum(counts)))
+        starts[len(used) + 1 :] = starts[len(used)]
+        self.active = len(used) > 0
+        host = torch.from_numpy(np.concatenate((order, slots, starts)))
+        flat = host.to(self.device)
+        self.sorted_tokens[:num_tokens].copy_(flat[:num_tokens])
+        self.group_slots.copy_(flat[num_tokens : num_tokens + self.num_slots])
+        self.group_starts.copy_(flat[num_tokens + self.num_slots :])
+
+
+@dataclass(frozen=True)
+class LoRASlice:
+    """One adapter target inside a (possibly fused) projection: its rows of the output."""
+
+    module: str
+    offset: int
+    size: int
+
+
+class LoRALinear(nn.Module):
+    """y = base(x) + per row: x @ A[slot]^T @ B[slot]^T for each slice of the output."""
+
+    def __init__(
+        self,
+        base: Linear,
+        slices: list[LoRASlice],
+        batch: LoRABatch,
+        max_rank: int,
+    ) -> None:
+        super().__init__()
+        self.base = base
+        self.slices = slices
+        self.batch = batch
+        self.max_rank = max_rank
+        weight = base.weight
+        num_slots = batch.num_slots
+        for i, s in enumerate(slices):
+            a = torch.zeros(
+                num_slots, max_rank, base.in_features, dtype=weight.dtype, device=weight.device
+            )
+            b = torch.zeros(num_slots, s.size, max_rank, dtype=weight.dtype, device=weight.device)
+            self.register_buffer(f"lora_a_{i}", a, persistent=False)
+            self.register_buffer(f"lora_b_{i}", b, persistent=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base.weight
+
+    def stacks(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        a: torch.Tensor = getattr(self, f"lora_a_{index}")
+        b: torch.Tensor = getattr(self, f"lora_b_{index}")
+        return a, b
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        batch = self.batch
+        # A graph is captured with the kernels in, whatever the capturing step's groups.
+        if not batch.active and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return y
+        num_tokens = x.shape[0]
+        x = x.contiguous()
+        sorted_tokens = batch.sorted_tokens[:num_tokens]
+        groups = (batch.group_slots, batch.group_starts)
+        buf = torch.empty(num_tokens, self.max_rank, dtype=torch.float32, device=x.device)
+        for i, s in enumerate(self.slices):
+            a, b = self.stacks(i)
+            batch.shrink(x, a, sorted_tokens, *groups, buf)
+            batch.expand(buf, b, sorted_tokens, *groups, y, s.offset)
+        return y
+
+
+def _targets(model: nn.Module) -> list[tuple[nn.Module, str, int, list[LoRASlice]]]:
+    """(parent module, attribute, layer index, slices) of every projection LoRA can wrap."""
+    found: list[tuple[nn.Module, str, int, list[LoRASlice]]] = []
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        return found
+    for index, layer in enumerate(layers):
+        attn = getattr(layer, "self_attn", None)
+        if attn is not None:
+            qkv = getattr(attn, "qkv_proj", None)
+            if isinstance(qkv, Linear | LoRALinear) and hasattr(attn, "q_size"):
+                q, kv = attn.q_size, attn.kv_size
+                found.append((attn, "qkv_proj", index, [
+                    LoRASlice("q_proj", 0, q), LoRASlice("k_proj", q, kv),
+                    LoRASlice("v_proj", q + kv, kv)]))  # fmt: skip
+            o = getattr(attn, "o_proj", None)
+            if isinstance(o, Linear | LoRALinear):
+                found.append((attn, "o_proj", index, [LoRASlice("o_proj", 0, o.weight.shape[0])]))
+        mlp = getattr(layer, "mlp", None)
+        if mlp is not None:
+            gate_up = getattr(mlp, "gate_up_proj", None)
+            if isinstance(gate_up, Linear | LoRALinear) and hasattr(mlp, "intermediate_size"):
+                n = mlp.intermediate_size
+                found.append((mlp, "gate_up_proj", index,
+                              [LoRASlice("gate_proj", 0, n), LoRASlice("up_proj", n, n)]))  # fmt: skip
+            down = getattr(mlp, "down_proj", None)
+            if isinstance(down, Linear | LoRALinear):
+                found.append(
+                    (mlp, "down_proj", index, [LoRASlice("down_proj", 0, down.weight.shape[0])])
+                )
+    return found
+
+
+def module_shapes(model: nn.Module) -> ModuleShapes:
+    """(layer, HF module name) -> (in_features, out_features) of every target adapters may use."""
+    shapes: ModuleShapes = {}
+    for parent, attr, index, slices in _targets(model):
+        in_features = getattr(parent, attr).weight.shape[1]
+        for s in slices:
+            shapes[(index, s.module)] = (in_features, s.size)
+    return shapes
+
+
+# (layer, HF module name) -> the wrapper holding it and the slice index inside it.
+LoRATargets = dict[tuple[int, str], tuple[LoRALinear, int]]
+
+
+def attach_lora(model: nn.Module, batch: LoRABatch, max_rank: int) -> LoRATargets:
+    """Wrap every target projection of `model` in a LoRALinear (in place)."""
+    targets: LoRATargets = {}
+    for parent, attr, index, slices in _targets(model):
+        base = getattr(parent, attr)
+        if not isinstance(base, LoRALinear):
+            base = LoRALinear(base, slices, batch, max_rank)
+            setattr(parent, attr, base)
+        for i, s in enumerate(slices):
+            targets[(index, s.module)] = (base, i)
+    if not targets:
+        raise ValueError(
+            f"LoRA is not supported for {type(model).__name__}: no projection to adapt"
+        )
+    return targets
