@@ -273,6 +273,10 @@ class ServerConfig:
     # Sampling defaults: "auto" (the model's generation_config.json), "vllm" (none: the
     # OpenAI defaults), or a folder holding a generation_config.json.
     generation_config: str = "auto"
+    # LoRA adapters served from the start: (name, path) pairs (--lora-modules).
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    # /v1/load_lora_adapter and /v1/unload_lora_adapter (they change what the server runs).
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -295,6 +299,9 @@ class ServerConfig:
             )
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
             raise ValueError("ssl_keyfile and ssl_certfile must be given together")
+        lora_names = [name for name, _ in self.lora_modules]
+        if len(set(lora_names)) != len(lora_names):
+            raise ValueError(f"lora_modules: a name appears twice in {lora_names}")
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be >= -1, got {self.max_logprobs}")
         if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):

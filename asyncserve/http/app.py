@@ -18,7 +18,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from asyncserve.config import ServerConfig
-from asyncserve.http import routes_openai, routes_ops
+from asyncserve.http import routes_lora, routes_openai, routes_ops
 from asyncserve.http.engine_client import EngineClient
 from asyncserve.http.errors import APIError, error_response
 from asyncserve.http.middleware import (
@@ -141,8 +141,12 @@ def build_app(
             await engine.shutdown(timeout=config.shutdown_timeout)
             state.preprocessor.shutdown()
 
+    loras = routes_lora.LoRARegistry(state)
+    loras.register_startup(config.lora_modules)
     app = Starlette(
-        routes=routes_openai.routes(state) + routes_ops.routes(state),
+        routes=routes_openai.routes(state)
+        + routes_ops.routes(state)
+        + routes_lora.routes(state, loras),
         exception_handlers={
             APIError: _api_error,
             HTTPException: _http_error,

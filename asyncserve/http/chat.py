@@ -74,7 +74,11 @@ class _Job:
         self.state.log_request(self.engine_id, self.prompt, params)
         return self.ticket.watch(
             self.state.engine.generate(
-                self.prompt.token_ids, params, self.engine_id, priority=self.body.priority
+                self.prompt.token_ids,
+                params,
+                self.engine_id,
+                priority=self.body.priority,
+                lora_request=self.state.lora_for(self.body.model),
             )
         )
 

@@ -81,8 +81,13 @@ async def create_batch_chat_completion(state: ServerState, request: Request) -> 
     engine_ids = [state.new_request_id() for _ in prompts]
     for rid, prompt in zip(engine_ids, prompts, strict=True):
         state.log_request(rid, prompt, params)
+    lora = state.lora_for(body.model)
     streams = [
-        ticket.watch(state.engine.generate(p.token_ids, params, rid, priority=body.priority))
+        ticket.watch(
+            state.engine.generate(
+                p.token_ids, params, rid, priority=body.priority, lora_request=lora
+            )
+        )
         for rid, p in zip(engine_ids, prompts, strict=True)
     ]
 

@@ -71,9 +71,12 @@ class _Job:
         engine = self.state.engine
         for rid, prompt in zip(self.engine_ids, self.prompts, strict=True):
             self.state.log_request(rid, prompt, params)
+        lora = self.state.lora_for(self.body.model)
         return [
             self.ticket.watch(
-                engine.generate(p.token_ids, params, rid, priority=self.body.priority)
+                engine.generate(
+                    p.token_ids, params, rid, priority=self.body.priority, lora_request=lora
+                )
             )
             for rid, p in zip(self.engine_ids, self.prompts, strict=True)
         ]

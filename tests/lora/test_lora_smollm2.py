@@ -5,8 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from asyncserve import LoRARequest, SamplingParams
 from asyncserve.llm import LLM
 from tests.conftest import PLAIN_PROMPTS
