@@ -33,10 +33,12 @@ def _lora_shrink_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # programs per row block along K, summed atomically
     PRECISION: tl.constexpr,  # "ieee" for fp32 weights (exact), else the native dot
 ):
     pid_m = tl.program_id(0)
     group = tl.program_id(1)
+    pid_k = tl.program_id(2)
     slot = tl.load(slots_ptr + group)
     start = tl.load(starts_ptr + group)
     count = tl.load(starts_ptr + group + 1) - start
@@ -49,7 +51,7 @@ def _lora_shrink_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     a_base = a_ptr + slot.to(tl.int64) * stride_as
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
         k = k0 + offs_k
         x = tl.load(
             x_ptr + rows[:, None] * stride_xt + k[None, :],
@@ -62,11 +64,12 @@ def _lora_shrink_kernel(
             other=0.0,
         )  # [BLOCK_K, BLOCK_R]
         acc += tl.dot(x.to(a.dtype), a, input_precision=PRECISION)
-    tl.store(
-        out_ptr + rows[:, None] * stride_ot + offs_r[None, :],
-        acc,
-        mask=row_mask[:, None] & (offs_r[None, :] < R),
-    )
+    out_ptrs = out_ptr + rows[:, None] * stride_ot + offs_r[None, :]
+    out_mask = row_mask[:, None] & (offs_r[None, :] < R)
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc, mask=out_mask)
+    else:
+        tl.atomic_add(out_ptrs, acc, mask=out_mask)
 
 
 @triton.jit
@@ -141,8 +144,12 @@ def lora_shrink(
     if x.stride(1) != 1 or lora_a.stride(2) != 1 or out.stride(1) != 1:
         raise ValueError("lora_shrink needs unit last strides")
     rank = lora_a.shape[1]
-    block_m = 16
-    grid = (triton.cdiv(num_tokens, block_m), group_slots.shape[0])
+    block_m, block_k = 16, 64
+    # A decode batch has few row blocks: split K so enough programs share the reads.
+    split_k = max(1, min(16, k // (4 * block_k))) if num_tokens <= 256 else 1
+    if split_k > 1:
+        out[:num_tokens].zero_()
+    grid = (triton.cdiv(num_tokens, block_m), group_slots.shape[0], split_k)
     _lora_shrink_kernel[grid](
         x,  # [T, K]
         lora_a,  # [S, R, K]
@@ -158,7 +165,8 @@ def lora_shrink(
         out.stride(0),
         BLOCK_M=block_m,
         BLOCK_R=_block_r(rank),
-        BLOCK_K=64,
+        BLOCK_K=block_k,
+        SPLIT_K=split_k,
         PRECISION=_precision(lora_a),
     )
 
@@ -178,7 +186,7 @@ def lora_expand(
     if buf.stride(1) != 1 or lora_b.stride(2) != 1 or y.stride(1) != 1:
         raise ValueError("lora_expand needs unit last strides")
     width, rank = lora_b.shape[1], lora_b.shape[2]
-    block_m, block_n = 16, 64
+    block_m, block_n = 16, 128
     grid = (triton.cdiv(num_tokens, block_m), group_slots.shape[0], triton.cdiv(width, block_n))
     _lora_expand_kernel[grid](
         buf,  # [T, R]

@@ -98,12 +98,13 @@ class LoRALinear(nn.Module):
         self.max_rank = max_rank
         weight = base.weight
         num_slots = batch.num_slots
+        # The slices share their input: their A matrices stack into one shrink.
+        self.lora_a: torch.Tensor
+        a = torch.zeros(num_slots, len(slices) * max_rank, base.in_features,
+                        dtype=weight.dtype, device=weight.device)  # fmt: skip
+        self.register_buffer("lora_a", a, persistent=False)
         for i, s in enumerate(slices):
-            a = torch.zeros(
-                num_slots, max_rank, base.in_features, dtype=weight.dtype, device=weight.device
-            )
             b = torch.zeros(num_slots, s.size, max_rank, dtype=weight.dtype, device=weight.device)
-            self.register_buffer(f"lora_a_{i}", a, persistent=False)
             self.register_buffer(f"lora_b_{i}", b, persistent=False)
 
     @property
@@ -111,9 +112,10 @@ class LoRALinear(nn.Module):
         return self.base.weight
 
     def stacks(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        a: torch.Tensor = getattr(self, f"lora_a_{index}")
+        """Slice `index`'s A [S, R, in] (a view into the stack) and B [S, out, R]."""
+        rank = self.max_rank
         b: torch.Tensor = getattr(self, f"lora_b_{index}")
-        return a, b
+        return self.lora_a[:, index * rank : (index + 1) * rank], b
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -125,11 +127,12 @@ class LoRALinear(nn.Module):
         x = x.contiguous()
         sorted_tokens = batch.sorted_tokens[:num_tokens]
         groups = (batch.group_slots, batch.group_starts)
-        buf = torch.empty(num_tokens, self.max_rank, dtype=torch.float32, device=x.device)
+        rank = self.max_rank
+        buf = torch.empty(num_tokens, len(self.slices) * rank, dtype=torch.float32, device=x.device)
+        batch.shrink(x, self.lora_a, sorted_tokens, *groups, buf)
         for i, s in enumerate(self.slices):
-            a, b = self.stacks(i)
-            batch.shrink(x, a, sorted_tokens, *groups, buf)
-            batch.expand(buf, b, sorted_tokens, *groups, y, s.offset)
+            b: torch.Tensor = getattr(self, f"lora_b_{i}")
+            batch.expand(buf[:, i * rank : (i + 1) * rank], b, sorted_tokens, *groups, y, s.offset)
         return y
 
 

@@ -61,6 +61,10 @@ class LoRASlots:
         wanted = {r.lora_int_id: r for r in requests if r is not None}
         if len(wanted) > self.max_loras:
             raise RuntimeError(f"a step uses {len(wanted)} adapters, max_loras is {self.max_loras}")
+        for lora_id in wanted:
+            # In use: the last the host cache would drop.
+            if lora_id in self._host:
+                self._host.move_to_end(lora_id)
         slot_of: dict[int, int] = {}
         for lora_id, request in wanted.items():
             slot_of[lora_id] = self._slot_for(request, wanted)

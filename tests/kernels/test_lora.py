@@ -33,11 +33,12 @@ CASES = [
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("token_slots", CASES)
+@pytest.mark.parametrize("k", [72, 520])  # 520: K split over programs (atomic sums)
 def test_shrink_expand_match_reference(
-    device: torch.device, dtype: torch.dtype, token_slots: list[int]
+    device: torch.device, dtype: torch.dtype, token_slots: list[int], k: int
 ) -> None:
     gen = torch.Generator().manual_seed(len(token_slots))
-    num_slots, rank, k, width, offset, total = 3, 8, 72, 40, 24, 80
+    num_slots, rank, width, offset, total = 3, 8, 40, 24, 80
     n = len(token_slots)
     x = torch.randn(n, k, generator=gen).to(dtype).to(device)
     lora_a = (0.2 * torch.randn(num_slots, rank, k, generator=gen)).to(dtype).to(device)
