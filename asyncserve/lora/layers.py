@@ -19,6 +19,7 @@ from torch import nn
 from asyncserve.kernels import reference
 from asyncserve.lora.adapter import ModuleShapes
 from asyncserve.models.layers import Linear
+from asyncserve.worker.input_batch import HostStaging
 
 ShrinkOp = Callable[..., None]
 ExpandOp = Callable[..., None]
@@ -45,6 +46,8 @@ class LoRABatch:
         # Whether any row of this step has an adapter (an eager forward skips LoRA if not).
         self.active = False
         self.shrink, self.expand = lora_ops(device)
+        # Pinned on CUDA: a pageable copy could wait for the step in flight to finish.
+        self.staging = HostStaging(device)
 
     def set_rows(self, token_slots: np.ndarray) -> None:
         """Group the step's rows ([T] slot per token, -1 for none) by slot."""
@@ -65,11 +68,11 @@ class LoRABatch:
         starts[: len(used) + 1] = first + np.concatenate(([0], np.cumsum(counts)))
         starts[len(used) + 1 :] = starts[len(used)]
         self.active = len(used) > 0
-        host = torch.from_numpy(np.concatenate((order, slots, starts)))
-        flat = host.to(self.device)
-        self.sorted_tokens[:num_tokens].copy_(flat[:num_tokens])
-        self.group_slots.copy_(flat[num_tokens : num_tokens + self.num_slots])
-        self.group_starts.copy_(flat[num_tokens + self.num_slots :])
+        # Stream-ordered after the step in flight, which still reads the old groups.
+        order_t, slots_t, starts_t = self.staging.to_device([order, slots, starts])
+        self.sorted_tokens[:num_tokens].copy_(order_t)
+        self.group_slots.copy_(slots_t)
+        self.group_starts.copy_(starts_t)
 
 
 @dataclass(frozen=True)

@@ -99,6 +99,11 @@ class LoRASlots:
         weights = load_adapter(
             request.lora_name, request.lora_path, self.shapes, self.max_lora_rank, self.dtype
         )
+        if self.batch.device.type == "cuda":
+            # Pinned, so a slot fill is an asynchronous copy behind the step in flight.
+            weights.weights = {
+                key: (a.pin_memory(), b.pin_memory()) for key, (a, b) in weights.weights.items()
+            }
         self._host[lora_id] = weights
         while len(self._host) > self.max_cpu_loras:
             self._host.popitem(last=False)
@@ -123,5 +128,5 @@ class LoRASlots:
             lora_a, lora_b = pair
             a[slot, rank:].zero_()
             b[slot, :, rank:].zero_()
-            a[slot, :rank].copy_(lora_a, non_blocking=False)
-            b[slot, :, :rank].copy_(lora_b, non_blocking=False)
+            a[slot, :rank].copy_(lora_a, non_blocking=True)
+            b[slot, :, :rank].copy_(lora_b, non_blocking=True)
