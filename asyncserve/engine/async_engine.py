@@ -66,8 +66,6 @@ class AsyncEngine:
             config.model.max_model_len or loaded.arch.max_position_embeddings,
             loaded.arch.max_position_embeddings,
         )
-        if config.lora.enable_lora and config.parallel.tensor_parallel_size > 1:
-            raise ValueError("enable_lora is not supported with tensor_parallel_size > 1 yet")
         # Adapter targets, read before the runner wraps the projections.
         self.lora_shapes = module_shapes(loaded.model) if config.lora.enable_lora else {}
         # Validated adapters by lora_int_id (the runner loads their weights on first use).

@@ -126,6 +126,10 @@ class LoRASlots:
                 b[slot].zero_()
                 continue
             lora_a, lora_b = pair
+            # This rank's share: its input columns of A, its output rows of B.
+            s = layer.slices[index]
+            lora_a = lora_a[:, layer.a_start : layer.a_start + layer.in_features]
+            lora_b = lora_b[s.b_start : s.b_start + s.size]
             a[slot, rank:].zero_()
             b[slot, :, rank:].zero_()
             a[slot, :rank].copy_(lora_a, non_blocking=True)
