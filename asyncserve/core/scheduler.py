@@ -196,9 +196,10 @@ class Scheduler:
         """Admit waiting requests in queue order while budget, seats and blocks last."""
         kv = self.kv_cache_manager
         waiting = self._waiting
-        # A step's adapters must fit the device's slots: admission stops at one that would
-        # exceed them, until a running adapter's requests finish.
+        # A step's adapters must fit the device's slots: a request whose adapter would exceed
+        # them waits, keeping its place in line, and the ones behind it may go first.
         loras = {r.lora_int_id for r in self._running if r.lora_int_id} if self.max_loras else set()
+        skipped: list[Request] = []
         while step.budget > 0 and len(self._running) < self.max_num_seqs:
             request = waiting.peek()
             if request is None:
@@ -212,7 +213,10 @@ class Scheduler:
                 continue
             lora_id = request.lora_int_id
             if lora_id and lora_id not in loras and self.max_loras and len(loras) >= self.max_loras:
-                break
+                if len(skipped) >= self.max_num_seqs:
+                    break  # bounded work per step
+                skipped.append(waiting.pop())
+                continue
             hit_blocks, num_hit = kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, step.budget)
             if kv.allocate_slots(request, num_new, hit_blocks) is None:
@@ -229,6 +233,8 @@ class Scheduler:
             if lora_id:
                 loras.add(lora_id)
             step.add_new(request, num_new)
+        for request in reversed(skipped):
+            waiting.push_front(request)
 
     def _make_plan(self, step: _StepBudget) -> StepPlan:
         kv = self.kv_cache_manager

@@ -14,6 +14,7 @@ from tests.core.fake_runner import (
     assert_all_blocks_back,
     make_request,
     run_until_done,
+    step,
 )
 
 
@@ -64,3 +65,26 @@ def test_prefix_blocks_are_keyed_by_adapter() -> None:
     same = make_request("c", 3 * BS + 1, max_tokens=1)
     same.lora_request = LoRARequest("l1", 1, "/adapters")
     assert scheduler.kv_cache_manager.get_computed_blocks(same)[1] == 3 * BS
+
+
+def test_a_request_over_the_adapter_limit_lets_others_pass() -> None:
+    scheduler, runner = _scheduler(max_loras=1)
+    first = make_request("a", 6, max_tokens=4)
+    first.lora_request = LoRARequest("l1", 1, "/adapters")
+    blocked = make_request("b", 6, max_tokens=4)
+    blocked.lora_request = LoRARequest("l2", 2, "/adapters")
+    base = make_request("c", 6, max_tokens=4)
+    same = make_request("d", 6, max_tokens=4)
+    same.lora_request = LoRARequest("l1", 1, "/adapters")
+    for request in (first, blocked, base, same):
+        scheduler.add_request(request)
+    plan, _ = step(scheduler, runner)
+    assert list(plan.num_scheduled_tokens) == ["a", "c", "d"]
+    assert scheduler.num_waiting == 1
+    plans, finished = run_until_done(scheduler, runner)
+    # b runs once l1's requests are done, never beside them.
+    for p in plans:
+        if "b" in p.num_scheduled_tokens:
+            assert not {"a", "d"} & set(p.num_scheduled_tokens)
+    assert {r.request_id for r in finished} >= {"b"}
+    assert_all_blocks_back(scheduler)
