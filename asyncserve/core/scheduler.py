@@ -100,6 +100,16 @@ class Scheduler:
         """The adapter was unloaded: the next plan tells the runner to drop its weights."""
         self._removed_loras.add(lora_int_id)
 
+    def lora_names(self) -> tuple[list[str], list[str]]:
+        """Names of the adapters of running and of waiting requests, sorted."""
+        running: set[str] = set()
+        waiting: set[str] = set()
+        for request in self._requests.values():
+            if request.lora_request is not None:
+                names = running if request.status == RequestStatus.RUNNING else waiting
+                names.add(request.lora_request.lora_name)
+        return sorted(running), sorted(waiting)
+
     def take_errored(self) -> list[Request]:
         """Requests failed by schedule() (FINISHED_ERROR, with .error) since the last call."""
         errored, self._errored = self._errored, []

@@ -46,8 +46,12 @@ class LoRABatch:
         self.sorted_tokens = torch.zeros(max_tokens, dtype=torch.int32, device=device)
         self.group_slots = torch.full((num_slots,), -1, dtype=torch.int32, device=device)
         self.group_starts = torch.zeros(num_slots + 1, dtype=torch.int32, device=device)
-        # Whether any row of this step has an adapter (an eager forward skips LoRA if not).
+        # Whether any row of this step has an adapter (a CPU forward skips LoRA if not).
         self.active = False
+        # On CUDA the kernels always run (they return at once for rows without an adapter),
+        # so every forward compiles and launches the same kernels: the warm-up before a CUDA
+        # graph capture compiles what the graph records.
+        self.always = device.type == "cuda"
         self.shrink, self.expand = lora_ops(device)
         # Pinned on CUDA: a pageable copy could wait for the step in flight to finish.
         self.staging = HostStaging(device)
@@ -143,8 +147,7 @@ class LoRALinear(nn.Module):
         base = self.base
         y = F.linear(x, base.weight) if self.row_parallel else base(x)
         batch = self.batch
-        # A graph is captured with the kernels in, whatever the capturing step's groups.
-        if batch.active or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if batch.active or batch.always:
             self._add_lora(x.contiguous(), y)
         if self.row_parallel:
             assert isinstance(base, RowParallelLinear)

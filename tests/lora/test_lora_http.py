@@ -13,6 +13,7 @@ import pytest
 
 from asyncserve.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ServerConfig
 from asyncserve.http.app import build_app
+from asyncserve.metrics import EngineMetrics
 from tests.lora.conftest import TinyLoRA, edit_config, hf_greedy
 
 pytestmark = pytest.mark.timeout(300)
@@ -22,7 +23,7 @@ PROMPT = [11, 42, 7, 99, 250, 3, 18]
 NUM_TOKENS = 6
 
 
-def _engine(tiny_lora: TinyLoRA) -> Any:
+def _engine(tiny_lora: TinyLoRA, metrics: EngineMetrics | None = None) -> Any:
     from asyncserve.engine.async_engine import AsyncEngine
 
     return AsyncEngine.from_config(
@@ -30,7 +31,8 @@ def _engine(tiny_lora: TinyLoRA) -> Any:
             model=ModelConfig(model=str(tiny_lora.base_path), dtype="float32", device="cpu"),
             cache=CacheConfig(kv_cache_memory=4 << 20, block_size=4),
             lora=LoRAConfig(enable_lora=True, max_loras=2, max_lora_rank=16),
-        )
+        ),
+        metrics,
     )
 
 
@@ -47,14 +49,15 @@ def _ids(response: httpx.Response) -> list[int]:
 
 def test_lora_over_http(tiny_lora: TinyLoRA, tmp_path: Path) -> None:
     a, b, _ = tiny_lora.adapters
-    engine = _engine(tiny_lora)
+    metrics = EngineMetrics("base")
+    engine = _engine(tiny_lora, metrics)
     config = ServerConfig(
         served_model_names=("base",),
         api_key=KEY,
         lora_modules=(("ad-a", str(a.path)),),
         allow_runtime_lora_updating=True,
     )
-    app = build_app(engine, config)
+    app = build_app(engine, config, metrics)
     bad = edit_config(a.path, tmp_path / "bad", r=64)
 
     async def main() -> None:
@@ -66,6 +69,9 @@ def test_lora_over_http(tiny_lora: TinyLoRA, tmp_path: Path) -> None:
             models = (await client.get("/v1/models", headers=AUTH)).json()["data"]
             assert [(m["id"], m["parent"]) for m in models] == [("base", None), ("ad-a", "base")]
             assert _ids(await _complete(client, "ad-a")) == hf_greedy(a.model, PROMPT, NUM_TOKENS)
+            # vLLM's LoRA info gauge (adapters of live requests: none now).
+            text = (await client.get("/metrics")).text
+            assert 'asyncserve:lora_requests_info{max_lora="2",running_lora_adapters=""' in text
             assert _ids(await _complete(client, "base")) == hf_greedy(
                 tiny_lora.base, PROMPT, NUM_TOKENS
             )

@@ -8,6 +8,7 @@ from asyncserve.core.block_pool import hash_block
 from asyncserve.core.request import RequestStatus
 from asyncserve.core.scheduler import Scheduler
 from asyncserve.lora.request import LoRARequest
+from asyncserve.metrics import EngineMetrics
 from tests.core.fake_runner import (
     BS,
     FakeRunner,
@@ -81,6 +82,14 @@ def test_a_request_over_the_adapter_limit_lets_others_pass() -> None:
     plan, _ = step(scheduler, runner)
     assert list(plan.num_scheduled_tokens) == ["a", "c", "d"]
     assert scheduler.num_waiting == 1
+    assert scheduler.lora_names() == (["l1"], ["l2"])
+    metrics = EngineMetrics("m")
+    metrics.on_lora(1, *scheduler.lora_names())
+    text = metrics.render()[0].decode()
+    assert (
+        'lora_requests_info{max_lora="1",running_lora_adapters="l1",waiting_lora_adapters="l2"}'
+        in text
+    )
     plans, finished = run_until_done(scheduler, runner)
     # b runs once l1's requests are done, never beside them.
     for p in plans:
