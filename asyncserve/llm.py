@@ -136,6 +136,9 @@ class LLM:
             if len(loras) != len(prompt_list):
                 raise ValueError(f"lora_request: got {len(loras)} for {len(prompt_list)} prompts")
         # A bad adapter is the caller's error: raise before any work.
+        for i, lora in enumerate(loras):
+            if lora is not None and not isinstance(lora, LoRARequest):
+                raise ValueError(f"lora_request[{i}] must be a LoRARequest or None")
         for lora in {id(r): r for r in loras if r is not None}.values():
             self.engine.add_lora(lora)
         return self._loop.run_until_complete(

@@ -42,14 +42,28 @@ class LoRASlots:
         self._host: OrderedDict[int, LoRAWeights] = OrderedDict()
         # lora_int_id -> slot, least recently used first.
         self._slots: OrderedDict[int, int] = OrderedDict()
+        # Unloaded adapters still used by some request: dropped once none uses them.
+        self._unloaded: set[int] = set()
 
     @property
     def loaded_ids(self) -> list[int]:
         """Adapters in device slots, least recently used first."""
         return list(self._slots)
 
+    @property
+    def has_unloaded(self) -> bool:
+        return bool(self._unloaded)
+
+    def unload(self, lora_ids: set[int], in_use: set[int]) -> None:
+        """Forget unloaded adapters once no request uses them (a running request keeps its
+        weights, even if its files are gone)."""
+        self._unloaded |= lora_ids
+        for lora_id in self._unloaded - in_use:
+            self.remove(lora_id)
+        self._unloaded &= in_use
+
     def remove(self, lora_int_id: int) -> None:
-        """Forget an adapter (unloaded): its slot frees, its host copy goes."""
+        """Forget an adapter: its slot frees, its host copy goes."""
         self._host.pop(lora_int_id, None)
         slot = self._slots.pop(lora_int_id, None)
         if slot is not None:

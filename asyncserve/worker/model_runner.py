@@ -148,9 +148,9 @@ class ModelRunner:
         for rid in plan.freed_request_ids:
             self.states.pop(rid, None)
             self.generators.pop(rid, None)
-        if self.lora is not None:
-            for lora_id in plan.removed_lora_ids:
-                self.lora.remove(lora_id)
+        if self.lora is not None and (plan.removed_lora_ids or self.lora.has_unloaded):
+            in_use = {s.lora_request.lora_int_id for s in self.states.values() if s.lora_request}
+            self.lora.unload(plan.removed_lora_ids, in_use)
         for new in plan.new_requests:
             params = new.sampling_params
             self.states[new.request_id] = CachedRequestState(

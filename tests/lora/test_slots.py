@@ -78,7 +78,10 @@ def test_slots_lru_and_host_cache(tiny_lora: TinyLoRA) -> None:
     slot_a, slot_c = slots._slots[1], slots._slots[3]
     assert not qa[slot_c].any() and not qb[slot_c].any()
     assert qa[slot_a, :8].any() and not qa[slot_a, 8:].any()  # rank 8 padded to 16
-    slots.remove(3)
-    assert slots.loaded_ids == [1]
+    slots.unload({3}, in_use={3})  # still running: kept
+    assert slots.loaded_ids == [3, 1] and slots.has_unloaded
+    slots.unload(set(), in_use=set())  # its requests are done: dropped
+    assert slots.loaded_ids == [1] and not slots.has_unloaded
+    assert 3 not in slots._host
     with pytest.raises(RuntimeError, match="max_loras"):
         slots.prepare([a, b, c], [1, 1, 1])
