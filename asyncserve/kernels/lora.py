@@ -126,6 +126,12 @@ def _precision(weight: torch.Tensor) -> str:
     return "ieee" if weight.dtype == torch.float32 else "tf32"
 
 
+def _block_m(num_tokens: int) -> int:
+    """Rows per program: small for decode batches (few rows per adapter), larger for
+    prefill chunks, where each program then reloads the adapter's weights less often."""
+    return 16 if num_tokens <= 256 else 64
+
+
 def _block_r(rank: int) -> int:
     return max(16, triton.next_power_of_2(rank))
 
@@ -144,7 +150,7 @@ def lora_shrink(
     if x.stride(1) != 1 or lora_a.stride(2) != 1 or out.stride(1) != 1:
         raise ValueError("lora_shrink needs unit last strides")
     rank = lora_a.shape[1]
-    block_m, block_k = 16, 64
+    block_m, block_k = _block_m(num_tokens), 64
     # A decode batch has few row blocks: split K so enough programs share the reads.
     split_k = max(1, min(16, k // (4 * block_k))) if num_tokens <= 256 else 1
     if split_k > 1:
@@ -186,7 +192,7 @@ def lora_expand(
     if buf.stride(1) != 1 or lora_b.stride(2) != 1 or y.stride(1) != 1:
         raise ValueError("lora_expand needs unit last strides")
     width, rank = lora_b.shape[1], lora_b.shape[2]
-    block_m, block_n = 16, 128
+    block_m, block_n = _block_m(num_tokens), 128
     grid = (triton.cdiv(num_tokens, block_m), group_slots.shape[0], triton.cdiv(width, block_n))
     _lora_expand_kernel[grid](
         buf,  # [T, R]

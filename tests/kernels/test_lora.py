@@ -28,6 +28,8 @@ CASES = [
     [2, -1, 0, 2, 1, -1, 0],
     [1] * 21 + [-1] * 5 + [0] * 17 + [2] * 3,
     [-1, -1, -1],
+    # A prefill-sized step (larger row blocks): runs of slots, some shorter than a block.
+    [0] * 100 + [-1] * 90 + [2] * 7 + [1] * 120,
 ]
 
 
