@@ -34,7 +34,7 @@ def _lora_shrink_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,  # programs per row block along K, summed atomically
-    PRECISION: tl.constexpr,  # "ieee" for fp32 weights (exact), else the native dot
+    IEEE_DOT: tl.constexpr,  # fp32 weights: exact fp32 products (no TF32)
 ):
     pid_m = tl.program_id(0)
     group = tl.program_id(1)
@@ -63,7 +63,8 @@ def _lora_shrink_kernel(
             mask=(offs_r[None, :] < R) & (k[:, None] < K),
             other=0.0,
         )  # [BLOCK_K, BLOCK_R]
-        acc += tl.dot(x.to(a.dtype), a, input_precision=PRECISION)
+        x = x.to(a.dtype)
+        acc += tl.dot(x, a, input_precision="ieee") if IEEE_DOT else tl.dot(x, a)
     out_ptrs = out_ptr + rows[:, None] * stride_ot + offs_r[None, :]
     out_mask = row_mask[:, None] & (offs_r[None, :] < R)
     if SPLIT_K == 1:
@@ -90,7 +91,7 @@ def _lora_expand_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    PRECISION: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     group = tl.program_id(1)
@@ -115,15 +116,12 @@ def _lora_expand_kernel(
         mask=(offs_n[None, :] < N) & (offs_r[:, None] < R),
         other=0.0,
     )  # [BLOCK_R, BLOCK_N]
-    delta = tl.dot(buf.to(b.dtype), b, input_precision=PRECISION)
+    buf = buf.to(b.dtype)
+    delta = tl.dot(buf, b, input_precision="ieee") if IEEE_DOT else tl.dot(buf, b)
     y_ptrs = y_ptr + rows[:, None] * stride_yt + offset + offs_n[None, :]
     mask = row_mask[:, None] & (offs_n[None, :] < N)
     y = tl.load(y_ptrs, mask=mask, other=0.0)
     tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=mask)
-
-
-def _precision(weight: torch.Tensor) -> str:
-    return "ieee" if weight.dtype == torch.float32 else "tf32"
 
 
 def _block_m(num_tokens: int) -> int:
@@ -173,7 +171,7 @@ def lora_shrink(
         BLOCK_R=_block_r(rank),
         BLOCK_K=block_k,
         SPLIT_K=split_k,
-        PRECISION=_precision(lora_a),
+        IEEE_DOT=lora_a.dtype == torch.float32,
     )
 
 
@@ -211,5 +209,5 @@ def lora_expand(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_R=_block_r(rank),
-        PRECISION=_precision(lora_b),
+        IEEE_DOT=lora_b.dtype == torch.float32,
     )
