@@ -1,6 +1,7 @@
 """asyncserve: an LLM inference and serving engine."""
 
 from asyncserve.beam_search import BeamSearchOutput, BeamSearchParams
+from asyncserve.lora.request import LoRARequest
 from asyncserve.outputs import CompletionOutput, Logprob, RequestOutput
 from asyncserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
@@ -11,6 +12,7 @@ __all__ = [
     "BeamSearchParams",
     "CompletionOutput",
     "Logprob",
+    "LoRARequest",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",

@@ -140,6 +140,21 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="devices (one worker process each) the model is split over",
     )
     group.add_argument(
+        "--enable-lora", action="store_true", help="serve LoRA adapters (PEFT format)"
+    )
+    group.add_argument(
+        "--max-loras", type=_positive_int, default=1, help="most adapters one step may mix"
+    )
+    group.add_argument(
+        "--max-lora-rank", type=_positive_int, default=16, help="largest adapter rank accepted"
+    )
+    group.add_argument(
+        "--max-cpu-loras",
+        type=_positive_int,
+        default=None,
+        help="adapters kept in host memory (default: --max-loras)",
+    )
+    group.add_argument(
         "--enforce-eager", action="store_true", help="no CUDA graphs (GPU only; always on CPU)"
     )
     group.add_argument(
@@ -202,6 +217,10 @@ def engine_config_from_args(args: argparse.Namespace, env: Environment) -> Engin
         kv_transfer_config=args.kv_transfer_config,
         collect_detailed_traces=args.collect_detailed_traces,
         served_model_name=(getattr(args, "served_model_name", None) or [None])[0],
+        enable_lora=args.enable_lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
     )
 
 
@@ -233,11 +252,17 @@ def run_serve(args: argparse.Namespace) -> int:
         )
         return 1
     from asyncserve.http.server import run_server
+    from asyncserve.lora.request import LoRARequest
     from asyncserve.metrics import EngineMetrics
 
     metrics = EngineMetrics(server_config.served_model_names[0])
     try:
         engine = build_engine(engine_config, metrics)
+        if server_config.lora_modules and not hasattr(engine, "add_lora"):
+            raise ValueError("--lora-modules: a pooling model takes no LoRA adapters")
+        # A bad --lora-modules adapter stops the start, before the server listens.
+        for name, path in server_config.lora_modules:
+            engine.add_lora(LoRARequest(name, 1 + len(engine.loras), path))
     except (ValueError, FileNotFoundError) as exc:
         sock.close()
         print(f"asyncserve serve: error: {exc}", file=sys.stderr)

@@ -78,6 +78,25 @@ def check_generation_config(value: str) -> str:
     )
 
 
+def parse_lora_module(text: str) -> tuple[str, str]:
+    """One --lora-modules entry: name=path, or vLLM's JSON {"name": ..., "path": ...}."""
+    if text.lstrip().startswith("{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"invalid JSON {text!r}: {exc}") from None
+        name, path = (
+            (value.get("name"), value.get("path")) if isinstance(value, dict) else (None, None)
+        )
+        if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+            raise argparse.ArgumentTypeError(f"{text!r} needs string 'name' and 'path' fields")
+        return name, path
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"{text!r} is not name=path")
+    return name, path
+
+
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -94,6 +113,15 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="require `Authorization: Bearer <key>` on every route but /health and /metrics "
         "(default: $ASYNCSERVE_API_KEY)",
+    )
+    group.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=parse_lora_module,
+        default=[],
+        help="LoRA adapters served by name (name=path or JSON), with --enable-lora; "
+        "$ASYNCSERVE_ALLOW_RUNTIME_LORA_UPDATING=1 adds /v1/load_lora_adapter and "
+        "/v1/unload_lora_adapter",
     )
     group.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM)")
     group.add_argument("--ssl-certfile", default=None, help="TLS certificate chain (PEM)")
@@ -275,6 +303,8 @@ def server_config_from_args(args: argparse.Namespace, env: Environment) -> Serve
         max_logprobs=args.max_logprobs,
         chat_template=load_chat_template(args.chat_template),
         generation_config=check_generation_config(args.generation_config),
+        lora_modules=tuple(args.lora_modules),
+        allow_runtime_lora_updating=env.allow_runtime_lora_updating,
     )
 
 

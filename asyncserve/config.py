@@ -184,6 +184,32 @@ class ObservabilityConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters (vLLM's defaults): how many one step may mix, their largest rank, and
+    how many stay loaded in host memory."""
+
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    # None: max_loras.
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
+
+    @property
+    def cpu_capacity(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -191,6 +217,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     kv_transfer: KVTransferConfig | None = None
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     # Step-loop behaviour.
     enable_cuda_graphs: bool = True
     stream_interval: int = 1
@@ -223,6 +250,10 @@ class EngineConfig:
         collect_detailed_traces: str | None = None,
         served_model_name: str | None = None,
         kv_transfer_config: dict[str, Any] | None = None,
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
     ) -> EngineConfig:
         """The engine's configuration from vLLM's engine argument names (LLM(...) and the
         serve flags both come here)."""
@@ -262,6 +293,12 @@ class EngineConfig:
                 if kv_transfer_config is not None
                 else None
             ),
+            lora=LoRAConfig(
+                enable_lora=enable_lora,
+                max_loras=max_loras,
+                max_lora_rank=max_lora_rank,
+                max_cpu_loras=max_cpu_loras,
+            ),
             enable_cuda_graphs=not enforce_eager,
             stream_interval=stream_interval,
         )
@@ -274,6 +311,9 @@ class Environment:
     api_key: str | None
     default_model: str | None
     log_level: str
+    # The runtime /v1/load_lora_adapter and /v1/unload_lora_adapter endpoints (vLLM reads
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING for the same switch).
+    allow_runtime_lora_updating: bool = False
 
     @classmethod
     def read(cls) -> Environment:
@@ -281,6 +321,10 @@ class Environment:
             api_key=os.environ.get("ASYNCSERVE_API_KEY") or None,
             default_model=os.environ.get("ASYNCSERVE_MODEL") or None,
             log_level=os.environ.get("ASYNCSERVE_LOG_LEVEL", "INFO"),
+            allow_runtime_lora_updating=os.environ.get(
+                "ASYNCSERVE_ALLOW_RUNTIME_LORA_UPDATING", ""
+            ).lower()
+            in ("1", "true"),
         )
 
 
@@ -339,6 +383,10 @@ class ServerConfig:
     # Sampling defaults: "auto" (the model's generation_config.json), "vllm" (none: the
     # OpenAI defaults), or a folder holding a generation_config.json.
     generation_config: str = "auto"
+    # LoRA adapters served from the start: (name, path) pairs (--lora-modules).
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    # /v1/load_lora_adapter and /v1/unload_lora_adapter (they change what the server runs).
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -361,6 +409,9 @@ class ServerConfig:
             )
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
             raise ValueError("ssl_keyfile and ssl_certfile must be given together")
+        lora_names = [name for name, _ in self.lora_modules]
+        if len(set(lora_names)) != len(lora_names):
+            raise ValueError(f"lora_modules: a name appears twice in {lora_names}")
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be >= -1, got {self.max_logprobs}")
         if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):

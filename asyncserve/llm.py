@@ -15,6 +15,7 @@ from tqdm import tqdm
 from asyncserve.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from asyncserve.config import EngineConfig
 from asyncserve.engine.async_engine import AsyncEngine
+from asyncserve.lora.request import LoRARequest
 from asyncserve.outputs import CompletionOutput, RequestOutput
 from asyncserve.pooling.config import resolve_runner
 from asyncserve.pooling.engine import PoolingEngine
@@ -58,6 +59,10 @@ class LLM:
         otlp_traces_endpoint: str | None = None,
         collect_detailed_traces: str | None = None,
         max_logprobs: int = 20,
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
     ) -> None:
         # Most logprobs (and prompt_logprobs) a SamplingParams may ask for, as in vLLM.
         self.max_logprobs = max_logprobs
@@ -83,6 +88,10 @@ class LLM:
             tensor_parallel_size=tensor_parallel_size,
             otlp_traces_endpoint=otlp_traces_endpoint,
             collect_detailed_traces=collect_detailed_traces,
+            enable_lora=enable_lora,
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
+            max_cpu_loras=max_cpu_loras,
         )
         self._engine: AsyncEngine | None = None
         self._pooling: PoolingEngine | None = None
@@ -166,10 +175,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order.
 
         A prompt is a string, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]}.
+        `lora_request`: one adapter for every prompt, or one (or None) per prompt.
         """
         self._check_generates()
         prompt_list = _as_prompt_list(prompts)
@@ -197,9 +208,32 @@ class LLM:
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"priority: got {len(priority)} values for {len(prompt_list)} prompts")
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        loras: list[LoRARequest | None]
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompt_list)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompt_list):
+                raise ValueError(f"lora_request: got {len(loras)} for {len(prompt_list)} prompts")
+        # A bad adapter is the caller's error: raise before any work.
+        for i, lora in enumerate(loras):
+            if lora is not None and not isinstance(lora, LoRARequest):
+                raise ValueError(f"lora_request[{i}] must be a LoRARequest or None")
+        for lora in {id(r): r for r in loras if r is not None}.values():
+            self.engine.add_lora(lora)
         return self._loop.run_until_complete(
-            self._run_all(prompt_list, params_list, priorities, use_tqdm)
+            self._run_all(prompt_list, params_list, priorities, use_tqdm, loras)
         )
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Validate and register an adapter ahead of its first request."""
+        return self.engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.engine.remove_lora(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        return [r.lora_int_id for r in self.engine.list_loras()]
 
     def chat(
         self,
@@ -253,6 +287,7 @@ class LLM:
         params_list: list[SamplingParams],
         priorities: list[int],
         use_tqdm: bool,
+        loras: list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * len(prompts)
         progress = tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm)
@@ -265,8 +300,9 @@ class LLM:
             request_id = str(next(self._ids))
             engine_prompt: str | list[int] = ids if ids is not None else (text or "")
             try:
+                lora = loras[index] if loras is not None else None
                 async for output in self.engine.generate(
-                    engine_prompt, final, request_id, priorities[index]
+                    engine_prompt, final, request_id, priorities[index], lora_request=lora
                 ):
                     results[index] = output
             except ValueError as exc:

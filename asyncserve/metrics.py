@@ -6,6 +6,7 @@ owns its registry (no module-level state), so several engines or tests never col
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from prometheus_client import (
@@ -88,6 +89,16 @@ class EngineMetrics:
             registry=reg,
         )
 
+        # vLLM's LoRA info: one series whose labels name the adapters in use, its value the
+        # time they last changed.
+        self._lora_info = Gauge(
+            PREFIX + "lora_requests_info",
+            "Running stats on LoRA requests.",
+            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            registry=reg,
+        )
+        self._lora_labels: tuple[str, str, str] | None = None
+
         # Bind the label once: the hooks run on the step loop, per token.
         name = model_name
         self._running_c = self._running.labels(name)
@@ -108,6 +119,15 @@ class EngineMetrics:
         self._running_c.set(num_running)
         self._waiting_c.set(num_waiting)
         self._kv_usage_c.set(kv_cache_usage)
+
+    def on_lora(self, max_lora: int, running: Sequence[str], waiting: Sequence[str]) -> None:
+        """The adapters of running and waiting requests (comma-separated names, as vLLM)."""
+        labels = (str(max_lora), ",".join(waiting), ",".join(running))
+        if labels == self._lora_labels:
+            return
+        self._lora_info.clear()
+        self._lora_info.labels(*labels).set(time.time())
+        self._lora_labels = labels
 
     def on_preemptions(self, count: int) -> None:
         if count > 0:

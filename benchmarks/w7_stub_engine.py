@@ -121,6 +121,12 @@ class StubEngine:
                 f"{len(prompt_token_ids) + params.max_tokens} were requested"
             )
 
+    def add_lora(self, lora_request: Any) -> bool:
+        raise ValueError("the stub engine serves no LoRA adapters")
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return False
+
     async def generate(
         self,
         prompt: str | list[int],
@@ -128,7 +134,10 @@ class StubEngine:
         request_id: str,
         priority: int = 0,
         trace_headers: Mapping[str, str] | None = None,
+        lora_request: Any = None,
     ) -> AsyncIterator[RequestOutput]:
+        if lora_request is not None:
+            raise ValueError("the stub engine serves no LoRA adapters")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         stream = RequestStream(request_id, sampling_params.output_kind)
         max_tokens = sampling_params.max_tokens or (self.max_model_len - len(ids))

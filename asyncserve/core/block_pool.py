@@ -18,14 +18,19 @@ from collections.abc import Iterable, Sequence
 _ROOT_HASH = 0x5EED_CAFE
 
 
-def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], lora_int_id: int = 0) -> int:
     """Chained hash of one full block: its tokens and the hash of every block before it.
+
+    The first block's parent is a root per LoRA adapter (`lora_int_id`, 0 for none), so
+    K/V computed with one adapter are never served to a request with another.
 
     The builtin hash of a tuple of ints is fast and stable within one process (int hashing
     does not depend on PYTHONHASHSEED), but it is 64-bit and not cryptographic, so the
     values must never be shared across processes or trusted against adversarial prompts.
     """
-    return hash((_ROOT_HASH if parent_hash is None else parent_hash, token_ids))
+    if parent_hash is None:
+        parent_hash = _ROOT_HASH if lora_int_id == 0 else hash((_ROOT_HASH, lora_int_id))
+    return hash((parent_hash, token_ids))
 
 
 class KVBlock:

@@ -196,7 +196,9 @@ class KVCacheManager:
         if n < num_blocks:
             bs = self.block_size
             parent = hashes[-1] if n else None
+            lora_id = request.lora_int_id
             for i in range(n, num_blocks):
-                parent = hash_block(parent, tuple(request.token_ids_slice(i * bs, (i + 1) * bs)))
+                tokens = tuple(request.token_ids_slice(i * bs, (i + 1) * bs))
+                parent = hash_block(parent, tokens, lora_id)
                 hashes.append(parent)
         return hashes

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from asyncserve.lora.request import LoRARequest
 from asyncserve.sampling_params import SamplingParams
 
 
@@ -45,6 +46,7 @@ class Request:
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     max_tokens: int = 16  # resolved from sampling_params and max_model_len by the engine
+    lora_request: LoRARequest | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -81,6 +83,11 @@ class Request:
     def token_ids_slice(self, start: int, end: int) -> list[int]:
         """(prompt + output)[start:end] without concatenating the whole lists."""
         return token_slice(self.prompt_token_ids, self.output_token_ids, start, end)
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id; 0 without one."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def is_finished(self) -> bool:

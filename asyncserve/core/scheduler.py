@@ -38,7 +38,9 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         max_model_len: int,
+        max_loras: int | None = None,
     ) -> None:
+        """`max_loras`: most LoRA adapters one step may use (None: LoRA is off)."""
         self.config = scheduler_config
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_num_seqs = scheduler_config.max_num_seqs
@@ -46,6 +48,7 @@ class Scheduler:
         self.block_size = cache_config.block_size
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
+        self.max_loras = max_loras
         self.block_pool = BlockPool(
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
         )
@@ -59,6 +62,7 @@ class Scheduler:
         self._freed_ids: set[str] = set()
         self._errored: list[Request] = []
         self.num_preemptions_total = 0
+        self._removed_loras: set[int] = set()
 
     # ----------------------------------------------------------------- requests in and out
 
@@ -92,6 +96,20 @@ class Scheduler:
             self._release(request)
             finished.append(request)
         return finished
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """The adapter was unloaded: the next plan tells the runner to drop its weights."""
+        self._removed_loras.add(lora_int_id)
+
+    def lora_names(self) -> tuple[list[str], list[str]]:
+        """Names of the adapters of running and of waiting requests, sorted."""
+        running: set[str] = set()
+        waiting: set[str] = set()
+        for request in self._requests.values():
+            if request.lora_request is not None:
+                names = running if request.status == RequestStatus.RUNNING else waiting
+                names.add(request.lora_request.lora_name)
+        return sorted(running), sorted(waiting)
 
     def take_errored(self) -> list[Request]:
         """Requests failed by schedule() (FINISHED_ERROR, with .error) since the last call."""
@@ -189,6 +207,10 @@ class Scheduler:
         """Admit waiting requests in queue order while budget, seats and blocks last."""
         kv = self.kv_cache_manager
         waiting = self._waiting
+        # A step's adapters must fit the device's slots: a request whose adapter would exceed
+        # them waits, keeping its place in line, and the ones behind it may go first.
+        loras = {r.lora_int_id for r in self._running if r.lora_int_id} if self.max_loras else set()
+        skipped: list[Request] = []
         while step.budget > 0 and len(self._running) < self.max_num_seqs:
             request = waiting.peek()
             if request is None:
@@ -199,6 +221,12 @@ class Scheduler:
             if self._never_fits(request.num_tokens):
                 waiting.pop()
                 self._fail(request)
+                continue
+            lora_id = request.lora_int_id
+            if lora_id and lora_id not in loras and self.max_loras and len(loras) >= self.max_loras:
+                if len(skipped) >= self.max_num_seqs:
+                    break  # bounded work per step
+                skipped.append(waiting.pop())
                 continue
             hit_blocks, num_hit = kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, step.budget)
@@ -213,7 +241,11 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
             self._running.append(request)
+            if lora_id:
+                loras.add(lora_id)
             step.add_new(request, num_new)
+        for request in reversed(skipped):
+            waiting.push_front(request)
 
     def _make_plan(self, step: _StepBudget) -> StepPlan:
         kv = self.kv_cache_manager
@@ -226,6 +258,7 @@ class Scheduler:
                     sampling_params=r.sampling_params,
                     block_ids=kv.get_block_ids(r.request_id),
                     num_computed_tokens=r.num_computed_tokens,
+                    lora_request=r.lora_request,
                 )
                 for r in step.new
             ],
@@ -240,8 +273,10 @@ class Scheduler:
             num_scheduled_tokens=step.num_scheduled,
             total_num_scheduled_tokens=self.max_num_batched_tokens - step.budget,
             freed_request_ids=self._freed_ids,
+            removed_lora_ids=self._removed_loras,
         )
         self._freed_ids = set()
+        self._removed_loras = set()
         # The plan carries the start positions; from here on the tokens count as computed,
         # and a request whose chunk reaches its last token awaits the token sampled now.
         for r in itertools.chain(step.running, step.new):

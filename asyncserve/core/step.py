@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from asyncserve.lora.request import LoRARequest
 from asyncserve.sampling_params import SamplingParams
 
 
@@ -24,6 +25,7 @@ class NewRequestData:
     block_ids: list[int]
     # Tokens already in the cache (a prefix hit), so computing starts here.
     num_computed_tokens: int
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -45,6 +47,8 @@ class StepPlan:
     # A scheduled request samples from its output tokens' values (penalties, bad words): with
     # a step in flight, this one samples only after that step's tokens are collected.
     needs_output_tokens: bool = False
+    # LoRA adapters unloaded since the last step: the runner drops their cached weights.
+    removed_lora_ids: set[int] = field(default_factory=set)
 
     @property
     def is_empty(self) -> bool:

@@ -27,6 +27,9 @@ from asyncserve.engine.step_loop import StepLoop
 from asyncserve.executor.abstract import Executor
 from asyncserve.executor.multiproc import MultiProcExecutor
 from asyncserve.executor.uniproc import UniProcExecutor
+from asyncserve.lora.adapter import load_adapter
+from asyncserve.lora.layers import module_shapes
+from asyncserve.lora.request import LoRARequest
 from asyncserve.metrics import EngineMetrics
 from asyncserve.models.loader import LoadedModel, load_model
 from asyncserve.models.parallel import TensorParallel
@@ -71,6 +74,10 @@ class AsyncEngine:
             config.model.max_model_len or loaded.arch.max_position_embeddings,
             loaded.arch.max_position_embeddings,
         )
+        # Adapter targets, read before the runner wraps the projections.
+        self.lora_shapes = module_shapes(loaded.model) if config.lora.enable_lora else {}
+        # Validated adapters by lora_int_id (the runner loads their weights on first use).
+        self.loras: dict[int, LoRARequest] = {}
         if executor is None:
             self.runner = ModelRunner(loaded, config, self.device)
             executor = UniProcExecutor(self.runner)
@@ -78,7 +85,13 @@ class AsyncEngine:
         num_blocks = self.executor.determine_num_blocks(self.max_model_len)
         self.executor.allocate_kv_cache(num_blocks, self.max_model_len)
         self.num_blocks = num_blocks
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len)
+        self.scheduler = Scheduler(
+            config.scheduler,
+            config.cache,
+            num_blocks,
+            self.max_model_len,
+            config.lora.max_loras if config.lora.enable_lora else None,
+        )
         self.kv_transfer = make_kv_transfer(config, self.scheduler, executor)
         self.tracer = make_tracer(config, self.model_path)
         self.output_processor = OutputProcessor(
@@ -244,6 +257,48 @@ class AsyncEngine:
                     f"{params.max_tokens} in the completion)"
                 )
 
+    # ---- LoRA adapters ---------------------------------------------------------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Validate an adapter (config and tensor shapes against this model) and register it;
+        False when it is registered already. Raises ValueError naming what is wrong."""
+        lora = self.config.lora
+        if not lora.enable_lora:
+            raise ValueError("lora_request: LoRA is not enabled (enable_lora=True / --enable-lora)")
+        known = self.loras.get(lora_request.lora_int_id)
+        if known is not None:
+            if (known.lora_name, known.lora_path) != (
+                lora_request.lora_name,
+                lora_request.lora_path,
+            ):
+                raise ValueError(
+                    f"lora_int_id {lora_request.lora_int_id} is already used by adapter "
+                    f"{known.lora_name!r} at {known.lora_path!r}"
+                )
+            return False
+        # A full read (not only the header): weights that fail to load would otherwise
+        # fail a step on the worker.
+        load_adapter(
+            lora_request.lora_name,
+            lora_request.lora_path,
+            self.lora_shapes,
+            lora.max_lora_rank,
+            self.loaded.dtype,
+        )
+        self.loras[lora_request.lora_int_id] = lora_request
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter; its cached weights go with the next step. Requests running
+        with it finish with it (their weights reload from its path if they must)."""
+        if self.loras.pop(lora_int_id, None) is None:
+            return False
+        self.scheduler.remove_lora(lora_int_id)
+        return True
+
+    def list_loras(self) -> list[LoRARequest]:
+        return list(self.loras.values())
+
     def truncate_prompt(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
         """The last truncate_prompt_tokens prompt tokens (-1: what max_model_len leaves room
         for, one token kept for the output)."""
@@ -287,6 +342,7 @@ class AsyncEngine:
         request_id: str,
         priority: int = 0,
         trace_headers: Mapping[str, str] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -300,6 +356,8 @@ class AsyncEngine:
             prompt_ids = list(prompt)
         prompt_ids = self.truncate_prompt(prompt_ids, params)
         self.validate_request(prompt_ids, params, strict_max_tokens=False)
+        if lora_request is not None:
+            self.add_lora(lora_request)
         if params.bad_words:
             words = params.bad_words
             params = copy.copy(params)
@@ -327,6 +385,7 @@ class AsyncEngine:
                     priority=priority,
                     arrival_time=parent.arrival_time,
                     max_tokens=max_tokens,
+                    lora_request=lora_request,
                 )
             )
         self.core.add(parent, requests)
@@ -341,6 +400,7 @@ class AsyncEngine:
         request_id: str,
         priority: int = 0,
         trace_headers: Mapping[str, str] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """`trace_headers`: the W3C trace context of the HTTP request, when tracing is on."""
         if not self.is_running:
@@ -357,7 +417,9 @@ class AsyncEngine:
                 logger.warning("request %s failed: %s", request_id, exc)
                 yield failed_output(request_id, prompt, ids, sampling_params.n, str(exc))
                 return
-        stream = self.add_request(prompt, sampling_params, request_id, priority, trace_headers)
+        stream = self.add_request(
+            prompt, sampling_params, request_id, priority, trace_headers, lora_request
+        )
         try:
             while True:
                 output = await stream.get()

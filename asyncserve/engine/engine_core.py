@@ -133,6 +133,8 @@ class EngineCore:
             return
         s = self.scheduler
         self.metrics.on_step(s.num_running, s.num_waiting, s.kv_cache_usage)
+        if s.max_loras:
+            self.metrics.on_lora(s.max_loras, *s.lora_names())
         preemptions = s.num_preemptions_total - self._seen_preemptions
         if preemptions:
             self.metrics.on_preemptions(preemptions)

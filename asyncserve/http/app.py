@@ -23,6 +23,7 @@ from asyncserve.config import ServerConfig
 from asyncserve.http import (
     dashboard,
     routes_kv_transfer,
+    routes_lora,
     routes_openai,
     routes_ops,
     routes_pooling,
@@ -167,11 +168,14 @@ def build_app(
             await engine.shutdown(timeout=config.shutdown_timeout)
             state.preprocessor.shutdown()
 
+    loras = routes_lora.LoRARegistry(state)
+    loras.register_startup(config.lora_modules)
     app = Starlette(
         routes=routes_openai.routes(state)
         + routes_pooling.routes(state)
         + routes_kv_transfer.routes(state)
         + routes_ops.routes(state)
+        + routes_lora.routes(state, loras)
         + dashboard.routes(state),
         exception_handlers={
             APIError: _api_error,

@@ -81,6 +81,7 @@ class _Job:
                 self.engine_id,
                 priority=self.body.priority,
                 trace_headers=self.trace_headers,
+                lora_request=self.state.lora_for(self.body.model),
             )
         )
 

@@ -83,10 +83,16 @@ async def create_batch_chat_completion(state: ServerState, request: Request) -> 
     traced = trace_headers(request.headers)
     for rid, prompt in zip(engine_ids, prompts, strict=True):
         state.log_request(rid, prompt, params)
+    lora = state.lora_for(body.model)
     streams = [
         ticket.watch(
             state.engine.generate(
-                p.token_ids, params, rid, priority=body.priority, trace_headers=traced
+                p.token_ids,
+                params,
+                rid,
+                priority=body.priority,
+                trace_headers=traced,
+                lora_request=lora,
             )
         )
         for rid, p in zip(engine_ids, prompts, strict=True)

@@ -73,6 +73,7 @@ class _Job:
         engine = self.state.engine
         for rid, prompt in zip(self.engine_ids, self.prompts, strict=True):
             self.state.log_request(rid, prompt, params)
+        lora = self.state.lora_for(self.body.model)
         return [
             self.ticket.watch(
                 engine.generate(
@@ -81,6 +82,7 @@ class _Job:
                     rid,
                     priority=self.body.priority,
                     trace_headers=self.trace_headers,
+                    lora_request=lora,
                 )
             )
             for rid, p in zip(self.engine_ids, self.prompts, strict=True)

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any, Protocol
 
 from asyncserve.config import EngineConfig
+from asyncserve.lora.request import LoRARequest
 from asyncserve.outputs import RequestOutput
 from asyncserve.sampling_params import SamplingParams
 
@@ -72,6 +73,13 @@ class EngineClient(Protocol):
         request_id: str,
         priority: int = 0,
         trace_headers: Mapping[str, str] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: str) -> None: ...
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Validate and register an adapter (ValueError naming the problem)."""
+        ...
+
+    def remove_lora(self, lora_int_id: int) -> bool: ...

@@ -14,6 +14,7 @@ from asyncserve.http.chat_batch import create_batch_chat_completion
 from asyncserve.http.completions import create_completion
 from asyncserve.http.errors import APIError
 from asyncserve.http.protocol import ModelCard, ModelList
+from asyncserve.http.routes_lora import lora_cards
 from asyncserve.http.serving import ServerState
 
 
@@ -30,7 +31,7 @@ def model_list(state: ServerState) -> ModelList:
         )
         for name in state.model_names
     ]
-    return ModelList(object="list", data=cards)
+    return ModelList(object="list", data=cards + lora_cards(state))
 
 
 async def invocations(state: ServerState, request: Request) -> Response:

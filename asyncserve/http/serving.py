@@ -36,6 +36,7 @@ from asyncserve.http.protocol import (
     UsageInfo,
 )
 from asyncserve.http.sse import ClientDisconnected
+from asyncserve.lora.request import LoRARequest
 from asyncserve.metrics import EngineMetrics
 from asyncserve.outputs import RequestOutput
 from asyncserve.sampling_params import SamplingParams
@@ -69,6 +70,8 @@ class ServerState:
     generation_config: dict[str, Any] = field(default_factory=dict)
     # In-flight generation requests (/load, with --enable-server-load-tracking).
     server_load: int = 0
+    # LoRA adapters served by name (--lora-modules, /v1/load_lora_adapter).
+    loras: dict[str, LoRARequest] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.model_names:
@@ -117,8 +120,8 @@ class ServerState:
         """The name to report; 400 when the client asked for a model this server lacks."""
         if model is None or model == "":
             return self.model_names[0]
-        if model not in self.model_names:
-            served = ", ".join(self.model_names)
+        if model not in self.model_names and model not in self.loras:
+            served = ", ".join((*self.model_names, *self.loras))
             raise APIError(
                 f"The model `{model}` does not exist. Served models: {served}",
                 400,
@@ -126,6 +129,10 @@ class ServerState:
                 code="model_not_found",
             )
         return model
+
+    def lora_for(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names; None for the base model."""
+        return self.loras.get(model) if model else None
 
     def check_ready(self, priority: int = 0, count: int = 1) -> Ticket:
         """503 when the engine is down or the waiting queue is full; 400 for a bad priority.

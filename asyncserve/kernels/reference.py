@@ -312,3 +312,51 @@ def fused_moe(
         y = F.linear(silu_and_mul(x), w2[expert])
         out.index_add_(0, tokens, y.float() * topk_weights.reshape(-1)[picks, None].float())
     return out.to(hidden.dtype)
+
+
+# ---- LoRA (punica-style shrink / expand over tokens grouped by adapter slot) -------------
+#
+#   sorted_tokens  [T] int32: token rows ordered by adapter slot (rows without one left out)
+#   group_slots    [G] int32: the slot of group g; -1 marks an unused group
+#   group_starts   [G + 1] int32: group g's rows are sorted_tokens[starts[g]:starts[g + 1]]
+#   lora_a         [S, R, in]   lora_b [S, out, R]   (S slots, R = max rank, zero-padded)
+
+
+def lora_shrink(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    sorted_tokens: torch.Tensor,
+    group_slots: torch.Tensor,
+    group_starts: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """out[t] = x[t] @ lora_a[slot(t)]^T for every row in a group, in fp32 ([T, R]).
+    Rows in no group are left as they are."""
+    starts = group_starts.tolist()
+    for g, slot in enumerate(group_slots.tolist()):
+        if slot < 0 or starts[g + 1] <= starts[g]:
+            continue
+        rows = sorted_tokens[starts[g] : starts[g + 1]].long()
+        out[rows] = (x[rows].float() @ lora_a[slot].float().t()).to(out.dtype)
+
+
+def lora_expand(
+    buf: torch.Tensor,
+    lora_b: torch.Tensor,
+    sorted_tokens: torch.Tensor,
+    group_slots: torch.Tensor,
+    group_starts: torch.Tensor,
+    y: torch.Tensor,
+    offset: int,
+) -> None:
+    """y[t, offset:offset + out] += buf[t] @ lora_b[slot(t)]^T for every row in a group, in
+    place, summed in fp32 and rounded to y's dtype once."""
+    width = lora_b.shape[1]
+    starts = group_starts.tolist()
+    for g, slot in enumerate(group_slots.tolist()):
+        if slot < 0 or starts[g + 1] <= starts[g]:
+            continue
+        rows = sorted_tokens[starts[g] : starts[g + 1]].long()
+        delta = buf[rows].float() @ lora_b[slot].float().t()
+        target = y[rows, offset : offset + width]
+        y[rows, offset : offset + width] = (target.float() + delta).to(y.dtype)

@@ -9,6 +9,7 @@ import torch
 
 from asyncserve.core.request import token_slice
 from asyncserve.core.step import StepPlan
+from asyncserve.lora.request import LoRARequest
 from asyncserve.models.attention import AttentionMetadata
 from asyncserve.sampling_params import SamplingParams
 
@@ -30,6 +31,7 @@ class CachedRequestState:
     # While its last output token is a placeholder: the device tensor of sampled ids that
     # holds it, and the row.
     in_flight: tuple[torch.Tensor, int] | None = None
+    lora_request: LoRARequest | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -22,6 +22,7 @@ import torch
 
 from asyncserve.config import EngineConfig
 from asyncserve.core.step import GrammarBitmask, StepPlan, StepResult
+from asyncserve.lora.slots import LoRASlots
 from asyncserve.models.loader import LoadedModel
 from asyncserve.models.parallel import SINGLE, TensorParallel
 from asyncserve.worker import kv_blocks
@@ -107,6 +108,18 @@ class ModelRunner:
         self.num_blocks = 0
         self.decode_graphs: DecodeGraphs | None = None
         self.staging = HostStaging(device)
+        self.lora: LoRASlots | None = None
+        lora = config.lora
+        if lora.enable_lora:
+            self.lora = LoRASlots(
+                self.model,
+                lora.max_loras,
+                lora.max_lora_rank,
+                lora.cpu_capacity,
+                max(config.scheduler.max_num_batched_tokens, 512),
+                self.dtype,
+                device,
+            )
 
     # ---- KV pool -------------------------------------------------------------------------
 
@@ -143,6 +156,9 @@ class ModelRunner:
         for rid in plan.freed_request_ids:
             self.states.pop(rid, None)
             self.generators.pop(rid, None)
+        if self.lora is not None and (plan.removed_lora_ids or self.lora.has_unloaded):
+            in_use = {s.lora_request.lora_int_id for s in self.states.values() if s.lora_request}
+            self.lora.unload(plan.removed_lora_ids, in_use)
         for new in plan.new_requests:
             params = new.sampling_params
             self.states[new.request_id] = CachedRequestState(
@@ -153,6 +169,7 @@ class ModelRunner:
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 stop_token_ids=set(params.all_stop_token_ids),
+                lora_request=new.lora_request,
             )
         for running in plan.running_requests:
             state = self.states[running.request_id]
@@ -201,6 +218,10 @@ class ModelRunner:
         inputs = build_step_inputs(plan, self.states, self.block_size, self.staging)
         if inputs.placeholder_index is not None:
             self._fill_placeholders(inputs)
+        if self.lora is not None:
+            states = self.states
+            requests = [states[rid].lora_request for rid in inputs.request_ids]
+            self.lora.prepare(requests, inputs.counts)
         forwarded.inputs = inputs
         if self._can_replay(inputs):
             assert self.decode_graphs is not None
