@@ -126,6 +126,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="devices (one worker process each) the model is split over",
     )
     group.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=_positive_int,
+        default=1,
+        help="engine replicas, each in its own process on its own --tensor-parallel-size "
+        "devices, behind the one server (requests go to the least loaded one)",
+    )
+    group.add_argument(
         "--enforce-eager", action="store_true", help="no CUDA graphs (GPU only; always on CPU)"
     )
     group.add_argument(
@@ -156,6 +164,7 @@ def engine_config_from_args(args: argparse.Namespace, env: Environment) -> Engin
         async_scheduling=args.async_scheduling,
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=getattr(args, "data_parallel_size", 1),
         stream_interval=args.stream_interval,
     )
 
@@ -188,13 +197,24 @@ def run_serve(args: argparse.Namespace) -> int:
         )
         return 1
     from asyncserve.engine.async_engine import AsyncEngine
+    from asyncserve.http.engine_client import EngineClient
     from asyncserve.http.server import run_server
-    from asyncserve.metrics import EngineMetrics
+    from asyncserve.metrics import EngineMetrics, ServerMetrics
 
-    metrics = EngineMetrics(server_config.served_model_names[0])
+    metrics: ServerMetrics
+    engine: EngineClient
+    model_name = server_config.served_model_names[0]
     try:
-        engine = AsyncEngine.from_config(engine_config, metrics=metrics)
-    except (ValueError, FileNotFoundError) as exc:
+        if engine_config.parallel.data_parallel_size > 1:
+            from asyncserve.engine.dp_client import DataParallelClient
+            from asyncserve.engine.dp_metrics import DataParallelMetrics
+
+            engine = DataParallelClient(engine_config, model_name)
+            metrics = DataParallelMetrics()
+        else:
+            metrics = EngineMetrics(model_name)
+            engine = AsyncEngine.from_config(engine_config, metrics=metrics)
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
         sock.close()
         print(f"asyncserve serve: error: {exc}", file=sys.stderr)
         return 2
@@ -274,7 +294,10 @@ def run_generate(args: argparse.Namespace) -> int:
     from asyncserve.engine.async_engine import AsyncEngine
 
     try:
-        engine = AsyncEngine.from_config(engine_config_from_args(args, env))
+        config = engine_config_from_args(args, env)
+        if config.parallel.data_parallel_size > 1:
+            raise ValueError("--data-parallel-size is for serve; generate runs one engine")
+        engine = AsyncEngine.from_config(config)
         return asyncio.run(_generate(engine, args))
     except ValueError as exc:
         print(f"asyncserve generate: error: {exc}", file=sys.stderr)

@@ -83,13 +83,17 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How many devices one engine spreads the model over (one worker process each)."""
+    """How many devices one engine spreads the model over (one worker process each), and
+    how many engine replicas (each on its own tensor_parallel_size devices) serve requests."""
 
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
 
 
 @dataclass(frozen=True)
@@ -125,6 +129,7 @@ class EngineConfig:
         enforce_eager: bool = False,
         stream_interval: int = 1,
         tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1,
     ) -> EngineConfig:
         """The engine's configuration from vLLM's engine argument names (LLM(...) and the
         serve flags both come here)."""
@@ -151,10 +156,52 @@ class EngineConfig:
                 policy=scheduling_policy,  # type: ignore[arg-type]
                 async_scheduling=async_scheduling,
             ),
-            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+            parallel=ParallelConfig(
+                tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size
+            ),
             enable_cuda_graphs=not enforce_eager,
             stream_interval=stream_interval,
         )
+
+
+@dataclass(frozen=True)
+class DataParallelRank:
+    """This process's place among data-parallel ranks started by a launcher (one LLM per
+    rank, vLLM's SPMD pattern): ASYNCSERVE_DP_RANK / _SIZE / _MASTER_IP / _MASTER_PORT."""
+
+    rank: int
+    size: int
+    master_ip: str
+    master_port: int
+
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise ValueError(f"ASYNCSERVE_DP_SIZE must be >= 1, got {self.size}")
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"ASYNCSERVE_DP_RANK must be in [0, {self.size}), got {self.rank}")
+        if not 0 < self.master_port <= 65535:
+            raise ValueError(
+                f"ASYNCSERVE_DP_MASTER_PORT must be in [1, 65535], got {self.master_port}"
+            )
+
+
+def _env_int(name: str, default: str) -> int:
+    text = os.environ.get(name, default)
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {text!r}") from None
+
+
+def _read_dp_rank() -> DataParallelRank | None:
+    if "ASYNCSERVE_DP_RANK" not in os.environ and "ASYNCSERVE_DP_SIZE" not in os.environ:
+        return None
+    return DataParallelRank(
+        rank=_env_int("ASYNCSERVE_DP_RANK", "0"),
+        size=_env_int("ASYNCSERVE_DP_SIZE", "1"),
+        master_ip=os.environ.get("ASYNCSERVE_DP_MASTER_IP", "127.0.0.1"),
+        master_port=_env_int("ASYNCSERVE_DP_MASTER_PORT", "29500"),
+    )
 
 
 @dataclass(frozen=True)
@@ -164,6 +211,8 @@ class Environment:
     api_key: str | None
     default_model: str | None
     log_level: str
+    # Set by a data-parallel launcher (examples/data_parallel.py); None otherwise.
+    dp_rank: DataParallelRank | None = None
 
     @classmethod
     def read(cls) -> Environment:
@@ -171,6 +220,7 @@ class Environment:
             api_key=os.environ.get("ASYNCSERVE_API_KEY") or None,
             default_model=os.environ.get("ASYNCSERVE_MODEL") or None,
             log_level=os.environ.get("ASYNCSERVE_LOG_LEVEL", "INFO"),
+            dp_rank=_read_dp_rank(),
         )
 
 

@@ -12,8 +12,10 @@ from typing import Any
 from tqdm import tqdm
 
 from asyncserve.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
-from asyncserve.config import EngineConfig
+from asyncserve.config import EngineConfig, Environment
 from asyncserve.engine.async_engine import AsyncEngine
+from asyncserve.engine.dp_client import DataParallelClient
+from asyncserve.engine.dp_group import DataParallelGroup
 from asyncserve.outputs import CompletionOutput, RequestOutput
 from asyncserve.sampling_params import MODEL_SAMPLING_DEFAULTS, RequestOutputKind, SamplingParams
 from asyncserve.tokenizer import Tokenizer
@@ -45,8 +47,14 @@ class LLM:
         async_scheduling: bool | None = None,
         enforce_eager: bool = False,
         tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1,
         max_logprobs: int = 20,
     ) -> None:
+        """`data_parallel_size` > 1: that many engine replicas in their own processes (each on
+        its own tensor_parallel_size devices); generate() spreads the prompts over them.
+        Under a data-parallel launcher (ASYNCSERVE_DP_RANK / _SIZE / _MASTER_IP /
+        _MASTER_PORT set) this process is one rank: it joins the ranks' group and runs one
+        engine on its own prompts."""
         # Most logprobs (and prompt_logprobs) a SamplingParams may ask for, as in vLLM.
         self.max_logprobs = max_logprobs
         config = EngineConfig.from_engine_args(
@@ -68,8 +76,24 @@ class LLM:
             async_scheduling=async_scheduling,
             enforce_eager=enforce_eager,
             tensor_parallel_size=tensor_parallel_size,
+            data_parallel_size=data_parallel_size,
         )
-        self.engine = AsyncEngine.from_config(config)
+        place = Environment.read().dp_rank
+        self._dp_group: DataParallelGroup | None = None
+        if place is not None and place.size > 1:
+            if data_parallel_size > 1:
+                raise ValueError(
+                    "data_parallel_size: give it or ASYNCSERVE_DP_SIZE (a launcher's ranks), "
+                    "not both"
+                )
+            self._dp_group = DataParallelGroup(place)
+        self.engine: AsyncEngine | DataParallelClient
+        if data_parallel_size > 1:
+            self.engine = DataParallelClient(config)
+        else:
+            self.engine = AsyncEngine.from_config(config)
+        if self._dp_group is not None:
+            self._dp_group.barrier()  # every rank has loaded before any generates
         self._loop = asyncio.new_event_loop()
         self._ids = itertools.count()
 
@@ -203,6 +227,8 @@ class LLM:
         if not self._loop.is_closed():
             self._loop.run_until_complete(self.engine.close())
             self._loop.close()
+        if self._dp_group is not None:
+            self._dp_group.close()
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):

@@ -36,7 +36,7 @@ from asyncserve.http.protocol import (
     UsageInfo,
 )
 from asyncserve.http.sse import ClientDisconnected
-from asyncserve.metrics import EngineMetrics
+from asyncserve.metrics import ServerMetrics
 from asyncserve.outputs import RequestOutput
 from asyncserve.sampling_params import SamplingParams
 
@@ -57,7 +57,7 @@ class ServerState:
     engine: EngineClient
     config: ServerConfig
     model_names: tuple[str, ...]
-    metrics: EngineMetrics
+    metrics: ServerMetrics
     created: int = field(default_factory=lambda: int(time.time()))
     # Set when the engine failed for good: the server stops and exits non-zero.
     fatal_error: str | None = None
