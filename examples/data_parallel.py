@@ -75,7 +75,7 @@ def main(
         "The president of the United States is",
         "The capital of France is",
         "The future of AI is",
-    ] * 10
+    ] * 4
 
     # With DP, each rank should process different prompts: split them evenly.
     floor = len(prompts) // dp_size

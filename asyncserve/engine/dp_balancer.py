@@ -25,6 +25,7 @@ class ReplicaBalancer:
         self.affinity_slack_tokens = affinity_slack_tokens
         self.max_prefixes = max_prefixes
         self.load = [0] * num_replicas
+        self.num_chosen = [0] * num_replicas  # requests sent to each replica so far
         self.alive = [True] * num_replicas
         self._owner: OrderedDict[int, int] = OrderedDict()  # first-block hash -> replica
         self._next = 0  # ties go round the replicas, not always to the first
@@ -58,6 +59,7 @@ class ReplicaBalancer:
                 if self.load[owner] + cost <= limit:
                     chosen = owner
         self.load[chosen] += cost
+        self.num_chosen[chosen] += 1
         return chosen
 
     def release(self, index: int, cost: int) -> None:
