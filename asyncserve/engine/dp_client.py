@@ -10,6 +10,7 @@ error naming it and the client reports itself dead (/health 503, the server exit
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import itertools
 import logging
@@ -93,6 +94,9 @@ class DataParallelClient:
         self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []
         self._spawn(devices, model_name)
+        # Before multiprocessing's own exit handler, which would wait forever for replicas
+        # that wait for this end of their pipes to close.
+        atexit.register(self._end_at_exit)
         try:
             # Config, tokenizer and checks (TP's shape checks too) here while the replicas
             # load their weights.
@@ -249,6 +253,14 @@ class DataParallelClient:
             deadline -= 0.5
         self._terminate()
 
+    def _end_at_exit(self) -> None:
+        if not self._closed:
+            self._closing = True
+            for index in range(self.size):
+                self._send(index, ("shutdown", 0.0))
+            self._join(_EXIT_GRACE_S)
+            self._closed = True
+
     def _terminate(self) -> None:
         self._closing = True
         for proc in self._procs:
@@ -260,6 +272,7 @@ class DataParallelClient:
             proc.join()
         for conn in self._conns:
             conn.close()
+        atexit.unregister(self._end_at_exit)
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -369,7 +382,7 @@ class DataParallelClient:
         while True:
             try:
                 message = conn.recv()
-            except (EOFError, OSError):
+            except (EOFError, OSError, TypeError, ValueError):  # ended, or closed here
                 break
             with contextlib.suppress(RuntimeError):  # the loop has closed
                 loop.call_soon_threadsafe(self._on_message, index, message)
