@@ -137,6 +137,7 @@ class DataParallelClient:
                     None if devices is None else devices[index],
                     cpu_threads,
                     model_name,
+                    logging.getLogger("asyncserve").getEffectiveLevel(),
                     child,
                 ),
                 name=f"asyncserve-dp{index}",

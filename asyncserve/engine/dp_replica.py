@@ -46,11 +46,17 @@ def replica_main(
     devices: list[str] | None,
     cpu_threads: int | None,
     model_name: str,
+    log_level: int,
     conn: Connection,
 ) -> None:
     # Before anything touches CUDA: this replica sees only its own devices (as 0..TP-1).
     if devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+    # A spawned process starts without the server's logging setup: the same level, and the
+    # replica named on each line.
+    logging.basicConfig(
+        level=log_level, format=f"%(levelname)s %(asctime)s dp{index} %(name)s: %(message)s"
+    )
     import torch
 
     from asyncserve.engine.async_engine import AsyncEngine

@@ -95,6 +95,19 @@ def test_bad_sizes_fail_before_any_process_starts(monkeypatch: pytest.MonkeyPatc
         Environment.read()
 
 
+def test_serve_refuses_bad_sizes_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from asyncserve.cli import main
+
+    n = torch.cuda.device_count() + 2  # at least 2: one replica is no data parallelism
+    assert main(["serve", "--device", "cuda", "-dp", str(n), "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"({n} x 1 = {n}) exceeds the" in err, err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "-dp", "0"])
+    assert exit_info.value.code == 2
+    assert "--data-parallel-size/-dp: must be >= 1" in capsys.readouterr().err
+
+
 def test_cuda_devices_per_replica(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")

@@ -39,22 +39,22 @@ def test_ties_go_round_the_replicas() -> None:
     assert chosen == [0, 1, 0, 1]
 
 
-def test_shared_first_block_sticks_to_its_replica_until_much_more_loaded() -> None:
-    b = ReplicaBalancer(2, BLOCK, affinity_slack_tokens=100)
-    shared = [11, 12, 13, 14]
-    first = b.choose(shared + [1], 40)
+def test_shared_prefix_sticks_to_its_replica_while_the_hit_is_worth_it() -> None:
+    b = ReplicaBalancer(2, BLOCK, affinity_per_token=2.0)
+    history = list(range(100, 140))  # 10 blocks of a conversation
+    first = b.choose(history + [1], 50)
     other = 1 - first
-    # Same first block: the same replica, though the other one is idle.
-    assert b.choose(shared + [2], 40) == first
-    # Another first block goes to the least loaded replica.
-    assert b.choose([20, 21, 22, 23, 24], 10) == other
-    # The owner now carries 80 and the other 10: up to 2 x 10 + 100 = 120 it keeps them.
-    assert b.choose(shared + [3], 40) == first
-    assert b.load[first] == 120
-    # One more would pass the limit: the least loaded takes it, the owner stays the owner.
-    assert b.choose(shared + [4], 40) == other
-    b.release(first, 120)
-    assert b.choose(shared + [5], 1) == first
+    # Same 10 blocks: the same replica while it carries at most 2 x 40 tokens more.
+    assert b.choose(history + [2], 30) == first  # 80 more than the idle one: still in
+    assert b.choose(history + [3], 1) == other  # 81 more: the least loaded takes it
+    # Only the first block shared: 2 x 4 tokens of slack, so the least loaded replica wins.
+    b.release(first, 80)
+    b.release(other, 1)
+    assert b.choose(history[:4] + [9] * 8, 20) == first  # first owns block 1; loads equal
+    assert b.choose(history[:4] + [8] * 8, 20) == other  # 20 > 8: balance wins
+    # The longest owned prefix decides: block 2 onwards of this one belongs to `other`.
+    shorter = history[:4] + [8] * 8 + [7]
+    assert b.choose(shorter, 1) == other
 
 
 def test_prompts_shorter_than_a_block_carry_no_affinity() -> None:
