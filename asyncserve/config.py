@@ -204,6 +204,13 @@ def _read_dp_rank() -> DataParallelRank | None:
     )
 
 
+def _read_visible_devices() -> tuple[str, ...] | None:
+    text = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if not text:
+        return None
+    return tuple(d.strip() for d in text.split(",") if d.strip())
+
+
 @dataclass(frozen=True)
 class Environment:
     """Environment variables the project reads, read once."""
@@ -213,6 +220,8 @@ class Environment:
     log_level: str
     # Set by a data-parallel launcher (examples/data_parallel.py); None otherwise.
     dp_rank: DataParallelRank | None = None
+    # The CUDA devices this process may use (data-parallel replicas split them); None: all.
+    cuda_visible_devices: tuple[str, ...] | None = None
 
     @classmethod
     def read(cls) -> Environment:
@@ -221,6 +230,7 @@ class Environment:
             default_model=os.environ.get("ASYNCSERVE_MODEL") or None,
             log_level=os.environ.get("ASYNCSERVE_LOG_LEVEL", "INFO"),
             dp_rank=_read_dp_rank(),
+            cuda_visible_devices=_read_visible_devices(),
         )
 
 

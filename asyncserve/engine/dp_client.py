@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from asyncserve.config import EngineConfig
+from asyncserve.config import EngineConfig, Environment
 from asyncserve.core.grammar import StructuredOutputManager
 from asyncserve.engine.async_engine import eos_token_ids, resolve_device
 from asyncserve.engine.dp_balancer import ReplicaBalancer
@@ -54,8 +54,8 @@ def replica_devices(dp: int, tp: int, device: torch.device) -> list[list[str]] |
             f"data_parallel_size x tensor_parallel_size ({dp} x {tp} = {dp * tp}) exceeds the "
             f"{count} visible CUDA devices"
         )
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = [d.strip() for d in visible.split(",")] if visible else [str(i) for i in range(count)]
+    visible = Environment.read().cuda_visible_devices
+    ids = list(visible) if visible else [str(i) for i in range(count)]
     return [ids[r * tp : (r + 1) * tp] for r in range(dp)]
 
 
