@@ -16,6 +16,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from multiprocessing import get_context
@@ -93,6 +94,7 @@ class DataParallelClient:
         self._send_locks = [threading.Lock() for _ in range(dp)]
         self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []
+        self._readers: list[threading.Thread] = []
         self._spawn(devices, model_name)
         # Before multiprocessing's own exit handler, which would wait forever for replicas
         # that wait for this end of their pipes to close.
@@ -218,9 +220,11 @@ class DataParallelClient:
         self._loop = asyncio.get_running_loop()
         self._dead = asyncio.Event()
         for index in range(self.size):
-            threading.Thread(
+            reader = threading.Thread(
                 target=self._read, args=(index,), name=f"asyncserve-dp{index}-read", daemon=True
-            ).start()
+            )
+            reader.start()
+            self._readers.append(reader)
 
     async def wait_until_dead(self) -> str:
         if self._dead is None:
@@ -237,7 +241,7 @@ class DataParallelClient:
         self._closing = True
         for index in range(self.size):
             self._send(index, ("shutdown", timeout))
-        limit = (timeout or 0.0) + 2 * _EXIT_GRACE_S
+        limit = None if timeout is None else timeout + 2 * _EXIT_GRACE_S
         await asyncio.to_thread(self._join, limit)
         self._closed = True
         # The replicas' last outputs are delivered by now (their pipes are read to the end).
@@ -246,12 +250,18 @@ class DataParallelClient:
     async def close(self) -> None:
         await self.shutdown(timeout=0)
 
-    def _join(self, limit: float) -> None:
-        sentinels = [p.sentinel for p in self._procs]
-        deadline = limit
-        while deadline > 0 and any(p.is_alive() for p in self._procs):
-            wait(sentinels, timeout=min(deadline, 0.5))
-            deadline -= 0.5
+    def _join(self, limit: float | None) -> None:
+        """Wait up to `limit` seconds (None: no limit) for every replica to exit, then end
+        the ones left."""
+        deadline = None if limit is None else time.monotonic() + limit
+        while True:
+            pending = [p.sentinel for p in self._procs if p.exitcode is None and p.is_alive()]
+            if not pending:
+                break
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                break
+            wait(pending, timeout=left)
         self._terminate()
 
     def _end_at_exit(self) -> None:
@@ -271,6 +281,9 @@ class DataParallelClient:
             if proc.is_alive():
                 proc.kill()
             proc.join()
+        # The readers pass on what the replicas sent before they ended, then see EOF.
+        for reader in self._readers:
+            reader.join(_EXIT_GRACE_S)
         for conn in self._conns:
             conn.close()
         atexit.unregister(self._end_at_exit)
