@@ -14,23 +14,18 @@ import atexit
 import contextlib
 import itertools
 import logging
-import os
-import threading
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from multiprocessing import get_context
-from multiprocessing.connection import Connection, wait
-from multiprocessing.process import BaseProcess
 from typing import Any
 
 import torch
 
-from asyncserve.config import EngineConfig, Environment
+from asyncserve.config import EngineConfig
 from asyncserve.core.grammar import StructuredOutputManager
 from asyncserve.engine.async_engine import eos_token_ids, resolve_device
 from asyncserve.engine.dp_balancer import ReplicaBalancer
-from asyncserve.engine.dp_replica import Stats, replica_main
+from asyncserve.engine.dp_processes import EXIT_GRACE_S, ReplicaProcesses, replica_devices
+from asyncserve.engine.dp_replica import Stats
 from asyncserve.engine.request_checks import check_request, truncate_prompt
 from asyncserve.models.loader import load_model
 from asyncserve.models.parallel import TensorParallel
@@ -40,24 +35,7 @@ from asyncserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-_EXIT_GRACE_S = 5.0
 _METRICS_TIMEOUT_S = 5.0
-
-
-def replica_devices(dp: int, tp: int, device: torch.device) -> list[list[str]] | None:
-    """The CUDA devices of each replica (replica r: visible devices r*TP .. r*TP+TP-1), or
-    None off CUDA. One-line ValueError when DP x TP exceeds the visible devices."""
-    if device.type != "cuda":
-        return None
-    count = torch.cuda.device_count()
-    if dp * tp > count:
-        raise ValueError(
-            f"data_parallel_size x tensor_parallel_size ({dp} x {tp} = {dp * tp}) exceeds the "
-            f"{count} visible CUDA devices"
-        )
-    visible = Environment.read().cuda_visible_devices
-    ids = list(visible) if visible else [str(i) for i in range(count)]
-    return [ids[r * tp : (r + 1) * tp] for r in range(dp)]
 
 
 @dataclass
@@ -91,11 +69,7 @@ class DataParallelClient:
         self._closing = False
         self._closed = False
         self._started = False
-        self._send_locks = [threading.Lock() for _ in range(dp)]
-        self._procs: list[BaseProcess] = []
-        self._conns: list[Connection] = []
-        self._readers: list[threading.Thread] = []
-        self._spawn(devices, model_name)
+        self._replicas = ReplicaProcesses(config, devices, model_name)
         # Before multiprocessing's own exit handler, which would wait forever for replicas
         # that wait for this end of their pipes to close.
         atexit.register(self._end_at_exit)
@@ -105,9 +79,9 @@ class DataParallelClient:
             self.loaded = load_model(
                 config.model, torch.device("cpu"), TensorParallel(0, tp), weights=False
             )
-            self._wait_ready()
+            self._replicas.wait_ready()
         except BaseException:
-            self._terminate()
+            self._end()
             raise
         self.tokenizer = self.loaded.tokenizer
         self.model_path = self.loaded.model_path
@@ -124,61 +98,9 @@ class DataParallelClient:
         )
         logger.info("%d data-parallel replicas ready (pids %s)", dp, self.pids)
 
-    def _spawn(self, devices: list[list[str]] | None, model_name: str) -> None:
-        cpu_threads = None if devices is not None else max(1, (os.cpu_count() or 1) // self.size)
-        ctx = get_context("spawn")
-        for index in range(self.size):
-            parent, child = ctx.Pipe()
-            # Not daemonic: a replica with TP > 1 starts its own worker processes. It exits
-            # when this end of its pipe closes (this process ended).
-            proc = ctx.Process(
-                target=replica_main,
-                args=(
-                    self.config,
-                    index,
-                    None if devices is None else devices[index],
-                    cpu_threads,
-                    model_name,
-                    logging.getLogger("asyncserve").getEffectiveLevel(),
-                    child,
-                ),
-                name=f"asyncserve-dp{index}",
-            )
-            proc.start()
-            child.close()
-            self._procs.append(proc)
-            self._conns.append(parent)
-
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self._procs if p.pid is not None]
-
-    def _wait_ready(self) -> None:
-        """Every replica reports once its engine is up; a failure names the replica."""
-        sentinels = [p.sentinel for p in self._procs]
-        for index, conn in enumerate(self._conns):
-            while not conn.poll():
-                wait([conn, *sentinels])
-                if not conn.poll():
-                    self._raise_if_exited(sentinels)
-            try:
-                kind, value = conn.recv()
-            except (EOFError, OSError):
-                self._procs[index].join(_EXIT_GRACE_S)
-                self._raise_if_exited(sentinels)
-                raise RuntimeError(f"data-parallel replica {index} closed its pipe") from None
-            if kind != "ready":
-                raise RuntimeError(f"data-parallel replica {index} failed to start: {value}")
-
-    def _raise_if_exited(self, sentinels: list[Any]) -> None:
-        ended = wait(sentinels, timeout=0)
-        for index, proc in enumerate(self._procs):
-            if proc.sentinel in ended:
-                proc.join(_EXIT_GRACE_S)
-                raise RuntimeError(
-                    f"data-parallel replica {index} exited while loading (exit code "
-                    f"{proc.exitcode})"
-                )
+        return self._replicas.pids
 
     # ---- state for the server ------------------------------------------------------------
 
@@ -219,12 +141,7 @@ class DataParallelClient:
         self._started = True
         self._loop = asyncio.get_running_loop()
         self._dead = asyncio.Event()
-        for index in range(self.size):
-            reader = threading.Thread(
-                target=self._read, args=(index,), name=f"asyncserve-dp{index}-read", daemon=True
-            )
-            reader.start()
-            self._readers.append(reader)
+        self._replicas.start_readers(self._from_reader, self._exit_from_reader)
 
     async def wait_until_dead(self) -> str:
         if self._dead is None:
@@ -241,8 +158,9 @@ class DataParallelClient:
         self._closing = True
         for index in range(self.size):
             self._send(index, ("shutdown", timeout))
-        limit = None if timeout is None else timeout + 2 * _EXIT_GRACE_S
-        await asyncio.to_thread(self._join, limit)
+        limit = None if timeout is None else timeout + 2 * EXIT_GRACE_S
+        await asyncio.to_thread(self._replicas.join, limit)
+        atexit.unregister(self._end_at_exit)
         self._closed = True
         # The replicas' last outputs are delivered by now (their pipes are read to the end).
         await asyncio.sleep(0)
@@ -250,42 +168,17 @@ class DataParallelClient:
     async def close(self) -> None:
         await self.shutdown(timeout=0)
 
-    def _join(self, limit: float | None) -> None:
-        """Wait up to `limit` seconds (None: no limit) for every replica to exit, then end
-        the ones left."""
-        deadline = None if limit is None else time.monotonic() + limit
-        while True:
-            pending = [p.sentinel for p in self._procs if p.exitcode is None and p.is_alive()]
-            if not pending:
-                break
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                break
-            wait(pending, timeout=left)
-        self._terminate()
-
     def _end_at_exit(self) -> None:
         if not self._closed:
             self._closing = True
             for index in range(self.size):
                 self._send(index, ("shutdown", 0.0))
-            self._join(_EXIT_GRACE_S)
+            self._replicas.join(EXIT_GRACE_S)
             self._closed = True
 
-    def _terminate(self) -> None:
+    def _end(self) -> None:
         self._closing = True
-        for proc in self._procs:
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(_EXIT_GRACE_S)
-            if proc.is_alive():
-                proc.kill()
-            proc.join()
-        # The readers pass on what the replicas sent before they ended, then see EOF.
-        for reader in self._readers:
-            reader.join(_EXIT_GRACE_S)
-        for conn in self._conns:
-            conn.close()
+        self._replicas.terminate()
         atexit.unregister(self._end_at_exit)
 
     # ---- requests ------------------------------------------------------------------------
@@ -382,28 +275,19 @@ class DataParallelClient:
     # ---- pipes ---------------------------------------------------------------------------
 
     def _send(self, index: int, message: tuple[Any, ...]) -> bool:
-        try:
-            with self._send_locks[index]:
-                self._conns[index].send(message)
-            return True
-        except (OSError, ValueError):  # the replica is gone (its death is reported apart)
-            return False
+        return self._replicas.send(index, message)
 
-    def _read(self, index: int) -> None:
-        """One thread per replica: read its pipe to the end, hand messages to the loop."""
-        conn, proc, loop = self._conns[index], self._procs[index], self._loop
+    def _from_reader(self, index: int, message: tuple[Any, ...]) -> None:
+        loop = self._loop
         assert loop is not None
-        while True:
-            try:
-                message = conn.recv()
-            except (EOFError, OSError, TypeError, ValueError):  # ended, or closed here
-                break
-            with contextlib.suppress(RuntimeError):  # the loop has closed
-                loop.call_soon_threadsafe(self._on_message, index, message)
-        proc.join(_EXIT_GRACE_S)
-        code = proc.exitcode
+        with contextlib.suppress(RuntimeError):  # the loop has closed
+            loop.call_soon_threadsafe(self._on_message, index, message)
+
+    def _exit_from_reader(self, index: int, pid: int | None, code: int | None) -> None:
+        loop = self._loop
+        assert loop is not None
         with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(self._on_exit, index, proc.pid, code)
+            loop.call_soon_threadsafe(self._on_exit, index, pid, code)
 
     def _on_message(self, index: int, message: tuple[Any, ...]) -> None:
         kind = message[0]

@@ -14,7 +14,8 @@ import torch
 
 from asyncserve import LLM, SamplingParams
 from asyncserve.config import Environment
-from asyncserve.engine.dp_client import DataParallelClient, replica_devices
+from asyncserve.engine.dp_client import DataParallelClient
+from asyncserve.engine.dp_processes import replica_devices
 from asyncserve.sampling_params import RequestOutputKind
 from tests.conftest import PLAIN_PROMPTS
 
@@ -147,4 +148,4 @@ def test_killed_replica_fails_its_requests(dp_llm: LLM) -> None:
     errors = dp_llm._loop.run_until_complete(run())
     # The request on the killed replica failed naming it; the other ended at shutdown.
     assert any(e is not None and "data-parallel replica 0" in e for e in errors), errors
-    assert not any(p.is_alive() for p in client._procs)
+    assert not any(p.is_alive() for p in client._replicas.procs)
