@@ -155,6 +155,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="adapters kept in host memory (default: --max-loras)",
     )
     group.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=_positive_int,
+        default=1,
+        help="engine replicas, each in its own process on its own --tensor-parallel-size "
+        "devices, behind the one server (requests go to the least loaded one)",
+    )
+    group.add_argument(
         "--enforce-eager", action="store_true", help="no CUDA graphs (GPU only; always on CPU)"
     )
     group.add_argument(
@@ -212,6 +220,7 @@ def engine_config_from_args(args: argparse.Namespace, env: Environment) -> Engin
         async_scheduling=args.async_scheduling,
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=getattr(args, "data_parallel_size", 1),
         stream_interval=args.stream_interval,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         kv_transfer_config=args.kv_transfer_config,
@@ -251,19 +260,34 @@ def run_serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    from asyncserve.http.engine_client import EngineClient
     from asyncserve.http.server import run_server
     from asyncserve.lora.request import LoRARequest
-    from asyncserve.metrics import EngineMetrics
+    from asyncserve.metrics import EngineMetrics, ServerMetrics
 
-    metrics = EngineMetrics(server_config.served_model_names[0])
+    metrics: ServerMetrics
+    engine: EngineClient
+    model_name = server_config.served_model_names[0]
     try:
-        engine = build_engine(engine_config, metrics)
+        if engine_config.parallel.data_parallel_size > 1:
+            from asyncserve.engine.dp_client import DataParallelClient
+            from asyncserve.engine.dp_metrics import DataParallelMetrics
+
+            engine = DataParallelClient(engine_config, model_name)
+            metrics = DataParallelMetrics()
+        else:
+            engine_metrics = EngineMetrics(model_name)
+            metrics = engine_metrics
+            engine = build_engine(engine_config, engine_metrics)
         if server_config.lora_modules and not hasattr(engine, "add_lora"):
-            raise ValueError("--lora-modules: a pooling model takes no LoRA adapters")
+            raise ValueError(
+                "--lora-modules: adapters are served by one generating engine "
+                "(not with a pooling model or --data-parallel-size > 1)"
+            )
         # A bad --lora-modules adapter stops the start, before the server listens.
-        for name, path in server_config.lora_modules:
-            engine.add_lora(LoRARequest(name, 1 + len(engine.loras), path))
-    except (ValueError, FileNotFoundError) as exc:
+        for i, (name, path) in enumerate(server_config.lora_modules):
+            engine.add_lora(LoRARequest(name, 1 + i, path))
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
         sock.close()
         print(f"asyncserve serve: error: {exc}", file=sys.stderr)
         return 2
@@ -360,7 +384,10 @@ def run_generate(args: argparse.Namespace) -> int:
     from asyncserve.engine.async_engine import AsyncEngine
 
     try:
-        engine = AsyncEngine.from_config(engine_config_from_args(args, env))
+        config = engine_config_from_args(args, env)
+        if config.parallel.data_parallel_size > 1:
+            raise ValueError("--data-parallel-size is for serve; generate runs one engine")
+        engine = AsyncEngine.from_config(config)
         return asyncio.run(_generate(engine, args))
     except ValueError as exc:
         print(f"asyncserve generate: error: {exc}", file=sys.stderr)

@@ -88,13 +88,17 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How many devices one engine spreads the model over (one worker process each)."""
+    """How many devices one engine spreads the model over (one worker process each), and
+    how many engine replicas (each on its own tensor_parallel_size devices) serve requests."""
 
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
 
 
 KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
@@ -254,6 +258,7 @@ class EngineConfig:
         max_loras: int = 1,
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
+        data_parallel_size: int = 1,
     ) -> EngineConfig:
         """The engine's configuration from vLLM's engine argument names (LLM(...) and the
         serve flags both come here)."""
@@ -281,7 +286,9 @@ class EngineConfig:
                 policy=scheduling_policy,  # type: ignore[arg-type]
                 async_scheduling=async_scheduling,
             ),
-            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+            parallel=ParallelConfig(
+                tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size
+            ),
             observability=ObservabilityConfig(
                 otlp_traces_endpoint=otlp_traces_endpoint,
                 otlp_traces_protocol=os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc"),
@@ -301,7 +308,63 @@ class EngineConfig:
             ),
             enable_cuda_graphs=not enforce_eager,
             stream_interval=stream_interval,
-        )
+        ).checked()
+
+    def checked(self) -> EngineConfig:
+        """Options that do not go together: a one-line ValueError."""
+        if self.kv_transfer is not None and self.parallel.data_parallel_size > 1:
+            raise ValueError(
+                "kv_transfer_config: disaggregated prefill runs one engine per instance "
+                "(data_parallel_size 1); run one instance per replica instead"
+            )
+        return self
+
+
+@dataclass(frozen=True)
+class DataParallelRank:
+    """This process's place among data-parallel ranks started by a launcher (one LLM per
+    rank, vLLM's SPMD pattern): ASYNCSERVE_DP_RANK / _SIZE / _MASTER_IP / _MASTER_PORT."""
+
+    rank: int
+    size: int
+    master_ip: str
+    master_port: int
+
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise ValueError(f"ASYNCSERVE_DP_SIZE must be >= 1, got {self.size}")
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"ASYNCSERVE_DP_RANK must be in [0, {self.size}), got {self.rank}")
+        if not 0 < self.master_port <= 65535:
+            raise ValueError(
+                f"ASYNCSERVE_DP_MASTER_PORT must be in [1, 65535], got {self.master_port}"
+            )
+
+
+def _env_int(name: str, default: str) -> int:
+    text = os.environ.get(name, default)
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {text!r}") from None
+
+
+def _read_dp_rank() -> DataParallelRank | None:
+    if "ASYNCSERVE_DP_RANK" not in os.environ and "ASYNCSERVE_DP_SIZE" not in os.environ:
+        return None
+    return DataParallelRank(
+        rank=_env_int("ASYNCSERVE_DP_RANK", "0"),
+        size=_env_int("ASYNCSERVE_DP_SIZE", "1"),
+        master_ip=os.environ.get("ASYNCSERVE_DP_MASTER_IP", "127.0.0.1"),
+        master_port=_env_int("ASYNCSERVE_DP_MASTER_PORT", "29500"),
+    )
+
+
+def _read_visible_devices() -> tuple[str, ...] | None:
+    text = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if not text:
+        return None
+    return tuple(d.strip() for d in text.split(",") if d.strip())
 
 
 @dataclass(frozen=True)
@@ -314,6 +377,10 @@ class Environment:
     # The runtime /v1/load_lora_adapter and /v1/unload_lora_adapter endpoints (vLLM reads
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING for the same switch).
     allow_runtime_lora_updating: bool = False
+    # Set by a data-parallel launcher (examples/data_parallel.py); None otherwise.
+    dp_rank: DataParallelRank | None = None
+    # The CUDA devices this process may use (data-parallel replicas split them); None: all.
+    cuda_visible_devices: tuple[str, ...] | None = None
 
     @classmethod
     def read(cls) -> Environment:
@@ -325,6 +392,8 @@ class Environment:
                 "ASYNCSERVE_ALLOW_RUNTIME_LORA_UPDATING", ""
             ).lower()
             in ("1", "true"),
+            dp_rank=_read_dp_rank(),
+            cuda_visible_devices=_read_visible_devices(),
         )
 
 

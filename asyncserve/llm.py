@@ -13,8 +13,10 @@ from typing import Any
 from tqdm import tqdm
 
 from asyncserve.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
-from asyncserve.config import EngineConfig
+from asyncserve.config import EngineConfig, Environment
 from asyncserve.engine.async_engine import AsyncEngine
+from asyncserve.engine.dp_client import DataParallelClient
+from asyncserve.engine.dp_group import DataParallelGroup
 from asyncserve.lora.request import LoRARequest
 from asyncserve.outputs import CompletionOutput, RequestOutput
 from asyncserve.pooling.config import resolve_runner
@@ -58,12 +60,18 @@ class LLM:
         tensor_parallel_size: int = 1,
         otlp_traces_endpoint: str | None = None,
         collect_detailed_traces: str | None = None,
+        data_parallel_size: int = 1,
         max_logprobs: int = 20,
         enable_lora: bool = False,
         max_loras: int = 1,
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
     ) -> None:
+        """`data_parallel_size` > 1: that many engine replicas in their own processes (each on
+        its own tensor_parallel_size devices); generate() spreads the prompts over them.
+        Under a data-parallel launcher (ASYNCSERVE_DP_RANK / _SIZE / _MASTER_IP /
+        _MASTER_PORT set) this process is one rank: it joins the ranks' group and runs one
+        engine on its own prompts."""
         # Most logprobs (and prompt_logprobs) a SamplingParams may ask for, as in vLLM.
         self.max_logprobs = max_logprobs
         config = EngineConfig.from_engine_args(
@@ -92,19 +100,35 @@ class LLM:
             max_loras=max_loras,
             max_lora_rank=max_lora_rank,
             max_cpu_loras=max_cpu_loras,
+            data_parallel_size=data_parallel_size,
         )
-        self._engine: AsyncEngine | None = None
+        place = Environment.read().dp_rank
+        self._dp_group: DataParallelGroup | None = None
+        if place is not None and place.size > 1:
+            if data_parallel_size > 1:
+                raise ValueError(
+                    "data_parallel_size: give it or ASYNCSERVE_DP_SIZE (a launcher's ranks), "
+                    "not both"
+                )
+            self._dp_group = DataParallelGroup(place)
+        self._engine: AsyncEngine | DataParallelClient | None = None
         self._pooling: PoolingEngine | None = None
         model_dir = Path(model) if model is not None and Path(model).is_dir() else None
         if resolve_runner(runner, model_dir) == "pooling":
+            if data_parallel_size > 1:
+                raise ValueError("data_parallel_size: pooling models run on one engine")
             self._pooling = PoolingEngine.from_config(config)
+        elif data_parallel_size > 1:
+            self._engine = DataParallelClient(config)
         else:
             self._engine = AsyncEngine.from_config(config)
+        if self._dp_group is not None:
+            self._dp_group.barrier()  # every rank has loaded before any generates
         self._loop = asyncio.new_event_loop()
         self._ids = itertools.count()
 
     @property
-    def engine(self) -> AsyncEngine:
+    def engine(self) -> AsyncEngine | DataParallelClient:
         """The generating engine; a pooling model has none (use embed() and score())."""
         if self._engine is None:
             raise ValueError(
@@ -220,20 +244,26 @@ class LLM:
             if lora is not None and not isinstance(lora, LoRARequest):
                 raise ValueError(f"lora_request[{i}] must be a LoRARequest or None")
         for lora in {id(r): r for r in loras if r is not None}.values():
-            self.engine.add_lora(lora)
+            self._lora_engine().add_lora(lora)
         return self._loop.run_until_complete(
             self._run_all(prompt_list, params_list, priorities, use_tqdm, loras)
         )
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Validate and register an adapter ahead of its first request."""
-        return self.engine.add_lora(lora_request)
+        return self._lora_engine().add_lora(lora_request)
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        return self.engine.remove_lora(lora_int_id)
+        return self._lora_engine().remove_lora(lora_int_id)
 
     def list_loras(self) -> list[int]:
-        return [r.lora_int_id for r in self.engine.list_loras()]
+        return [r.lora_int_id for r in self._lora_engine().list_loras()]
+
+    def _lora_engine(self) -> AsyncEngine:
+        engine = self.engine
+        if not isinstance(engine, AsyncEngine):
+            raise ValueError("lora_request: LoRA adapters run on one engine (data_parallel_size 1)")
+        return engine
 
     def chat(
         self,
@@ -323,6 +353,8 @@ class LLM:
             if engine is not None:
                 self._loop.run_until_complete(engine.close())
             self._loop.close()
+        if self._dp_group is not None:
+            self._dp_group.close()
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):

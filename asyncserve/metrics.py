@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any, Protocol
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -34,6 +35,14 @@ REQUEST_LATENCY_BUCKETS: Sequence[float] = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
     40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
+
+
+class ServerMetrics(Protocol):
+    """What the server's /metrics route calls: bring the series up to date, then render."""
+
+    async def refresh(self, engine: Any) -> None: ...
+
+    def render(self) -> tuple[bytes, str]: ...
 
 
 class EngineMetrics:
@@ -160,6 +169,10 @@ class EngineMetrics:
         child.inc()
         self._e2e_c.observe(e2e_s)
         self._queue_c.observe(queue_s)
+
+    async def refresh(self, engine: Any) -> None:
+        """Gauges as of now, not as of the last step (an idle engine does not step)."""
+        self.on_step(engine.num_running, engine.num_waiting, engine.kv_cache_usage)
 
     def render(self) -> tuple[bytes, str]:
         """The registry in Prometheus' text format, and its content type."""

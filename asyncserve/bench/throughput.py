@@ -39,6 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="plan each step while the one before runs (default: on with CUDA)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="engine replicas")
     parser.add_argument("--peer", choices=["none", "hf"], default="none")
     parser.add_argument("--output-json", default=None)
 
@@ -58,6 +60,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=args.data_parallel_size,
     )
     vocab = llm.engine.loaded.arch.vocab_size
     prompts = random_prompts(args.num_prompts, args.input_len, vocab, args.seed, args.input_len_max)
@@ -79,6 +83,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "output_tokens_per_s": num_out / elapsed,
         "num_prompts": len(prompts),
         "device": str(llm.engine.device),
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "data_parallel_size": args.data_parallel_size,
     }
     print(
         f"asyncserve: {elapsed:.2f} s, {report['requests_per_s']:.2f} req/s, "

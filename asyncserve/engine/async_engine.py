@@ -23,6 +23,7 @@ from asyncserve.disagg.engine_hooks import (
 )
 from asyncserve.disagg.kv_transfer import KVTransferError
 from asyncserve.engine.engine_core import EngineCore
+from asyncserve.engine.request_checks import check_request, truncate_prompt
 from asyncserve.engine.step_loop import StepLoop
 from asyncserve.executor.abstract import Executor
 from asyncserve.executor.multiproc import MultiProcExecutor
@@ -227,35 +228,14 @@ class AsyncEngine:
         """Raise ValueError when a request cannot run; the message names what is wrong."""
         if params.kv_transfer_params is not None:
             check_kv_transfer_params(self.kv_transfer, params)
-        n_prompt = len(prompt_token_ids)
-        if n_prompt == 0:
-            raise ValueError("prompt must not be empty")
-        vocab = self.loaded.arch.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt contains token id {bad} outside the vocabulary [0, {vocab})")
-        if n_prompt >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {n_prompt} tokens but max_model_len is {self.max_model_len}: "
-                "the prompt must be shorter than max_model_len"
-            )
-        if params.allowed_token_ids is not None:
-            bad = next((t for t in params.allowed_token_ids if t >= vocab), None)
-            if bad is not None:
-                raise ValueError(
-                    f"allowed_token_ids contains token id {bad} outside the vocabulary [0, {vocab})"
-                )
-        if params.structured_outputs is not None:
-            # Compiles the grammar (cached): a bad schema, regex or grammar names its field.
-            self.structured.validate(params.structured_outputs)
-        if strict_max_tokens and params.max_tokens is not None:
-            total = n_prompt + params.max_tokens
-            if total > self.max_model_len:
-                raise ValueError(
-                    f"max_tokens: this model's maximum context length is {self.max_model_len} "
-                    f"tokens, but {total} were requested ({n_prompt} in the prompt, "
-                    f"{params.max_tokens} in the completion)"
-                )
+        check_request(
+            prompt_token_ids,
+            params,
+            self.loaded.arch.vocab_size,
+            self.max_model_len,
+            self.structured,
+            strict_max_tokens,
+        )
 
     # ---- LoRA adapters ---------------------------------------------------------------------
 
@@ -300,14 +280,7 @@ class AsyncEngine:
         return list(self.loras.values())
 
     def truncate_prompt(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
-        """The last truncate_prompt_tokens prompt tokens (-1: what max_model_len leaves room
-        for, one token kept for the output)."""
-        keep = params.truncate_prompt_tokens
-        if keep is None:
-            return prompt_ids
-        if keep == -1:
-            keep = self.max_model_len - 1
-        return prompt_ids[-keep:]
+        return truncate_prompt(prompt_ids, params, self.max_model_len)
 
     def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word's token ids at the start of the text and after a space (where the

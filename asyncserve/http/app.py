@@ -39,7 +39,7 @@ from asyncserve.http.middleware import (
 from asyncserve.http.sampling import resolve_generation_config
 from asyncserve.http.serving import ServerState
 from asyncserve.http.sse import ClientDisconnected
-from asyncserve.metrics import EngineMetrics
+from asyncserve.metrics import EngineMetrics, ServerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ async def _stop_when_engine_dies(state: ServerState) -> None:
 def build_app(
     engine: EngineClient,
     config: ServerConfig | None = None,
-    metrics: EngineMetrics | None = None,
+    metrics: ServerMetrics | None = None,
 ) -> Starlette:
     """The server around `engine`. The lifespan starts the engine loop and, on shutdown,
     lets running requests finish for up to config.shutdown_timeout seconds."""

@@ -46,6 +46,7 @@ def routes(state: ServerState) -> list[Route]:
         return Response(blob, media_type="application/octet-stream")
 
     transfer = getattr(state.engine, "kv_transfer", None)
-    if transfer is not None:
-        state.metrics.registry.register(TransferCounters(transfer))
+    registry = getattr(state.metrics, "registry", None)
+    if transfer is not None and registry is not None:
+        registry.register(TransferCounters(transfer))
     return [Route(PULL_PATH, pull, methods=["POST"])]

@@ -124,9 +124,7 @@ def routes(state: ServerState) -> list[Route]:
         return _json(body, 200 if body.status == "ok" else 503)
 
     async def metrics(request: Request) -> Response:
-        engine = state.engine
-        # Gauges as of now, not as of the last step (an idle engine does not step).
-        state.metrics.on_step(engine.num_running, engine.num_waiting, engine.kv_cache_usage)
+        await state.metrics.refresh(state.engine)
         payload, content_type = state.metrics.render()
         return Response(payload, headers={"content-type": content_type})
 

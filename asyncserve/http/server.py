@@ -22,7 +22,7 @@ from asyncserve.config import ServerConfig
 from asyncserve.http.app import build_app
 from asyncserve.http.engine_client import EngineClient
 from asyncserve.http.listener import EagerAcceptServer, timed_protocol
-from asyncserve.metrics import EngineMetrics
+from asyncserve.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def _swallow(signum: int, frame: FrameType | None) -> None:
 def run_server(
     engine: EngineClient,
     config: ServerConfig,
-    metrics: EngineMetrics | None = None,
+    metrics: ServerMetrics | None = None,
     sock: socket.socket | None = None,
 ) -> int:
     """Serve until SIGTERM/SIGINT; returns the exit code (0 after a graceful shutdown, 1 when

@@ -37,7 +37,7 @@ from asyncserve.http.protocol import (
 )
 from asyncserve.http.sse import ClientDisconnected
 from asyncserve.lora.request import LoRARequest
-from asyncserve.metrics import EngineMetrics
+from asyncserve.metrics import ServerMetrics
 from asyncserve.outputs import RequestOutput
 from asyncserve.sampling_params import SamplingParams
 
@@ -58,7 +58,7 @@ class ServerState:
     engine: EngineClient
     config: ServerConfig
     model_names: tuple[str, ...]
-    metrics: EngineMetrics
+    metrics: ServerMetrics
     created: int = field(default_factory=lambda: int(time.time()))
     # Set when the engine failed for good: the server stops and exits non-zero.
     fatal_error: str | None = None

@@ -1,0 +1,96 @@
+"""Which data-parallel replica takes a request: the least outstanding tokens, except that a
+prompt sharing a prefix of whole KV blocks with an earlier one goes to the replica that took
+that one (its prefix cache holds those blocks) while the extra load there stays within what
+the cache hit saves.
+
+Prefixes are keyed by chained hashes of the prompt's first blocks (as the prefix cache keys
+its blocks), so a common preamble of one block earns little affinity and a long shared
+conversation history a lot.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class ReplicaBalancer:
+    """Outstanding tokens per replica: a request costs its prompt plus its most output
+    tokens from the moment it is sent until its last output comes back."""
+
+    def __init__(
+        self,
+        num_replicas: int,
+        block_size: int,
+        affinity_per_token: float = 2.0,
+        max_blocks: int = 64,
+        max_prefixes: int = 1 << 18,
+    ) -> None:
+        if num_replicas < 1:
+            raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+        self.block_size = block_size
+        # The owner of a shared prefix of P tokens keeps the request while it carries at
+        # most affinity_per_token x P tokens more than the least loaded replica.
+        self.affinity_per_token = affinity_per_token
+        self.max_blocks = max_blocks  # longest prefix (in blocks) looked up
+        self.max_prefixes = max_prefixes
+        self.load = [0] * num_replicas
+        self.num_chosen = [0] * num_replicas  # requests sent to each replica so far
+        self.alive = [True] * num_replicas
+        self._owner: OrderedDict[int, int] = OrderedDict()  # prefix hash -> replica
+        self._next = 0  # ties go round the replicas, not always to the first
+
+    def _least_loaded(self) -> int:
+        size = len(self.load)
+        best = -1
+        for step in range(size):
+            index = (self._next + step) % size
+            if self.alive[index] and (best < 0 or self.load[index] < self.load[best]):
+                best = index
+        if best < 0:
+            raise RuntimeError("no data-parallel replica is alive")
+        return best
+
+    def _prefix_hashes(self, prompt_token_ids: list[int]) -> list[int]:
+        """One chained hash per whole block of the prompt's first max_blocks blocks."""
+        size = self.block_size
+        blocks = min(len(prompt_token_ids) // size, self.max_blocks)
+        hashes = []
+        h = 0
+        for i in range(blocks):
+            h = hash((h, tuple(prompt_token_ids[i * size : (i + 1) * size])))
+            hashes.append(h)
+        return hashes
+
+    def choose(self, prompt_token_ids: list[int], cost: int) -> int:
+        """The replica for a request of `cost` tokens; its load grows by `cost`."""
+        least = self._least_loaded()
+        chosen = least
+        hashes = self._prefix_hashes(prompt_token_ids)
+        for blocks in range(len(hashes), 0, -1):  # the longest owned prefix decides
+            owner = self._owner.get(hashes[blocks - 1])
+            if owner is None or not self.alive[owner]:
+                continue
+            shared = blocks * self.block_size
+            if self.load[owner] + cost - self.load[least] <= self.affinity_per_token * shared:
+                chosen = owner
+            break
+        if chosen == least:
+            self._next = (least + 1) % len(self.load)
+        for h in hashes:
+            owner = self._owner.get(h)
+            if owner is None or not self.alive[owner]:
+                self._owner[h] = chosen
+            self._owner.move_to_end(h)
+        while len(self._owner) > self.max_prefixes:
+            self._owner.popitem(last=False)
+        self.load[chosen] += cost
+        self.num_chosen[chosen] += 1
+        return chosen
+
+    def release(self, index: int, cost: int) -> None:
+        """A request on `index` has finished (or failed)."""
+        self.load[index] = max(0, self.load[index] - cost)
+
+    def mark_dead(self, index: int) -> None:
+        self.alive[index] = False
+        self.load[index] = 0

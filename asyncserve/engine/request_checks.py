@@ -1,0 +1,57 @@
+"""The checks a request passes before it reaches a scheduler, shared by the engine and the
+data-parallel front end (which rejects bad requests before choosing a replica)."""
+
+from __future__ import annotations
+
+from asyncserve.core.grammar import StructuredOutputManager
+from asyncserve.sampling_params import SamplingParams
+
+
+def check_request(
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    vocab_size: int,
+    max_model_len: int,
+    structured: StructuredOutputManager,
+    strict_max_tokens: bool = True,
+) -> None:
+    """Raise ValueError when a request cannot run; the message names what is wrong."""
+    n_prompt = len(prompt_token_ids)
+    if n_prompt == 0:
+        raise ValueError("prompt must not be empty")
+    bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"prompt contains token id {bad} outside the vocabulary [0, {vocab_size})")
+    if n_prompt >= max_model_len:
+        raise ValueError(
+            f"prompt has {n_prompt} tokens but max_model_len is {max_model_len}: "
+            "the prompt must be shorter than max_model_len"
+        )
+    if params.allowed_token_ids is not None:
+        bad = next((t for t in params.allowed_token_ids if t >= vocab_size), None)
+        if bad is not None:
+            raise ValueError(
+                f"allowed_token_ids contains token id {bad} outside the vocabulary [0, {vocab_size})"
+            )
+    if params.structured_outputs is not None:
+        # Compiles the grammar (cached): a bad schema, regex or grammar names its field.
+        structured.validate(params.structured_outputs)
+    if strict_max_tokens and params.max_tokens is not None:
+        total = n_prompt + params.max_tokens
+        if total > max_model_len:
+            raise ValueError(
+                f"max_tokens: this model's maximum context length is {max_model_len} "
+                f"tokens, but {total} were requested ({n_prompt} in the prompt, "
+                f"{params.max_tokens} in the completion)"
+            )
+
+
+def truncate_prompt(prompt_ids: list[int], params: SamplingParams, max_model_len: int) -> list[int]:
+    """The last truncate_prompt_tokens prompt tokens (-1: what max_model_len leaves room
+    for, one token kept for the output)."""
+    keep = params.truncate_prompt_tokens
+    if keep is None:
+        return prompt_ids
+    if keep == -1:
+        keep = max_model_len - 1
+    return prompt_ids[-keep:]
