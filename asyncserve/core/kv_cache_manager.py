@@ -4,6 +4,14 @@ Block i of a request holds tokens [i * block_size, (i + 1) * block_size). A bloc
 (registered for prefix reuse) as soon as it is allocated for a step that fills it: its K/V
 are written by that step's forward pass, before any later step can read them, and a request
 admitted in the same step reads them only after each layer has stored the whole batch's K/V.
+
+Sliding window (`sliding_window` W, set only when EVERY layer of the model uses a window): a
+query at position p reads keys at positions > p - W only, so a block wholly before the first
+query of a step minus W is never read again and goes back to the pool at once (or, for a prefix
+hit, is never taken). Its table entry stays as a hole (None; the runner sees block 0 there, which
+the kernels mask out) so block i still holds tokens [i * bs, (i + 1) * bs). A freed block keeps
+its hash: its K/V stay valid for a later prefix hit until the pool evicts it. Models that mix
+windowed and global layers (Gemma 3) pass None: their global layers read every block.
 """
 
 from __future__ import annotations
@@ -15,15 +23,25 @@ from asyncserve.core.request import Request
 
 
 class KVCacheManager:
-    def __init__(self, block_pool: BlockPool, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self,
+        block_pool: BlockPool,
+        block_size: int,
+        enable_prefix_caching: bool,
+        sliding_window: int | None = None,
+    ) -> None:
         if block_size != block_pool.block_size:
             raise ValueError(
                 f"block_size {block_size} differs from the pool's {block_pool.block_size}"
             )
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         self.block_pool = block_pool
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching and block_pool.enable_prefix_caching
-        self._req_blocks: dict[str, list[KVBlock]] = {}
+        self.sliding_window = sliding_window
+        # None marks a block freed because it left the window.
+        self._req_blocks: dict[str, list[KVBlock | None]] = {}
         # How many leading blocks of each request have gone through cache_full_blocks.
         self._num_cached: dict[str, int] = {}
         # Prefix cache stats in tokens: tokens looked up and tokens found, per admission.
@@ -39,8 +57,13 @@ class KVCacheManager:
         return self.block_pool.num_free_blocks
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        """A fresh list of the request's block ids, in token order."""
-        return [b.block_id for b in self._req_blocks.get(request_id, ())]
+        """A fresh list of the request's block ids, in token order (0 for a block that left
+        the sliding window: never read unmasked, and always a valid index)."""
+        return [0 if b is None else b.block_id for b in self._req_blocks.get(request_id, ())]
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds now (holes left by the sliding window not counted)."""
+        return sum(b is not None for b in self._req_blocks.get(request_id, ()))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of the request's full blocks, and the tokens it covers.
@@ -85,11 +108,18 @@ class KVCacheManager:
         blocks = self._req_blocks.get(rid)
         num_held = 0 if blocks is None else len(blocks)
         num_hit = len(new_computed_blocks)
-        total = request.num_computed_tokens + num_hit * self.block_size + num_new_tokens
+        first_query = request.num_computed_tokens + num_hit * self.block_size
+        total = first_query + num_new_tokens
         num_needed = -(-total // self.block_size) - num_held - num_hit
+        # Blocks before this many are out of every query's window from this step on.
+        num_skipped = self._num_skipped_blocks(first_query)
+        if blocks is not None:
+            self._free_skipped(blocks, num_skipped)
+        # Hit blocks left of the window are not taken at all.
+        kept_hits = list(new_computed_blocks[max(num_skipped - num_held, 0) :])
         # Free hit blocks leave the free list when touched, so they count against it.
         num_available = self.block_pool.num_free_blocks
-        for block in new_computed_blocks:
+        for block in kept_hits:
             if block.ref_cnt == 0:
                 num_available -= 1
         if num_needed > num_available:
@@ -99,8 +129,9 @@ class KVCacheManager:
             blocks = self._req_blocks[rid] = []
             self._num_cached[rid] = 0
         if num_hit:
-            self.block_pool.touch(new_computed_blocks)
-            blocks.extend(new_computed_blocks)
+            self.block_pool.touch(kept_hits)
+            blocks.extend([None] * (num_hit - len(kept_hits)))
+            blocks.extend(kept_hits)
             # Hit blocks are registered already.
             self._num_cached[rid] = len(blocks)
         new_blocks = self.block_pool.get_new_blocks(num_needed) if num_needed > 0 else []
@@ -131,12 +162,30 @@ class KVCacheManager:
             return
         pool = self.block_pool
         for block in blocks[request.num_computed_tokens // self.block_size :]:
-            if block.block_hash is not None and block.ref_cnt == 1:
+            if block is not None and block.block_hash is not None and block.ref_cnt == 1:
                 pool.uncache_block(block)
-        pool.free_blocks(reversed(blocks))
+        pool.free_blocks([b for b in reversed(blocks) if b is not None])
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
+
+    def _num_skipped_blocks(self, first_query: int) -> int:
+        """Leading blocks no query at position >= first_query can see through the window."""
+        if self.sliding_window is None:
+            return 0
+        return max(first_query - self.sliding_window + 1, 0) // self.block_size
+
+    def _free_skipped(self, blocks: list[KVBlock | None], num_skipped: int) -> None:
+        """Give back the held blocks among the first num_skipped, last first (as free does)."""
+        gone: list[KVBlock] = []
+        for i in range(min(num_skipped, len(blocks)) - 1, -1, -1):
+            block = blocks[i]
+            if block is None:
+                break  # everything before a hole was freed with it
+            gone.append(block)
+            blocks[i] = None
+        if gone:
+            self.block_pool.free_blocks(gone)
 
     def _update_block_hashes(self, request: Request, num_blocks: int) -> list[int]:
         """Extend request.block_hashes to cover its first num_blocks full blocks."""

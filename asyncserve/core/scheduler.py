@@ -38,7 +38,10 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         max_model_len: int,
+        sliding_window: int | None = None,
     ) -> None:
+        """`sliding_window`: set when every layer of the model attends through a window of
+        that many positions; blocks behind it go back to the pool (KVCacheManager)."""
         self.config = scheduler_config
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_num_seqs = scheduler_config.max_num_seqs
@@ -49,8 +52,12 @@ class Scheduler:
         self.block_pool = BlockPool(
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
         )
+        self.sliding_window = sliding_window
         self.kv_cache_manager = KVCacheManager(
-            self.block_pool, cache_config.block_size, cache_config.enable_prefix_caching
+            self.block_pool,
+            cache_config.block_size,
+            cache_config.enable_prefix_caching,
+            sliding_window,
         )
         self._requests: dict[str, Request] = {}
         self._waiting = WaitingQueue(self._priority)
@@ -328,6 +335,11 @@ class Scheduler:
         )
 
     def _never_fits(self, num_tokens: int) -> bool:
+        if self.sliding_window is not None:
+            # Held at most: the window behind a step's first query, the step's tokens and
+            # the partial blocks at both ends.
+            held = self.sliding_window + self.max_num_batched_tokens + 2 * self.block_size
+            num_tokens = min(num_tokens, held)
         return -(-num_tokens // self.block_size) > self.num_blocks
 
     def _preempt(self, request: Request) -> None:
