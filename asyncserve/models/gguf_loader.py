@@ -2,8 +2,11 @@
 
 llama.cpp stores Llama's q/k projection rows permuted (convert_hf_to_gguf's `permute`) so its
 rotary kernel can use interleaved pairs; we undo that so the weights fit HF's rotate-half
-layout. Qwen2/Qwen3/Qwen3-MoE/Gemma 3 files are written unpermuted. Stacked expert tensors
-(ffn_*_exps) are yielded one expert at a time under HF's per-expert names, and Gemma 3's norm
+layout. Granite and Mixtral files (both converted as Llama) are permuted too; Qwen2/Qwen3/
+Qwen3-MoE/Gemma 3 files are written unpermuted. Stacked expert tensors (ffn_*_exps) go back
+to each family's checkpoint names: one expert at a time for Qwen3-MoE (mlp.experts.{e}.*) and
+Mixtral (an "llama" file with an expert count: block_sparse_moe.experts.{e}.w1/w3/w2), stacked
+for GraniteMoE (gate and up joined again into block_sparse_moe.input_linear). Gemma 3's norm
 weights, which llama.cpp stores as 1 + weight, go back to HF's convention.
 """
 
@@ -29,9 +32,20 @@ _GGUF_ARCHS = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "granitemoe": "GraniteMoeForCausalLM",
 }
-# GGUF archs whose q/k rows convert_hf_to_gguf permutes.
-_PERMUTED_QK = {"llama", "mistral"}
+# GGUF archs whose q/k rows convert_hf_to_gguf permutes (its LlamaModel and subclasses).
+_PERMUTED_QK = {"llama", "mistral", "granite", "granitemoe"}
+# Granite's multipliers: GGUF key (after "{arch}.") -> HF config name.
+_GRANITE_SCALES = {
+    "attention.scale": "attention_multiplier",
+    "embedding_scale": "embedding_multiplier",
+    "residual_scale": "residual_multiplier",
+    "logit_scale": "logits_scaling",
+}
+# Mixtral's checkpoint names for the generic per-expert ones.
+_MIXTRAL_PROJ = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -132,8 +146,11 @@ def gguf_hf_config(g: GGUFFile) -> dict[str, Any]:
     elif key("rope.scaling.type") not in (None, "none"):
         raise ValueError(f"{g.path}: rope scaling {key('rope.scaling.type')!r} is not supported")
     head_dim = key("attention.key_length")
+    hf_arch = _GGUF_ARCHS[arch]
+    if arch in ("llama", "mistral") and key("expert_count"):
+        hf_arch = "MixtralForCausalLM"  # convert_hf_to_gguf writes Mixtral as llama
     config = {
-        "architectures": [_GGUF_ARCHS[arch]],
+        "architectures": [hf_arch],
         "model_type": arch,
         "vocab_size": vocab_size,
         "hidden_size": hidden,
@@ -164,6 +181,13 @@ def gguf_hf_config(g: GGUFFile) -> dict[str, Any]:
         )
     elif arch == "gemma3":
         config.update(_gemma3_config(key, config))
+    elif hf_arch in ("MixtralForCausalLM", "GraniteMoeForCausalLM"):
+        # feed_forward_length is one expert's intermediate size here.
+        config.update(
+            num_local_experts=key("expert_count"), num_experts_per_tok=key("expert_used_count")
+        )
+    if arch in ("granite", "granitemoe"):
+        config.update({hf: key(k) for k, hf in _GRANITE_SCALES.items() if key(k) is not None})
     return config
 
 
@@ -211,8 +235,12 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def iter_gguf_weights(g: GGUFFile, config: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, fp32 CPU tensor) one tensor at a time, dequantized and unpermuted."""
+    """Yield (HF name, fp32 CPU tensor) one tensor at a time, dequantized and unpermuted,
+    under the names config.architecture's checkpoints use."""
     permuted = g.architecture in _PERMUTED_QK
+    family = config.architecture
+    # GraniteMoE: a layer's stacked gate (or up) experts wait for the other half.
+    pending: dict[str, torch.Tensor] = {}
     for t in g.reader.tensors:
         name = _hf_name(t.name, g.architecture)
         try:
@@ -232,8 +260,48 @@ def iter_gguf_weights(g: GGUFFile, config: ArchConfig) -> Iterator[tuple[str, to
         if not values.flags.writeable:  # an F32 tensor is a view of the read-only map
             values = values.copy()
         tensor = torch.from_numpy(values)
-        if "{expert}" in name:
+        if family == "GraniteMoeForCausalLM":
+            yield from _granite_moe_tensors(name, tensor, pending)
+        elif "{expert}" in name:
             for expert in range(tensor.shape[0]):
-                yield name.format(expert=expert), tensor[expert]
+                yield _family_name(name.format(expert=expert), family), tensor[expert]
         else:
-            yield name, tensor
+            yield _family_name(name, family), tensor
+    if pending:
+        raise ValueError(f"{g.path}: expert gate and up halves unpaired: {sorted(pending)}")
+
+
+def _family_name(name: str, family: str) -> str:
+    """Mixtral names its router and experts block_sparse_moe.gate / experts.{e}.w1|w3|w2."""
+    if family != "MixtralForCausalLM" or ".mlp." not in name:
+        return name
+    if name.endswith(".mlp.gate.weight"):
+        return name.replace(".mlp.gate.", ".block_sparse_moe.gate.")
+    if ".mlp.experts." in name:
+        head, proj, kind = name.rsplit(".", 2)
+        return f"{head.replace('.mlp.', '.block_sparse_moe.')}.{_MIXTRAL_PROJ[proj]}.{kind}"
+    return name
+
+
+def _granite_moe_tensors(
+    name: str, tensor: torch.Tensor, pending: dict[str, torch.Tensor]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """GraniteMoE's stacked names: input_linear [E, 2I, H] (gate rows, then up rows),
+    output_linear [E, H, I], router.layer. `pending` holds a layer's gate or up experts
+    until the other half is read."""
+    if "{expert}" not in name:
+        if name.endswith(".mlp.gate.weight"):
+            name = name.replace(".mlp.gate.", ".block_sparse_moe.router.layer.")
+        yield name, tensor
+        return
+    layer = name.split(".mlp.")[0]
+    if ".down_proj." in name:
+        yield f"{layer}.block_sparse_moe.output_linear.weight", tensor
+        return
+    half = "gate" if ".gate_proj." in name else "up"
+    other = pending.pop(f"{layer}:{'up' if half == 'gate' else 'gate'}", None)
+    if other is None:
+        pending[f"{layer}:{half}"] = tensor
+        return
+    gate, up = (tensor, other) if half == "gate" else (other, tensor)
+    yield f"{layer}.block_sparse_moe.input_linear.weight", torch.cat([gate, up], dim=1)

@@ -101,6 +101,18 @@ def _tiny_hf(arch: str) -> tuple[Any, dict[str, Any]]:
             query_pre_attn_scalar=16,  # what llama.cpp uses: head_dim
         )
         model = transformers.Gemma3ForCausalLM(config)
+    elif arch == "mixtral":
+        config = transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
+        model = transformers.MixtralForCausalLM(config)
+    elif arch in ("granite", "granitemoe"):
+        granite = {k: v for k, v in common.items() if k != "head_dim"}
+        granite.update(GRANITE_SCALES)
+        if arch == "granite":
+            model = transformers.GraniteForCausalLM(transformers.GraniteConfig(**granite))
+        else:
+            granite.update(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)
+            config = transformers.GraniteMoeConfig(**granite)
+            model = transformers.GraniteMoeForCausalLM(config)
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     torch.manual_seed(0)
@@ -110,8 +122,23 @@ def _tiny_hf(arch: str) -> tuple[Any, dict[str, Any]]:
     return model.eval(), common
 
 
+GRANITE_SCALES = dict(
+    embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=2.0
+)
+# GGUF arch written for each test family (llama.cpp converts Mixtral as llama).
+GGUF_ARCH = {"mixtral": "llama"}
+
+
 def _family_metadata(arch: str) -> Any:
     def add(w: Any) -> None:
+        if arch in ("mixtral", "granitemoe"):
+            w.add_expert_count(4)
+            w.add_expert_used_count(2)
+        if arch in ("granite", "granitemoe"):
+            w.add_attention_scale(GRANITE_SCALES["attention_multiplier"])
+            w.add_embedding_scale(GRANITE_SCALES["embedding_multiplier"])
+            w.add_residual_scale(GRANITE_SCALES["residual_multiplier"])
+            w.add_logit_scale(GRANITE_SCALES["logits_scaling"])
         if arch == "qwen3moe":
             w.add_expert_count(4)
             w.add_expert_used_count(2)
@@ -123,14 +150,17 @@ def _family_metadata(arch: str) -> Any:
     return add
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3moe", "gemma3"])
+@pytest.mark.parametrize(
+    "arch", ["llama", "qwen3", "qwen3moe", "gemma3", "mixtral", "granite", "granitemoe"]
+)
 def test_tiny_gguf_loads_and_matches_hf(arch: str, tmp_path: Path) -> None:
     hf, cfg = _tiny_hf(arch)
     state = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
     path = tmp_path / "tiny.gguf"
+    moe_ff = {"mixtral": 96, "granitemoe": 32}.get(arch)
     write_tiny_gguf(
         path,
-        arch,
+        GGUF_ARCH.get(arch, arch),
         state,
         heads=cfg["num_attention_heads"],
         kv_heads=cfg["num_key_value_heads"],
@@ -138,10 +168,12 @@ def test_tiny_gguf_loads_and_matches_hf(arch: str, tmp_path: Path) -> None:
         rope_theta=cfg["rope_theta"],
         eps=cfg["rms_norm_eps"],
         extra=_family_metadata(arch),
+        feed_forward_length=moe_ff,
     )
     # A directory holding exactly one .gguf loads that file.
     loaded = load_model(ModelConfig(model=str(tmp_path), dtype="float32"), torch.device("cpu"))
-    assert loaded.arch.qk_norm == (arch != "llama")
+    assert loaded.arch.qk_norm == (arch in ("qwen3", "qwen3moe", "gemma3"))
+    assert loaded.arch.architecture == type(hf).__name__
     assert loaded.arch.tie_word_embeddings
     assert loaded.model_path == str(path)
     # Longer than Gemma's window of 8.
