@@ -22,6 +22,7 @@ from asyncserve.cli_server import (
 )
 from asyncserve.cli_server import served_names as served_names
 from asyncserve.config import (
+    DEFAULT_DECODE_LATENCY_TARGET_MS,
     EngineConfig,
     Environment,
 )
@@ -31,6 +32,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
 
 
@@ -105,6 +113,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="token budget of one step; long prompts are prefilled in chunks of it",
     )
     group.add_argument(
+        "--decode-latency-target-ms",
+        type=_non_negative_float,
+        default=DEFAULT_DECODE_LATENCY_TARGET_MS,
+        help="while streams decode, cap each step's prefill tokens so the step is expected "
+        "to take at most this long (learned from measured step times; never below one "
+        "block; --max-num-batched-tokens stays the ceiling); 0: no cap",
+    )
+    group.add_argument(
         "--scheduling-policy",
         default="fcfs",
         choices=["fcfs", "priority"],
@@ -154,6 +170,7 @@ def engine_config_from_args(args: argparse.Namespace, env: Environment) -> Engin
         max_num_batched_tokens=args.max_num_batched_tokens,
         scheduling_policy=args.scheduling_policy,
         async_scheduling=args.async_scheduling,
+        decode_latency_target_ms=args.decode_latency_target_ms,
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
         stream_interval=args.stream_interval,

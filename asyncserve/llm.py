@@ -12,7 +12,7 @@ from typing import Any
 from tqdm import tqdm
 
 from asyncserve.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
-from asyncserve.config import EngineConfig
+from asyncserve.config import DEFAULT_DECODE_LATENCY_TARGET_MS, EngineConfig
 from asyncserve.engine.async_engine import AsyncEngine
 from asyncserve.outputs import CompletionOutput, RequestOutput
 from asyncserve.sampling_params import MODEL_SAMPLING_DEFAULTS, RequestOutputKind, SamplingParams
@@ -46,6 +46,7 @@ class LLM:
         enforce_eager: bool = False,
         tensor_parallel_size: int = 1,
         max_logprobs: int = 20,
+        decode_latency_target_ms: float = DEFAULT_DECODE_LATENCY_TARGET_MS,
     ) -> None:
         # Most logprobs (and prompt_logprobs) a SamplingParams may ask for, as in vLLM.
         self.max_logprobs = max_logprobs
@@ -68,6 +69,7 @@ class LLM:
             async_scheduling=async_scheduling,
             enforce_eager=enforce_eager,
             tensor_parallel_size=tensor_parallel_size,
+            decode_latency_target_ms=decode_latency_target_ms,
         )
         self.engine = AsyncEngine.from_config(config)
         self._loop = asyncio.new_event_loop()

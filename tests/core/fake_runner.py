@@ -167,9 +167,17 @@ def make_scheduler(
     prefix_caching: bool = True,
     max_model_len: int = 1024,
     sliding_window: int | None = None,
+    decode_latency_target_ms: float = 0.0,
 ) -> tuple[Scheduler, FakeRunner]:
+    """decode_latency_target_ms is off by default here: these schedulers get no step times
+    unless a test reports them."""
     scheduler = Scheduler(
-        SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, policy=policy),
+        SchedulerConfig(
+            max_num_batched_tokens=budget,
+            max_num_seqs=max_seqs,
+            policy=policy,
+            decode_latency_target_ms=decode_latency_target_ms,
+        ),
         CacheConfig(block_size=BS, enable_prefix_caching=prefix_caching),
         num_blocks=num_blocks,
         max_model_len=max_model_len,
