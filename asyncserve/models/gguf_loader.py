@@ -7,7 +7,8 @@ Qwen3-MoE/Gemma 3 files are written unpermuted. Stacked expert tensors (ffn_*_ex
 to each family's checkpoint names: one expert at a time for Qwen3-MoE (mlp.experts.{e}.*) and
 Mixtral (an "llama" file with an expert count: block_sparse_moe.experts.{e}.w1/w3/w2), stacked
 for GraniteMoE (gate and up joined again into block_sparse_moe.input_linear). Gemma 3's norm
-weights, which llama.cpp stores as 1 + weight, go back to HF's convention.
+weights, which llama.cpp stores as 1 + weight, go back to HF's convention. Phi-3 keeps its
+fused qkv and gate_up tensors; its LongRoPE factors are tensors read into the config.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ _GGUF_ARCHS = {
     "gemma3": "Gemma3ForCausalLM",
     "granite": "GraniteForCausalLM",
     "granitemoe": "GraniteMoeForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 # GGUF archs whose q/k rows convert_hf_to_gguf permutes (its LlamaModel and subclasses).
 _PERMUTED_QK = {"llama", "mistral", "granite", "granitemoe"}
@@ -67,6 +69,13 @@ _BLOCK_NAMES = {
     "ffn_gate_inp": "mlp.gate",
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Phi-3 keeps its fused checkpoint tensors: attn_qkv, and ffn_up holding gate and up rows.
+_PHI3_NAMES = {**_BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# Tensors that are config, not weights: Phi-3's LongRoPE factors.
+_ROPE_FACTORS = {
+    "rope_factors_short.weight": "short_factor",
+    "rope_factors_long.weight": "long_factor",
 }
 # Gemma's ffn_norm is the norm before the MLP; Llama's sits after attention (the same place).
 _GEMMA3_NAMES = {**_BLOCK_NAMES, "ffn_norm": "pre_feedforward_layernorm"}
@@ -181,6 +190,8 @@ def gguf_hf_config(g: GGUFFile) -> dict[str, Any]:
         )
     elif arch == "gemma3":
         config.update(_gemma3_config(key, config))
+    elif arch == "phi3":
+        config.update(_phi3_config(g, key, config))
     elif hf_arch in ("MixtralForCausalLM", "GraniteMoeForCausalLM"):
         # feed_forward_length is one expert's intermediate size here.
         config.update(
@@ -213,11 +224,43 @@ def _gemma3_config(key: Any, config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _phi3_config(g: GGUFFile, key: Any, config: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3: partial rotary (rope.dimension_count), a window on every layer, and LongRoPE
+    when the file carries its factor tensors."""
+    out: dict[str, Any] = {"sliding_window": key("attention.sliding_window")}
+    head_dim = config["head_dim"] or config["hidden_size"] // config["num_attention_heads"]
+    rotary = key("rope.dimension_count")
+    if rotary is not None:
+        out["partial_rotary_factor"] = int(rotary) / head_dim
+    factors = {
+        field: _tensor_values(g, t.name).tolist()
+        for t in g.reader.tensors
+        if (field := _ROPE_FACTORS.get(t.name)) is not None
+    }
+    if factors:
+        if len(factors) != 2:
+            raise ValueError(f"{g.path}: LongRoPE needs both rope_factors_short and _long")
+        scaling: dict[str, Any] = {
+            "rope_type": "longrope",
+            **factors,
+            "original_max_position_embeddings": key("rope.scaling.original_context_length"),
+        }
+        if key("rope.scaling.attn_factor") is not None:
+            scaling["attention_factor"] = float(key("rope.scaling.attn_factor"))
+        out["rope_scaling"] = scaling
+    return out
+
+
+def _tensor_values(g: GGUFFile, name: str) -> np.ndarray:
+    (t,) = (t for t in g.reader.tensors if t.name == name)
+    return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float64).ravel()
+
+
 def _hf_name(gguf_name: str, arch: str = "llama") -> str:
     """HF name of a GGUF tensor; for stacked experts, with "{expert}" left to fill."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
-    names = _GEMMA3_NAMES if arch == "gemma3" else _BLOCK_NAMES
+    names = {"gemma3": _GEMMA3_NAMES, "phi3": _PHI3_NAMES}.get(arch, _BLOCK_NAMES)
     match = _BLOCK_RE.match(gguf_name)
     if match is None or (match.group(2) not in names and match.group(2) not in _EXPERT_NAMES):
         raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
@@ -242,6 +285,8 @@ def iter_gguf_weights(g: GGUFFile, config: ArchConfig) -> Iterator[tuple[str, to
     # GraniteMoE: a layer's stacked gate (or up) experts wait for the other half.
     pending: dict[str, torch.Tensor] = {}
     for t in g.reader.tensors:
+        if t.name in _ROPE_FACTORS:
+            continue  # read into the config
         name = _hf_name(t.name, g.architecture)
         try:
             values = gguf.quants.dequantize(t.data, t.tensor_type)

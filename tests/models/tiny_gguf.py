@@ -34,6 +34,8 @@ _BLOCK_PARTS = {
     "mlp.down_proj": "ffn_down",
     "mlp.gate": "ffn_gate_inp",
     "block_sparse_moe.router": "ffn_gate_inp",  # GraniteMoE
+    "self_attn.qkv_proj": "attn_qkv",  # Phi-3's fused tensors
+    "mlp.gate_up_proj": "ffn_up",
 }
 # convert_hf_to_gguf's LlamaModel and its subclasses permute q/k (Mixtral is written as llama).
 PERMUTED_ARCHS = ("llama", "granite", "granitemoe")
