@@ -47,15 +47,26 @@ def mistral(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
     return path, hf
 
 
+GPU = pytest.param(
+    "cuda",
+    marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    ],
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", GPU])
 def test_long_generation_in_a_pool_smaller_than_the_context(
-    mistral: tuple[Path, object],
+    mistral: tuple[Path, object], device: str
 ) -> None:
+    """On CUDA the Triton kernels read the window through the holes' block ids."""
     path, hf = mistral
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in PROMPT_LENS]
     llm = LLM(
         str(path),
-        device="cpu",
+        device=device,
         dtype="float32",
         block_size=BLOCK_SIZE,
         max_num_batched_tokens=16,
