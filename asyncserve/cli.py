@@ -23,6 +23,7 @@ from asyncserve.cli_server import (
 )
 from asyncserve.cli_server import served_names as served_names
 from asyncserve.config import (
+    DEFAULT_DECODE_LATENCY_TARGET_MS,
     EngineConfig,
     Environment,
 )
@@ -45,6 +46,13 @@ def _json_object(text: str) -> dict[str, Any]:
         raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from exc
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
 
 
@@ -117,6 +125,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         type=_positive_int,
         default=2048,
         help="token budget of one step; long prompts are prefilled in chunks of it",
+    )
+    group.add_argument(
+        "--decode-latency-target-ms",
+        type=_non_negative_float,
+        default=DEFAULT_DECODE_LATENCY_TARGET_MS,
+        help="while streams decode, cap each step's prefill tokens so the step is expected "
+        "to take at most this long (learned from measured step times; never below one "
+        "block; --max-num-batched-tokens stays the ceiling); 0: no cap",
     )
     group.add_argument(
         "--scheduling-policy",
@@ -218,6 +234,7 @@ def engine_config_from_args(args: argparse.Namespace, env: Environment) -> Engin
         max_num_batched_tokens=args.max_num_batched_tokens,
         scheduling_policy=args.scheduling_policy,
         async_scheduling=args.async_scheduling,
+        decode_latency_target_ms=args.decode_latency_target_ms,
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
         data_parallel_size=getattr(args, "data_parallel_size", 1),

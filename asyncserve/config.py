@@ -64,6 +64,11 @@ class CacheConfig:
             raise ValueError(f"num_blocks_override must be >= 1, got {self.num_blocks_override}")
 
 
+# A step with decodes running is kept under this: far above a GPU step at the default budget,
+# it binds where a prefill chunk would stall the streams for longer (a CPU, a huge model).
+DEFAULT_DECODE_LATENCY_TARGET_MS = 1000.0
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """The token-budget scheduler's limits."""
@@ -74,8 +79,15 @@ class SchedulerConfig:
     # Plan step N+1 while step N runs (its tokens fed to N+1 on the device). None: on with
     # CUDA; off on CPU, where a step's launch is its whole forward pass and nothing overlaps.
     async_scheduling: bool | None = None
+    # While streams decode, prefill tokens per step are capped so that a step is expected to
+    # take at most this long (from measured step times; core/step_time.py). 0: no cap.
+    decode_latency_target_ms: float = DEFAULT_DECODE_LATENCY_TARGET_MS
 
     def __post_init__(self) -> None:
+        if not self.decode_latency_target_ms >= 0:
+            raise ValueError(
+                f"decode_latency_target_ms must be >= 0, got {self.decode_latency_target_ms}"
+            )
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
@@ -259,6 +271,7 @@ class EngineConfig:
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
         data_parallel_size: int = 1,
+        decode_latency_target_ms: float = DEFAULT_DECODE_LATENCY_TARGET_MS,
     ) -> EngineConfig:
         """The engine's configuration from vLLM's engine argument names (LLM(...) and the
         serve flags both come here)."""
@@ -285,6 +298,7 @@ class EngineConfig:
                 max_num_seqs=max_num_seqs,
                 policy=scheduling_policy,  # type: ignore[arg-type]
                 async_scheduling=async_scheduling,
+                decode_latency_target_ms=decode_latency_target_ms,
             ),
             parallel=ParallelConfig(
                 tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size

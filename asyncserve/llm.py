@@ -13,7 +13,7 @@ from typing import Any
 from tqdm import tqdm
 
 from asyncserve.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
-from asyncserve.config import EngineConfig, Environment
+from asyncserve.config import DEFAULT_DECODE_LATENCY_TARGET_MS, EngineConfig, Environment
 from asyncserve.engine.async_engine import AsyncEngine
 from asyncserve.engine.dp_client import DataParallelClient
 from asyncserve.engine.dp_group import DataParallelGroup
@@ -66,6 +66,7 @@ class LLM:
         max_loras: int = 1,
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
+        decode_latency_target_ms: float = DEFAULT_DECODE_LATENCY_TARGET_MS,
     ) -> None:
         """`data_parallel_size` > 1: that many engine replicas in their own processes (each on
         its own tensor_parallel_size devices); generate() spreads the prompts over them.
@@ -101,6 +102,7 @@ class LLM:
             max_lora_rank=max_lora_rank,
             max_cpu_loras=max_cpu_loras,
             data_parallel_size=data_parallel_size,
+            decode_latency_target_ms=decode_latency_target_ms,
         )
         place = Environment.read().dp_rank
         self._dp_group: DataParallelGroup | None = None

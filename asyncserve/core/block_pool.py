@@ -119,7 +119,7 @@ class BlockPool:
 
     def cache_full_blocks(
         self,
-        blocks: Sequence[KVBlock],
+        blocks: Sequence[KVBlock | None],
         block_hashes: Sequence[int],
         num_cached_blocks: int,
         num_full_blocks: int,
@@ -128,14 +128,14 @@ class BlockPool:
 
         A block whose hash already maps to another block (the same prefix computed twice)
         stays unregistered: the map keeps one block per hash and the duplicate is freed as a
-        plain block.
+        plain block. A hole (None: a block freed when it left a sliding window) stays one.
         """
         if not self.enable_prefix_caching:
             return
         cached = self._cached
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
-            if block.block_hash is not None:
+            if block is None or block.block_hash is not None:
                 continue
             block_hash = block_hashes[i]
             if block_hash not in cached:

@@ -4,6 +4,14 @@ Block i of a request holds tokens [i * block_size, (i + 1) * block_size). A bloc
 (registered for prefix reuse) as soon as it is allocated for a step that fills it: its K/V
 are written by that step's forward pass, before any later step can read them, and a request
 admitted in the same step reads them only after each layer has stored the whole batch's K/V.
+
+Sliding window (`sliding_window` W, set only when EVERY layer of the model uses a window): a
+query at position p reads keys at positions > p - W only, so a block wholly before the first
+query of a step minus W is never read again and goes back to the pool at once (or, for a prefix
+hit, is never taken). Its table entry stays as a hole (None; the runner sees block 0 there, which
+the kernels mask out) so block i still holds tokens [i * bs, (i + 1) * bs). A freed block keeps
+its hash: its K/V stay valid for a later prefix hit until the pool evicts it. Models that mix
+windowed and global layers (Gemma 3) pass None: their global layers read every block.
 """
 
 from __future__ import annotations
@@ -18,15 +26,25 @@ _EXPORTABLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
 
 
 class KVCacheManager:
-    def __init__(self, block_pool: BlockPool, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self,
+        block_pool: BlockPool,
+        block_size: int,
+        enable_prefix_caching: bool,
+        sliding_window: int | None = None,
+    ) -> None:
         if block_size != block_pool.block_size:
             raise ValueError(
                 f"block_size {block_size} differs from the pool's {block_pool.block_size}"
             )
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         self.block_pool = block_pool
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching and block_pool.enable_prefix_caching
-        self._req_blocks: dict[str, list[KVBlock]] = {}
+        self.sliding_window = sliding_window
+        # None marks a block freed because it left the window.
+        self._req_blocks: dict[str, list[KVBlock | None]] = {}
         # How many leading blocks of each request have gone through cache_full_blocks.
         self._num_cached: dict[str, int] = {}
         # Disaggregated prefill: request id -> the prompt blocks a consumer may still pull.
@@ -44,8 +62,13 @@ class KVCacheManager:
         return self.block_pool.num_free_blocks
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        """A fresh list of the request's block ids, in token order."""
-        return [b.block_id for b in self._req_blocks.get(request_id, ())]
+        """A fresh list of the request's block ids, in token order (0 for a block that left
+        the sliding window: never read unmasked, and always a valid index)."""
+        return [0 if b is None else b.block_id for b in self._req_blocks.get(request_id, ())]
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds now (holes left by the sliding window not counted)."""
+        return sum(b is not None for b in self._req_blocks.get(request_id, ()))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of the request's full blocks, and the tokens it covers.
@@ -90,11 +113,18 @@ class KVCacheManager:
         blocks = self._req_blocks.get(rid)
         num_held = 0 if blocks is None else len(blocks)
         num_hit = len(new_computed_blocks)
-        total = request.num_computed_tokens + num_hit * self.block_size + num_new_tokens
+        first_query = request.num_computed_tokens + num_hit * self.block_size
+        total = first_query + num_new_tokens
         num_needed = -(-total // self.block_size) - num_held - num_hit
+        # Blocks before this many are out of every query's window from this step on.
+        num_skipped = self._num_skipped_blocks(first_query)
+        if blocks is not None:
+            self._free_skipped(blocks, num_skipped)
+        # Hit blocks left of the window are not taken at all.
+        kept_hits = list(new_computed_blocks[max(num_skipped - num_held, 0) :])
         # Free hit blocks leave the free list when touched, so they count against it.
         num_available = self.block_pool.num_free_blocks
-        for block in new_computed_blocks:
+        for block in kept_hits:
             if block.ref_cnt == 0:
                 num_available -= 1
         if num_needed > num_available:
@@ -104,8 +134,9 @@ class KVCacheManager:
             blocks = self._req_blocks[rid] = []
             self._num_cached[rid] = 0
         if num_hit:
-            self.block_pool.touch(new_computed_blocks)
-            blocks.extend(new_computed_blocks)
+            self.block_pool.touch(kept_hits)
+            blocks.extend([None] * (num_hit - len(kept_hits)))
+            blocks.extend(kept_hits)
             # Hit blocks are registered already.
             self._num_cached[rid] = len(blocks)
         new_blocks = self.block_pool.get_new_blocks(num_needed) if num_needed > 0 else []
@@ -139,20 +170,21 @@ class KVCacheManager:
         if params and params.get("do_remote_decode") and request.status in _EXPORTABLE:
             self._hold_for_export(request, blocks)
         for block in blocks[request.num_computed_tokens // self.block_size :]:
-            if block.block_hash is not None and block.ref_cnt == 1:
+            if block is not None and block.block_hash is not None and block.ref_cnt == 1:
                 pool.uncache_block(block)
-        pool.free_blocks(reversed(blocks))
+        pool.free_blocks([b for b in reversed(blocks) if b is not None])
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
 
     # ---- disaggregated prefill ---------------------------------------------------------------
 
-    def _hold_for_export(self, request: Request, blocks: list[KVBlock]) -> None:
+    def _hold_for_export(self, request: Request, blocks: Sequence[KVBlock | None]) -> None:
         """Keep the request's full prompt blocks (cached under their hashes) referenced
         until a consumer pulls them or the hold expires (release_export)."""
         full = min(request.num_prompt_tokens, request.num_computed_tokens) // self.block_size
-        held = [b for b in blocks[:full] if b.block_hash is not None]
+        # Blocks a sliding window dropped already (None) are not sent.
+        held = [b for b in blocks[:full] if b is not None and b.block_hash is not None]
         self.block_pool.touch(held)
         self.release_export(request.request_id)  # a request id reused: drop the older hold
         self.exports[request.request_id] = held
@@ -188,6 +220,24 @@ class KVCacheManager:
         request that needs them takes them back as a prefix hit."""
         self.block_pool.cache_full_blocks(blocks, block_hashes, 0, len(blocks))
         self.block_pool.free_blocks(reversed(blocks))
+
+    def _num_skipped_blocks(self, first_query: int) -> int:
+        """Leading blocks no query at position >= first_query can see through the window."""
+        if self.sliding_window is None:
+            return 0
+        return max(first_query - self.sliding_window + 1, 0) // self.block_size
+
+    def _free_skipped(self, blocks: list[KVBlock | None], num_skipped: int) -> None:
+        """Give back the held blocks among the first num_skipped, last first (as free does)."""
+        gone: list[KVBlock] = []
+        for i in range(min(num_skipped, len(blocks)) - 1, -1, -1):
+            block = blocks[i]
+            if block is None:
+                break  # everything before a hole was freed with it
+            gone.append(block)
+            blocks[i] = None
+        if gone:
+            self.block_pool.free_blocks(gone)
 
     def _update_block_hashes(self, request: Request, num_blocks: int) -> list[int]:
         """Extend request.block_hashes to cover its first num_blocks full blocks."""

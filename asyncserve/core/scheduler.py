@@ -6,6 +6,11 @@ decode gets 1 token, a long prompt a chunk), then waiting ones in queue order. W
 runs out of blocks, a running request is preempted by recompute (newest under fcfs, worst
 (priority, arrival) under priority) and nothing new is admitted in that step.
 
+While streams decode, the prefill tokens of a step (chunks of prompts, running or new) are
+capped so that the step is expected to take at most decode_latency_target_ms, from the
+measured step times the step loop reports (record_step_time; core/step_time.py). The cap is
+never below one block, so prompts always progress.
+
 A request that needs more blocks than the whole pool holds can never run: it is finished
 with FINISHED_ERROR instead of looping, and handed to the engine through take_errored().
 
@@ -21,13 +26,14 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from asyncserve.config import CacheConfig, SchedulerConfig
 from asyncserve.core.block_pool import BlockPool
 from asyncserve.core.kv_cache_manager import KVCacheManager
 from asyncserve.core.request import Request, RequestStatus
 from asyncserve.core.step import NewRequestData, RunningRequestData, StepPlan, StepResult
+from asyncserve.core.step_budget import StepBudget
+from asyncserve.core.step_time import StepTimeModel
 from asyncserve.core.waiting_queue import WaitingQueue
 
 
@@ -39,8 +45,11 @@ class Scheduler:
         num_blocks: int,
         max_model_len: int,
         max_loras: int | None = None,
+        sliding_window: int | None = None,
     ) -> None:
-        """`max_loras`: most LoRA adapters one step may use (None: LoRA is off)."""
+        """`max_loras`: most LoRA adapters one step may use (None: LoRA is off).
+        `sliding_window`: set when every layer of the model attends through a window of
+        that many positions; blocks behind it go back to the pool (KVCacheManager)."""
         self.config = scheduler_config
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_num_seqs = scheduler_config.max_num_seqs
@@ -52,8 +61,12 @@ class Scheduler:
         self.block_pool = BlockPool(
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
         )
+        self.sliding_window = sliding_window
         self.kv_cache_manager = KVCacheManager(
-            self.block_pool, cache_config.block_size, cache_config.enable_prefix_caching
+            self.block_pool,
+            cache_config.block_size,
+            cache_config.enable_prefix_caching,
+            sliding_window,
         )
         self._requests: dict[str, Request] = {}
         self._waiting = WaitingQueue(self._priority)
@@ -63,6 +76,8 @@ class Scheduler:
         self._errored: list[Request] = []
         self.num_preemptions_total = 0
         self._removed_loras: set[int] = set()
+        self.step_time = StepTimeModel()
+        self._latency_target_s = scheduler_config.decode_latency_target_ms / 1000.0
 
     # ----------------------------------------------------------------- requests in and out
 
@@ -145,25 +160,41 @@ class Scheduler:
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
 
+    def record_step_time(self, num_tokens: int, seconds: float) -> None:
+        """A finished step's size and duration, for the prefill cap."""
+        self.step_time.observe(num_tokens, seconds)
+
     # ------------------------------------------------------------------------- scheduling
 
     def schedule(self) -> StepPlan:
         """Plan one step: running requests first, then waiting ones (none if this step had
         to preempt), within the token and sequence budgets."""
-        step = _StepBudget(self.max_num_batched_tokens)
+        step = StepBudget(self.max_num_batched_tokens, self._prefill_budget())
         self._schedule_running(step)
         if not step.preempted:
             self._schedule_waiting(step)
         return self._make_plan(step)
 
-    def _schedule_running(self, step: _StepBudget) -> None:
+    def _prefill_budget(self) -> int | None:
+        """Prefill tokens this step may take beside the running decodes; None: no cap (no
+        target, no decode running, or no step measured yet)."""
+        if self._latency_target_s <= 0:
+            return None
+        num_decodes = sum(
+            1 for r in self._running if _num_pending_tokens(r) - r.num_computed_tokens == 1
+        )
+        if num_decodes == 0:
+            return None
+        return self.step_time.prefill_budget(num_decodes, self._latency_target_s, self.block_size)
+
+    def _schedule_running(self, step: StepBudget) -> None:
         """Give each running request its next tokens (a decode 1, a prompt a chunk), in order;
         when blocks run out, preempt until they fit (the request itself, last)."""
         running = self._running
         index = 0
         while index < len(running) and step.budget > 0:
             request = running[index]
-            num_new = min(_num_pending_tokens(request) - request.num_computed_tokens, step.budget)
+            num_new = step.limit(_num_pending_tokens(request) - request.num_computed_tokens)
             if num_new <= 0 or self._at_length_limit(request):
                 index += 1
                 continue
@@ -179,7 +210,7 @@ class Scheduler:
             index += 1
 
     def _allocate_or_preempt(
-        self, request: Request, num_new: int, index: int, step: _StepBudget
+        self, request: Request, num_new: int, index: int, step: StepBudget
     ) -> tuple[list[int] | None, int]:
         """Blocks for `num_new` more tokens of running[index], preempting victims (newest
         under fcfs, worst (priority, arrival) under priority) until they fit. Returns the
@@ -203,7 +234,7 @@ class Scheduler:
             if victim is request:
                 return None, index
 
-    def _schedule_waiting(self, step: _StepBudget) -> None:
+    def _schedule_waiting(self, step: StepBudget) -> None:
         """Admit waiting requests in queue order while budget, seats and blocks last."""
         kv = self.kv_cache_manager
         waiting = self._waiting
@@ -229,7 +260,9 @@ class Scheduler:
                 skipped.append(waiting.pop())
                 continue
             hit_blocks, num_hit = kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_hit, step.budget)
+            num_new = step.limit(request.num_tokens - num_hit)
+            if num_new <= 0:
+                break  # the prefill cap is spent
             if kv.allocate_slots(request, num_new, hit_blocks) is None:
                 break  # never admit past a request that does not fit
             waiting.pop()
@@ -247,7 +280,7 @@ class Scheduler:
         for request in reversed(skipped):
             waiting.push_front(request)
 
-    def _make_plan(self, step: _StepBudget) -> StepPlan:
+    def _make_plan(self, step: StepBudget) -> StepPlan:
         kv = self.kv_cache_manager
         plan = StepPlan(
             new_requests=[
@@ -364,6 +397,11 @@ class Scheduler:
         )
 
     def _never_fits(self, num_tokens: int) -> bool:
+        if self.sliding_window is not None:
+            # Held at most: the window behind a step's first query, the step's tokens and
+            # the partial blocks at both ends.
+            held = self.sliding_window + self.max_num_batched_tokens + 2 * self.block_size
+            num_tokens = min(num_tokens, held)
         return -(-num_tokens // self.block_size) > self.num_blocks
 
     def _preempt(self, request: Request) -> None:
@@ -390,34 +428,6 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         del self._requests[request.request_id]
         self._freed_ids.add(request.request_id)
-
-
-@dataclass
-class _StepBudget:
-    """What one schedule() call has handed out so far."""
-
-    budget: int
-    preempted: bool = False
-    num_scheduled: dict[str, int] = field(default_factory=dict)
-    running: list[Request] = field(default_factory=list)
-    new: list[Request] = field(default_factory=list)
-    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
-
-    def add_running(self, request: Request, num_new: int, block_ids: list[int]) -> None:
-        self.running.append(request)
-        self.num_scheduled[request.request_id] = num_new
-        self.new_block_ids[request.request_id] = block_ids
-        self.budget -= num_new
-
-    def remove_running(self, request: Request) -> None:
-        self.running.remove(request)
-        self.budget += self.num_scheduled.pop(request.request_id)
-        del self.new_block_ids[request.request_id]
-
-    def add_new(self, request: Request, num_new: int) -> None:
-        self.new.append(request)
-        self.num_scheduled[request.request_id] = num_new
-        self.budget -= num_new
 
 
 def _num_pending_tokens(request: Request) -> int:

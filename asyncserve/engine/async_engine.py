@@ -92,6 +92,7 @@ class AsyncEngine:
             num_blocks,
             self.max_model_len,
             config.lora.max_loras if config.lora.enable_lora else None,
+            sliding_window=loaded.arch.kv_sliding_window,
         )
         self.kv_transfer = make_kv_transfer(config, self.scheduler, executor)
         self.tracer = make_tracer(config, self.model_path)

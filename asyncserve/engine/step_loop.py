@@ -27,7 +27,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from asyncserve.core.request import Request
@@ -50,7 +50,7 @@ class _InFlight:
     masks: MasksFuture | None
     masks_submitted: bool = False
     collecting: Future[StepResult] | None = None
-    launched_at: float = field(default_factory=time.monotonic)
+    launched_at: float = 0.0  # time.monotonic() when its forward was queued
 
 
 def _resolve(future: asyncio.Future[None]) -> None:
@@ -80,8 +80,10 @@ class StepLoop:
         self.core = core
         self.executor = executor
         self.depth = 2 if async_scheduling else 1
-        # Charge each step's device time to its requests (detailed traces).
+        # Also charge each step's device time to its requests (detailed traces).
         self.time_steps = time_steps
+        # When the last step's tokens were collected: a step queued behind another starts
+        # on the device only then.
         self._last_collected_at = 0.0
 
     async def run(self, wakeup: asyncio.Event, stopping: Callable[[], bool]) -> None:
@@ -128,6 +130,7 @@ class StepLoop:
     ) -> _InFlight:
         """Queue the plan's forward and sampling; return once the forward is enqueued."""
         masks: MasksFuture | None = Future() if self.core.structured.num_requests else None
+        launched_at = time.monotonic()
         forward_enqueued: asyncio.Future[None] = loop.create_future()
         forwarded = self.executor.launch_forward(
             plan, functools.partial(_resolve_threadsafe, loop, forward_enqueued)
@@ -135,7 +138,9 @@ class StepLoop:
         if prev is not None and (masks is not None or plan.needs_output_tokens):
             # Sampling reads the previous step's tokens: collect it first on the workers.
             prev.collecting = self.executor.collect(prev.sampling)
-        step = _InFlight(plan, self.executor.launch_sampling(forwarded, masks), masks)
+        step = _InFlight(
+            plan, self.executor.launch_sampling(forwarded, masks), masks, launched_at=launched_at
+        )
         try:
             await forward_enqueued
         except BaseException:
@@ -156,24 +161,27 @@ class StepLoop:
         finally:
             if step.masks is not None and not step.masks.done():
                 step.masks.set_result(None)  # the step failed before it sampled
-        if self.time_steps:
-            self._charge_step_time(step)
+        self._record_step_time(step)
         updated, grammar_done = self.core.update(step.plan, result)
         if following is not None:
             self._fill_masks(following)
         return updated, result, grammar_done
 
-    def _charge_step_time(self, step: _InFlight) -> None:
-        # With a step in flight before it, this one's device time starts when that one's
-        # tokens came back, not when it was launched.
+    def _record_step_time(self, step: _InFlight) -> None:
+        """How long the step kept the device: from its launch, or from the collection of
+        the step before it when it was queued behind that one."""
         now = time.monotonic()
-        elapsed = now - max(step.launched_at, self._last_collected_at)
+        started = max(step.launched_at, self._last_collected_at)
         self._last_collected_at = now
-        get = self.core.scheduler.get_request
-        for request_id in step.plan.num_scheduled_tokens:
-            request = get(request_id)
-            if request is not None:
-                request.model_execute_time += elapsed
+        num_tokens = step.plan.total_num_scheduled_tokens
+        if num_tokens:
+            self.core.scheduler.record_step_time(num_tokens, now - started)
+        if self.time_steps:
+            get = self.core.scheduler.get_request
+            for request_id in step.plan.num_scheduled_tokens:
+                request = get(request_id)
+                if request is not None:
+                    request.model_execute_time += now - started
 
     def _fill_masks(self, step: _InFlight) -> None:
         """Resolve the step's masks future with the masks of its constrained sampling rows

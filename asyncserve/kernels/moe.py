@@ -12,6 +12,8 @@ The flow of one MoE layer (same results as reference.moe_route and reference.fus
 4. down GEMM: each tile multiplies those activations by its expert's down projection and
    scales each row by its routing weight; the k rows of a token are then summed.
 
+Tile sizes come from the tuned per-shape, per-GPU tables of moe_config.py.
+
 Expert parallelism: with an expert_map (global expert -> local index, -1 elsewhere) pairs
 routed to another rank's experts are sorted into no tile and contribute zero; the caller
 reduces the partial sums over ranks.
@@ -19,43 +21,11 @@ reduces the partial sums over ranks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
-
-@dataclass(frozen=True)
-class MoEConfig:
-    """Tiles of the two grouped GEMMs."""
-
-    block_m: int  # sorted (token, slot) rows per tile; each expert's run is padded to it
-    block_n: int
-    block_k: int
-    group_m: int  # row tiles walked together for L2 reuse of the weight tiles
-    num_warps: int
-    num_stages: int
-
-
-# (most tokens per launch, config): the first bucket holding the batch is used. Shape-keyed
-# entries (num_experts, intermediate, hidden) override the default buckets. These are
-# starting points (vLLM's defaults for bf16 on Hopper); tune per shape with
-# benchmarks on the target GPU and add the winners here.
-_DEFAULT_BUCKETS: tuple[tuple[int, MoEConfig], ...] = (
-    (32, MoEConfig(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4)),
-    (512, MoEConfig(block_m=32, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=4)),
-    (1 << 62, MoEConfig(block_m=64, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=4)),
-)
-CONFIG_TABLE: dict[tuple[int, int, int], tuple[tuple[int, MoEConfig], ...]] = {}
-
-
-def choose_config(num_tokens: int, num_experts: int, intermediate: int, hidden: int) -> MoEConfig:
-    buckets = CONFIG_TABLE.get((num_experts, intermediate, hidden), _DEFAULT_BUCKETS)
-    for max_tokens, config in buckets:
-        if num_tokens <= max_tokens:
-            return config
-    return buckets[-1][1]
+from asyncserve.kernels.moe_config import MoEConfig, choose_config, device_name, dtype_name
 
 
 @triton.jit
@@ -310,7 +280,8 @@ def fused_moe(
     expert_map: torch.Tensor | None = None,
     config: MoEConfig | None = None,
 ) -> torch.Tensor:
-    """Same arguments and result as reference.fused_moe; config overrides the table."""
+    """Same arguments and result as reference.fused_moe; config overrides the tuned table
+    (moe_config.py)."""
     num_tokens, hidden_size = hidden.shape
     num_experts, two_i, _ = w13.shape
     intermediate = two_i // 2
@@ -324,7 +295,13 @@ def fused_moe(
     if num_tokens == 0:
         return out
     if config is None:
-        config = choose_config(num_tokens, num_experts, intermediate, hidden_size)
+        config = choose_config(
+            num_tokens,
+            num_experts,
+            intermediate,
+            dtype_name(hidden.dtype),
+            device_name(hidden.device),
+        )
     hidden = hidden.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()
     align = align_by_expert(topk_ids, config.block_m, num_experts, expert_map)

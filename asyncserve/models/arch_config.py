@@ -222,6 +222,15 @@ class ArchConfig:
     def is_sliding(self, layer: int) -> bool:
         return self.layer_window(layer) is not None
 
+    @property
+    def kv_sliding_window(self) -> int | None:
+        """The window the KV cache may drop blocks behind: set only when every layer uses a
+        window (the widest one). One global layer (Gemma 3) reads every block, so None."""
+        windows = [self.layer_window(layer) for layer in range(self.num_hidden_layers)]
+        if not windows or any(w is None for w in windows):
+            return None
+        return max(w for w in windows if w is not None)
+
 
 def _activation(arch: str, d: dict[str, Any]) -> str:
     act = str(

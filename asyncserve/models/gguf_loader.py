@@ -2,9 +2,13 @@
 
 llama.cpp stores Llama's q/k projection rows permuted (convert_hf_to_gguf's `permute`) so its
 rotary kernel can use interleaved pairs; we undo that so the weights fit HF's rotate-half
-layout. Qwen2/Qwen3/Qwen3-MoE/Gemma 3 files are written unpermuted. Stacked expert tensors
-(ffn_*_exps) are yielded one expert at a time under HF's per-expert names, and Gemma 3's norm
-weights, which llama.cpp stores as 1 + weight, go back to HF's convention.
+layout. Granite and Mixtral files (both converted as Llama) are permuted too; Qwen2/Qwen3/
+Qwen3-MoE/Gemma 3 files are written unpermuted. Stacked expert tensors (ffn_*_exps) go back
+to each family's checkpoint names: one expert at a time for Qwen3-MoE (mlp.experts.{e}.*) and
+Mixtral (an "llama" file with an expert count: block_sparse_moe.experts.{e}.w1/w3/w2), stacked
+for GraniteMoE (gate and up joined again into block_sparse_moe.input_linear). Gemma 3's norm
+weights, which llama.cpp stores as 1 + weight, go back to HF's convention. Phi-3 keeps its
+fused qkv and gate_up tensors; its LongRoPE factors are tensors read into the config.
 """
 
 from __future__ import annotations
@@ -29,9 +33,21 @@ _GGUF_ARCHS = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "granitemoe": "GraniteMoeForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
-# GGUF archs whose q/k rows convert_hf_to_gguf permutes.
-_PERMUTED_QK = {"llama", "mistral"}
+# GGUF archs whose q/k rows convert_hf_to_gguf permutes (its LlamaModel and subclasses).
+_PERMUTED_QK = {"llama", "mistral", "granite", "granitemoe"}
+# Granite's multipliers: GGUF key (after "{arch}.") -> HF config name.
+_GRANITE_SCALES = {
+    "attention.scale": "attention_multiplier",
+    "embedding_scale": "embedding_multiplier",
+    "residual_scale": "residual_multiplier",
+    "logit_scale": "logits_scaling",
+}
+# Mixtral's checkpoint names for the generic per-expert ones.
+_MIXTRAL_PROJ = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -53,6 +69,13 @@ _BLOCK_NAMES = {
     "ffn_gate_inp": "mlp.gate",
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Phi-3 keeps its fused checkpoint tensors: attn_qkv, and ffn_up holding gate and up rows.
+_PHI3_NAMES = {**_BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# Tensors that are config, not weights: Phi-3's LongRoPE factors.
+_ROPE_FACTORS = {
+    "rope_factors_short.weight": "short_factor",
+    "rope_factors_long.weight": "long_factor",
 }
 # Gemma's ffn_norm is the norm before the MLP; Llama's sits after attention (the same place).
 _GEMMA3_NAMES = {**_BLOCK_NAMES, "ffn_norm": "pre_feedforward_layernorm"}
@@ -132,8 +155,11 @@ def gguf_hf_config(g: GGUFFile) -> dict[str, Any]:
     elif key("rope.scaling.type") not in (None, "none"):
         raise ValueError(f"{g.path}: rope scaling {key('rope.scaling.type')!r} is not supported")
     head_dim = key("attention.key_length")
+    hf_arch = _GGUF_ARCHS[arch]
+    if arch in ("llama", "mistral") and key("expert_count"):
+        hf_arch = "MixtralForCausalLM"  # convert_hf_to_gguf writes Mixtral as llama
     config = {
-        "architectures": [_GGUF_ARCHS[arch]],
+        "architectures": [hf_arch],
         "model_type": arch,
         "vocab_size": vocab_size,
         "hidden_size": hidden,
@@ -164,6 +190,15 @@ def gguf_hf_config(g: GGUFFile) -> dict[str, Any]:
         )
     elif arch == "gemma3":
         config.update(_gemma3_config(key, config))
+    elif arch == "phi3":
+        config.update(_phi3_config(g, key, config))
+    elif hf_arch in ("MixtralForCausalLM", "GraniteMoeForCausalLM"):
+        # feed_forward_length is one expert's intermediate size here.
+        config.update(
+            num_local_experts=key("expert_count"), num_experts_per_tok=key("expert_used_count")
+        )
+    if arch in ("granite", "granitemoe"):
+        config.update({hf: key(k) for k, hf in _GRANITE_SCALES.items() if key(k) is not None})
     return config
 
 
@@ -189,11 +224,43 @@ def _gemma3_config(key: Any, config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _phi3_config(g: GGUFFile, key: Any, config: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3: partial rotary (rope.dimension_count), a window on every layer, and LongRoPE
+    when the file carries its factor tensors."""
+    out: dict[str, Any] = {"sliding_window": key("attention.sliding_window")}
+    head_dim = config["head_dim"] or config["hidden_size"] // config["num_attention_heads"]
+    rotary = key("rope.dimension_count")
+    if rotary is not None:
+        out["partial_rotary_factor"] = int(rotary) / head_dim
+    factors = {
+        field: _tensor_values(g, t.name).tolist()
+        for t in g.reader.tensors
+        if (field := _ROPE_FACTORS.get(t.name)) is not None
+    }
+    if factors:
+        if len(factors) != 2:
+            raise ValueError(f"{g.path}: LongRoPE needs both rope_factors_short and _long")
+        scaling: dict[str, Any] = {
+            "rope_type": "longrope",
+            **factors,
+            "original_max_position_embeddings": key("rope.scaling.original_context_length"),
+        }
+        if key("rope.scaling.attn_factor") is not None:
+            scaling["attention_factor"] = float(key("rope.scaling.attn_factor"))
+        out["rope_scaling"] = scaling
+    return out
+
+
+def _tensor_values(g: GGUFFile, name: str) -> np.ndarray:
+    (t,) = (t for t in g.reader.tensors if t.name == name)
+    return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float64).ravel()
+
+
 def _hf_name(gguf_name: str, arch: str = "llama") -> str:
     """HF name of a GGUF tensor; for stacked experts, with "{expert}" left to fill."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
-    names = _GEMMA3_NAMES if arch == "gemma3" else _BLOCK_NAMES
+    names = {"gemma3": _GEMMA3_NAMES, "phi3": _PHI3_NAMES}.get(arch, _BLOCK_NAMES)
     match = _BLOCK_RE.match(gguf_name)
     if match is None or (match.group(2) not in names and match.group(2) not in _EXPERT_NAMES):
         raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
@@ -211,9 +278,15 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def iter_gguf_weights(g: GGUFFile, config: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, fp32 CPU tensor) one tensor at a time, dequantized and unpermuted."""
+    """Yield (HF name, fp32 CPU tensor) one tensor at a time, dequantized and unpermuted,
+    under the names config.architecture's checkpoints use."""
     permuted = g.architecture in _PERMUTED_QK
+    family = config.architecture
+    # GraniteMoE: a layer's stacked gate (or up) experts wait for the other half.
+    pending: dict[str, torch.Tensor] = {}
     for t in g.reader.tensors:
+        if t.name in _ROPE_FACTORS:
+            continue  # read into the config
         name = _hf_name(t.name, g.architecture)
         try:
             values = gguf.quants.dequantize(t.data, t.tensor_type)
@@ -232,8 +305,48 @@ def iter_gguf_weights(g: GGUFFile, config: ArchConfig) -> Iterator[tuple[str, to
         if not values.flags.writeable:  # an F32 tensor is a view of the read-only map
             values = values.copy()
         tensor = torch.from_numpy(values)
-        if "{expert}" in name:
+        if family == "GraniteMoeForCausalLM":
+            yield from _granite_moe_tensors(name, tensor, pending)
+        elif "{expert}" in name:
             for expert in range(tensor.shape[0]):
-                yield name.format(expert=expert), tensor[expert]
+                yield _family_name(name.format(expert=expert), family), tensor[expert]
         else:
-            yield name, tensor
+            yield _family_name(name, family), tensor
+    if pending:
+        raise ValueError(f"{g.path}: expert gate and up halves unpaired: {sorted(pending)}")
+
+
+def _family_name(name: str, family: str) -> str:
+    """Mixtral names its router and experts block_sparse_moe.gate / experts.{e}.w1|w3|w2."""
+    if family != "MixtralForCausalLM" or ".mlp." not in name:
+        return name
+    if name.endswith(".mlp.gate.weight"):
+        return name.replace(".mlp.gate.", ".block_sparse_moe.gate.")
+    if ".mlp.experts." in name:
+        head, proj, kind = name.rsplit(".", 2)
+        return f"{head.replace('.mlp.', '.block_sparse_moe.')}.{_MIXTRAL_PROJ[proj]}.{kind}"
+    return name
+
+
+def _granite_moe_tensors(
+    name: str, tensor: torch.Tensor, pending: dict[str, torch.Tensor]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """GraniteMoE's stacked names: input_linear [E, 2I, H] (gate rows, then up rows),
+    output_linear [E, H, I], router.layer. `pending` holds a layer's gate or up experts
+    until the other half is read."""
+    if "{expert}" not in name:
+        if name.endswith(".mlp.gate.weight"):
+            name = name.replace(".mlp.gate.", ".block_sparse_moe.router.layer.")
+        yield name, tensor
+        return
+    layer = name.split(".mlp.")[0]
+    if ".down_proj." in name:
+        yield f"{layer}.block_sparse_moe.output_linear.weight", tensor
+        return
+    half = "gate" if ".gate_proj." in name else "up"
+    other = pending.pop(f"{layer}:{'up' if half == 'gate' else 'gate'}", None)
+    if other is None:
+        pending[f"{layer}:{half}"] = tensor
+        return
+    gate, up = (tensor, other) if half == "gate" else (other, tensor)
+    yield f"{layer}.block_sparse_moe.input_linear.weight", torch.cat([gate, up], dim=1)

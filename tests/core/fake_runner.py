@@ -45,9 +45,17 @@ class _State:
 
 
 class FakeRunner:
-    def __init__(self, num_blocks: int, block_size: int, vocab_size: int = 1000) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        vocab_size: int = 1000,
+        sliding_window: int | None = None,
+    ) -> None:
         self.block_size = block_size
         self.vocab_size = vocab_size
+        # Queries read only the last `sliding_window` positions (as a windowed model does).
+        self.sliding_window = sliding_window
         self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.states: dict[str, _State] = {}
 
@@ -85,9 +93,12 @@ class FakeRunner:
         for rid, count in plan.num_scheduled_tokens.items():
             state = self.states[rid]
             end = state.num_computed_tokens + count
-            context = [self.kv[state.block_ids[p // bs]][p % bs] for p in range(end)]
+            first = 0
+            if self.sliding_window is not None:
+                first = max(state.num_computed_tokens - self.sliding_window + 1, 0)
+            context = [self.kv[state.block_ids[p // bs]][p % bs] for p in range(first, end)]
             tokens = state.tokens
-            assert context == tokens[:end], f"{rid}: KV cache holds other tokens"
+            assert context == tokens[first:end], f"{rid}: KV cache holds other tokens"
             state.num_computed_tokens = end
             if end == len(tokens):
                 token = next_token(tokens, self.vocab_size)
@@ -155,14 +166,24 @@ def make_scheduler(
     policy: SchedulingPolicy = "fcfs",
     prefix_caching: bool = True,
     max_model_len: int = 1024,
+    sliding_window: int | None = None,
+    decode_latency_target_ms: float = 0.0,
 ) -> tuple[Scheduler, FakeRunner]:
+    """decode_latency_target_ms is off by default here: these schedulers get no step times
+    unless a test reports them."""
     scheduler = Scheduler(
-        SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, policy=policy),
+        SchedulerConfig(
+            max_num_batched_tokens=budget,
+            max_num_seqs=max_seqs,
+            policy=policy,
+            decode_latency_target_ms=decode_latency_target_ms,
+        ),
         CacheConfig(block_size=BS, enable_prefix_caching=prefix_caching),
         num_blocks=num_blocks,
         max_model_len=max_model_len,
+        sliding_window=sliding_window,
     )
-    return scheduler, FakeRunner(num_blocks, BS, VOCAB)
+    return scheduler, FakeRunner(num_blocks, BS, VOCAB, sliding_window)
 
 
 def make_request(

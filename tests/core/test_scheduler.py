@@ -254,8 +254,28 @@ def test_random_mix_gives_every_block_back(
     """Random arrivals, aborts, EOS, preemption and prefix hits. With async scheduling each
     step is planned before the last one's tokens reach the scheduler (the runner, like the
     device, already holds them)."""
+    _random_mix(policy, async_scheduling, None)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_random_mix_with_a_sliding_window(async_scheduling: bool) -> None:
+    """The same mix for a model whose every layer has a 7-token window: blocks behind it
+    go back early, prefix hits skip them, and every output is still exact."""
+    _random_mix("fcfs", async_scheduling, 7)
+
+
+def _random_mix(
+    policy: SchedulingPolicy, async_scheduling: bool, sliding_window: int | None
+) -> None:
     rng = random.Random(1234)
-    scheduler, runner = make_scheduler(num_blocks=24, budget=24, max_seqs=6, policy=policy)
+    # A window needs fewer blocks: a smaller pool keeps preemption in the mix.
+    scheduler, runner = make_scheduler(
+        num_blocks=24 if sliding_window is None else 12,
+        budget=24,
+        max_seqs=6,
+        policy=policy,
+        sliding_window=sliding_window,
+    )
     prefixes = [[rng.randrange(VOCAB) for _ in range(rng.randint(4, 20))] for _ in range(5)]
     pending: list[Request] = []
     for i in range(200):

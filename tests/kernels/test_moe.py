@@ -90,6 +90,6 @@ def test_align_pads_each_expert_to_whole_tiles(device: torch.device) -> None:
     assert pairs == [[1, 5, 6, 6], [0, 2, 4, 6], [3, 6, 6, 6]]  # 6 = T * k, padding
 
 
-def test_config_table_buckets() -> None:
-    assert moe.choose_config(1, 8, 64, 64).block_m == 16
-    assert moe.choose_config(4096, 8, 64, 64).block_m == 64
+def test_config_default_buckets() -> None:
+    assert moe.choose_config(1, 8, 64, "bfloat16", "").block_m == 16
+    assert moe.choose_config(4096, 8, 64, "bfloat16", "").block_m == 64

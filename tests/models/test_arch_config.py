@@ -77,6 +77,9 @@ def test_mistral_sliding_window_applies_in_attention() -> None:
     windowed = ArchConfig.from_hf_dict({**mistral, "sliding_window": 128})
     assert windowed.max_position_embeddings == 512
     assert windowed.layer_window(0) == windowed.layer_window(1) == 128
+    # Every layer is windowed: the KV cache may drop blocks behind the window.
+    assert windowed.kv_sliding_window == 128
+    assert ArchConfig.from_hf_dict(mistral).kv_sliding_window is None
 
 
 def test_qwen2_sliding_window_caps_the_context() -> None:
@@ -131,6 +134,8 @@ def test_gemma3_hub_layout() -> None:
         )
     )
     assert [c.layer_window(i) for i in range(6)] == [512, 512, None, 512, 512, None]
+    # The global layers read every block: none may leave the cache early.
+    assert c.kv_sliding_window is None
     assert c.rope_theta == 1e6 and c.rope_local_theta == 1e4
     assert c.rope_scaling == {"rope_type": "linear", "factor": 8.0}
     assert c.attention_scale == 256**-0.5 and c.qk_norm and c.tie_word_embeddings

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +102,30 @@ def _tiny_hf(arch: str) -> tuple[Any, dict[str, Any]]:
             query_pre_attn_scalar=16,  # what llama.cpp uses: head_dim
         )
         model = transformers.Gemma3ForCausalLM(config)
+    elif arch == "phi3":
+        common["max_position_embeddings"] = 128  # twice the original: the long factors
+        config = transformers.Phi3Config(
+            **common,
+            rope_parameters=PHI3_LONGROPE,
+            original_max_position_embeddings=64,
+            sliding_window=16,
+            pad_token_id=None,
+            bos_token_id=0,
+            eos_token_id=1,
+        )
+        model = transformers.Phi3ForCausalLM(config)
+    elif arch == "mixtral":
+        config = transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
+        model = transformers.MixtralForCausalLM(config)
+    elif arch in ("granite", "granitemoe"):
+        granite = {k: v for k, v in common.items() if k != "head_dim"}
+        granite.update(GRANITE_SCALES)
+        if arch == "granite":
+            model = transformers.GraniteForCausalLM(transformers.GraniteConfig(**granite))
+        else:
+            granite.update(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)
+            config = transformers.GraniteMoeConfig(**granite)
+            model = transformers.GraniteMoeForCausalLM(config)
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     torch.manual_seed(0)
@@ -110,8 +135,40 @@ def _tiny_hf(arch: str) -> tuple[Any, dict[str, Any]]:
     return model.eval(), common
 
 
+GRANITE_SCALES = dict(
+    embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=2.0
+)
+# Partial rotary (8 of 16 dims) with LongRoPE, as Phi-3 128k checkpoints have.
+PHI3_LONGROPE: dict[str, Any] = {
+    "rope_type": "longrope",
+    "rope_theta": 10000.0,
+    "partial_rotary_factor": 0.5,
+    "short_factor": [1.0, 1.1, 1.2, 1.3],
+    "long_factor": [2.0, 2.5, 3.0, 3.5],
+    "original_max_position_embeddings": 64,
+}
+# GGUF arch written for each test family (llama.cpp converts Mixtral as llama).
+GGUF_ARCH = {"mixtral": "llama"}
+
+
 def _family_metadata(arch: str) -> Any:
     def add(w: Any) -> None:
+        if arch in ("mixtral", "granitemoe"):
+            w.add_expert_count(4)
+            w.add_expert_used_count(2)
+        if arch in ("granite", "granitemoe"):
+            w.add_attention_scale(GRANITE_SCALES["attention_multiplier"])
+            w.add_embedding_scale(GRANITE_SCALES["embedding_multiplier"])
+            w.add_residual_scale(GRANITE_SCALES["residual_multiplier"])
+            w.add_logit_scale(GRANITE_SCALES["logits_scaling"])
+        if arch == "phi3":  # as convert_hf_to_gguf's Phi3MiniModel writes it
+            w.add_rope_dimension_count(8)
+            w.add_sliding_window(16)
+            w.add_rope_scaling_orig_ctx_len(64)
+            w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(128 / 64) / math.log(64)))
+            for kind in ("short", "long"):
+                factors = np.array(PHI3_LONGROPE[f"{kind}_factor"], dtype=np.float32)
+                w.add_tensor(f"rope_factors_{kind}.weight", factors)
         if arch == "qwen3moe":
             w.add_expert_count(4)
             w.add_expert_used_count(2)
@@ -123,14 +180,17 @@ def _family_metadata(arch: str) -> Any:
     return add
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3moe", "gemma3"])
+@pytest.mark.parametrize(
+    "arch", ["llama", "qwen3", "qwen3moe", "gemma3", "mixtral", "granite", "granitemoe", "phi3"]
+)
 def test_tiny_gguf_loads_and_matches_hf(arch: str, tmp_path: Path) -> None:
     hf, cfg = _tiny_hf(arch)
     state = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
     path = tmp_path / "tiny.gguf"
+    moe_ff = {"mixtral": 96, "granitemoe": 32, "phi3": 96}.get(arch)
     write_tiny_gguf(
         path,
-        arch,
+        GGUF_ARCH.get(arch, arch),
         state,
         heads=cfg["num_attention_heads"],
         kv_heads=cfg["num_key_value_heads"],
@@ -138,10 +198,13 @@ def test_tiny_gguf_loads_and_matches_hf(arch: str, tmp_path: Path) -> None:
         rope_theta=cfg["rope_theta"],
         eps=cfg["rms_norm_eps"],
         extra=_family_metadata(arch),
+        feed_forward_length=moe_ff,
+        context=cfg["max_position_embeddings"],
     )
     # A directory holding exactly one .gguf loads that file.
     loaded = load_model(ModelConfig(model=str(tmp_path), dtype="float32"), torch.device("cpu"))
-    assert loaded.arch.qk_norm == (arch != "llama")
+    assert loaded.arch.qk_norm == (arch in ("qwen3", "qwen3moe", "gemma3"))
+    assert loaded.arch.architecture == type(hf).__name__
     assert loaded.arch.tie_word_embeddings
     assert loaded.model_path == str(path)
     # Longer than Gemma's window of 8.

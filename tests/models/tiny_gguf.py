@@ -33,7 +33,12 @@ _BLOCK_PARTS = {
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
     "mlp.gate": "ffn_gate_inp",
+    "block_sparse_moe.router": "ffn_gate_inp",  # GraniteMoE
+    "self_attn.qkv_proj": "attn_qkv",  # Phi-3's fused tensors
+    "mlp.gate_up_proj": "ffn_up",
 }
+# convert_hf_to_gguf's LlamaModel and its subclasses permute q/k (Mixtral is written as llama).
+PERMUTED_ARCHS = ("llama", "granite", "granitemoe")
 _GEMMA3_PARTS = {
     **_BLOCK_PARTS,
     "post_attention_layernorm": "post_attention_norm",
@@ -75,13 +80,13 @@ def gguf_tensors(
     experts: dict[str, dict[int, np.ndarray]] = {}
     for name, tensor in state.items():
         array = tensor.detach().float().numpy()
-        if name.endswith(".mlp.experts.gate_up_proj"):  # transformers 5 keeps experts fused
+        if name.endswith(".experts.gate_up_proj"):  # transformers 5 keeps experts fused
             layer = name.split(".")[2]
             gate, up = np.split(array, 2, axis=1)
             out[f"blk.{layer}.ffn_gate_exps.weight"] = gate
             out[f"blk.{layer}.ffn_up_exps.weight"] = up
             continue
-        if name.endswith(".mlp.experts.down_proj"):
+        if name.endswith(".experts.down_proj"):
             out[f"blk.{name.split('.')[2]}.ffn_down_exps.weight"] = array
             continue
         match = _EXPERT.match(name)
@@ -89,9 +94,9 @@ def gguf_tensors(
             layer, expert, proj = match.groups()
             experts.setdefault(f"blk.{layer}.ffn_{proj}_exps.weight", {})[int(expert)] = array
             continue
-        if arch == "llama" and name.endswith("self_attn.q_proj.weight"):
+        if arch in PERMUTED_ARCHS and name.endswith("self_attn.q_proj.weight"):
             array = llama_cpp_permute(array, heads)
-        elif arch == "llama" and name.endswith("self_attn.k_proj.weight"):
+        elif arch in PERMUTED_ARCHS and name.endswith("self_attn.k_proj.weight"):
             array = llama_cpp_permute(array, kv_heads)
         elif arch == "gemma3" and name.endswith("norm.weight"):
             array = array + 1.0
@@ -113,7 +118,10 @@ def write_tiny_gguf(
     eps: float,
     context: int = 256,
     extra: Callable[[gguf.GGUFWriter], None] | None = None,
+    feed_forward_length: int | None = None,
 ) -> None:
+    """feed_forward_length: what the converter writes when it is not the dense MLP's width
+    (Mixtral and GraniteMoE write one expert's)."""
     hidden = state["model.embed_tokens.weight"].shape[1]
     layers = 1 + max(int(n.split(".")[2]) for n in state if n.startswith("model.layers."))
     w = gguf.GGUFWriter(str(path), arch)
@@ -121,7 +129,9 @@ def write_tiny_gguf(
     w.add_context_length(context)
     w.add_embedding_length(hidden)
     dense_up = [t for n, t in state.items() if n.endswith(".mlp.up_proj.weight")]
-    w.add_feed_forward_length(dense_up[0].shape[0] if dense_up else 0)
+    if feed_forward_length is None:
+        feed_forward_length = dense_up[0].shape[0] if dense_up else 0
+    w.add_feed_forward_length(feed_forward_length)
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
     w.add_key_length(head_dim)

@@ -1,0 +1,53 @@
+"""What one Scheduler.schedule() call has handed out so far: the token budget left, the
+prefill budget left (the decode-latency cap), and the requests scheduled with their tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from asyncserve.core.request import Request
+
+
+@dataclass
+class StepBudget:
+    """What one schedule() call has handed out so far."""
+
+    budget: int
+    # Tokens left for chunks of more than one token (prefills); None: only `budget` counts.
+    prefill_budget: int | None = None
+    preempted: bool = False
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    running: list[Request] = field(default_factory=list)
+    new: list[Request] = field(default_factory=list)
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+
+    def limit(self, num_wanted: int) -> int:
+        """Tokens a request wanting num_wanted gets: a decode (1) only needs the budget; a
+        prefill chunk is also held to the prefill budget."""
+        num_new = min(num_wanted, self.budget)
+        if num_new > 1 and self.prefill_budget is not None:
+            num_new = min(num_new, self.prefill_budget)
+        return num_new
+
+    def add_running(self, request: Request, num_new: int, block_ids: list[int]) -> None:
+        self.running.append(request)
+        self.new_block_ids[request.request_id] = block_ids
+        self._take(request, num_new)
+
+    def remove_running(self, request: Request) -> None:
+        self.running.remove(request)
+        num_new = self.num_scheduled.pop(request.request_id)
+        self.budget += num_new
+        if num_new > 1 and self.prefill_budget is not None:
+            self.prefill_budget += num_new
+        del self.new_block_ids[request.request_id]
+
+    def add_new(self, request: Request, num_new: int) -> None:
+        self.new.append(request)
+        self._take(request, num_new)
+
+    def _take(self, request: Request, num_new: int) -> None:
+        self.num_scheduled[request.request_id] = num_new
+        self.budget -= num_new
+        if num_new > 1 and self.prefill_budget is not None:
+            self.prefill_budget -= num_new

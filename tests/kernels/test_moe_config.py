@@ -1,0 +1,62 @@
+"""The fused MoE tile table: vLLM's file names and format, nearest M, defaults otherwise."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncserve.kernels import moe_config
+from asyncserve.kernels.moe_config import DEFAULT_BUCKETS, MoEConfig, choose_config
+
+H100 = "NVIDIA_H100_80GB_HBM3"
+
+
+def _entry(block_m: int) -> dict[str, int]:
+    return MoEConfig(block_m, 64, 64, 8, 4, 3).to_json()
+
+
+def _write(path: Path, table: dict[str, dict[str, int]]) -> None:
+    path.write_text(json.dumps(table))
+    moe_config.load_table.cache_clear()
+
+
+def test_nearest_m_of_the_shapes_table(tmp_path: Path) -> None:
+    name = moe_config.config_file_name(40, 512, H100, "bfloat16")
+    assert name == f"E=40,N=512,device_name={H100},dtype=bfloat16.json"
+    _write(tmp_path / name, {"1": _entry(16), "64": _entry(32), "1024": _entry(128)})
+    block_m = [
+        choose_config(t, 40, 512, "bfloat16", H100, tmp_path).block_m
+        for t in (1, 20, 40, 500, 700, 100_000)
+    ]
+    assert block_m == [16, 16, 32, 32, 128, 128]
+    # Another shape, dtype or GPU has no table: the default buckets.
+    for args in ((8, 512, "bfloat16", H100), (40, 512, "float32", H100), (40, 512, "bfloat16", "")):
+        assert choose_config(1, *args, tmp_path) == DEFAULT_BUCKETS[0][1]
+
+
+def test_vllm_file_without_dtype_serves_16_bit(tmp_path: Path) -> None:
+    _write(tmp_path / f"E=8,N=14336,device_name={H100}.json", {"16": _entry(64)})
+    assert choose_config(3, 8, 14336, "float16", H100, tmp_path).block_m == 64
+    assert choose_config(3, 8, 14336, "float32", H100, tmp_path) == DEFAULT_BUCKETS[0][1]
+
+
+def test_malformed_table_names_the_file(tmp_path: Path) -> None:
+    _write(tmp_path / moe_config.config_file_name(4, 32, H100, "bfloat16"), {"1": {"BLOCK": 1}})
+    with pytest.raises(ValueError, match="bad MoE config table .*E=4,N=32"):
+        choose_config(1, 4, 32, "bfloat16", H100, tmp_path)
+
+
+def test_shipped_tables_parse() -> None:
+    """Every table in the package loads and holds valid tiles."""
+    for path in sorted(moe_config.CONFIG_DIR.glob("*.json")):
+        for m, entry in json.loads(path.read_text()).items():
+            config = MoEConfig.from_json(entry)
+            assert int(m) >= 1 and config.block_m in (16, 32, 64, 128, 256), path.name
+
+
+def test_names_of_dtype_and_device() -> None:
+    assert moe_config.dtype_name(torch.bfloat16) == "bfloat16"
+    assert moe_config.device_name(torch.device("cpu")) == ""
