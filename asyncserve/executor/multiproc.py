@@ -2,12 +2,14 @@
 
 The scheduler stays in the engine process. Each worker (multiprocessing spawn) joins a
 torch.distributed group (gloo on CPU, NCCL on CUDA), loads its slice of the model and runs
-a ModelRunner. Every step reaches every worker as pickled messages over its pipe:
+a ModelRunner. Every step reaches the workers through one shared-memory broadcast
+(executor/shm_broadcast.py), encoded once with msgspec (executor/step_codec.py):
 
   launch_forward   ("forward", plan)     the worker applies the plan and runs the forward
   launch_sampling  ("sample", bitmask)   rank 0 samples (with the grammar masks) and the
                                          others take its ids; each worker collects the step
-  collect                                one reply per worker: rank 0's is the StepResult
+  collect                                one reply per worker over its pipe: rank 0's is
+                                         the StepResult, the others' None
 
 The stages run in submission order on one thread here, so the futures contract of
 Executor holds as with UniProcExecutor. A worker that dies fails the stage waiting on it
@@ -32,6 +34,8 @@ import torch
 from asyncserve.config import EngineConfig
 from asyncserve.core.step import StepPlan, StepResult
 from asyncserve.executor.abstract import Executor, MasksFuture
+from asyncserve.executor.shm_broadcast import ShmBroadcast
+from asyncserve.executor.step_codec import encode_forward, encode_rpc, encode_sample, encode_stop
 from asyncserve.executor.tp_worker import worker_main
 
 logger = logging.getLogger(__name__)
@@ -73,13 +77,22 @@ class MultiProcExecutor(Executor):
         self._failure: str | None = None
         self._closing = False
         self._failure_callbacks: list[Callable[[str], None]] = []
-        for rank in range(size):
-            parent, child = ctx.Pipe()
+        pipes = [ctx.Pipe() for _ in range(size)]
+        self._broadcast = ShmBroadcast(ctx, [parent for parent, _ in pipes])
+        for rank, (parent, child) in enumerate(pipes):
             # Daemonic: the workers end with the engine process even when nobody calls
             # shutdown.
             proc = ctx.Process(
                 target=worker_main,
-                args=(config, device.type, rank, size, init_method, child),
+                args=(
+                    config,
+                    device.type,
+                    rank,
+                    size,
+                    init_method,
+                    child,
+                    self._broadcast.reader(rank),
+                ),
                 name=f"asyncserve-tp{rank}",
                 daemon=True,
             )
@@ -137,16 +150,21 @@ class MultiProcExecutor(Executor):
         self._failure = self._failure or reason
         return WorkerDied(self._failure)
 
-    def _send(self, messages: list[tuple[Any, ...]]) -> None:
+    def _check_workers(self) -> None:
+        if (dead := self._dead_worker()) is not None:
+            raise self._fail(dead)
+
+    def _send(self, payload: bytes) -> None:
+        """One message to every worker."""
         if self._failure is not None:
             raise WorkerDied(self._failure)
-        for rank, (conn, message) in enumerate(zip(self._conns, messages, strict=True)):
-            try:
-                conn.send(message)
-            except OSError as e:
-                # A broken pipe comes before the exit is reaped: give it a moment.
-                self._procs[rank].join(1.0)
-                raise self._fail(self._dead_worker() or f"worker {rank} is unreachable: {e}") from e
+        try:
+            self._broadcast.write(payload, self._check_workers)
+        except OSError as e:
+            # A broken pipe (an oversize message) comes before the exit is reaped.
+            for proc in self._procs:
+                proc.join(0.2)
+            raise self._fail(self._dead_worker() or f"a worker is unreachable: {e}") from e
 
     def _replies(self) -> list[Any]:
         """One reply from every worker, in rank order; raises once any worker has died."""
@@ -179,14 +197,17 @@ class MultiProcExecutor(Executor):
         return self._thread.submit(self._rpc, method, args).result()
 
     def _rpc(self, method: str, args: tuple[Any, ...]) -> list[Any]:
-        self._send([("rpc", method, args)] * self.size)
+        self._send(encode_rpc(method, args))
         return self._replies()
 
     def launch_forward(self, plan: StepPlan, on_launched: Callable[[], None]) -> Future[Any]:
-        job = self._thread.submit(self._send, [("forward", plan)] * self.size)
+        job = self._thread.submit(self._send_forward, plan)
         # The forward is under way once every worker has the plan (or the stage failed).
         job.add_done_callback(lambda _: on_launched())
         return job
+
+    def _send_forward(self, plan: StepPlan) -> None:
+        self._send(encode_forward(plan))
 
     def launch_sampling(self, forwarded: Future[Any], masks: MasksFuture | None) -> Future[Any]:
         return self._thread.submit(self._sample, forwarded, masks)
@@ -194,8 +215,8 @@ class MultiProcExecutor(Executor):
     def _sample(self, forwarded: Future[Any], masks: MasksFuture | None) -> None:
         forwarded.result()  # ran before on this thread: raises if it failed
         bitmask = masks.result() if masks is not None else None
-        # Only rank 0 samples, so only it needs the masks.
-        self._send([("sample", bitmask)] + [("sample", None)] * (self.size - 1))
+        # Only rank 0 samples (and reads the masks); one broadcast is still one write.
+        self._send(encode_sample(bitmask))
 
     def collect(self, launched: Future[Any]) -> Future[StepResult]:
         return self._thread.submit(self._collect, launched)
@@ -209,12 +230,12 @@ class MultiProcExecutor(Executor):
     def shutdown(self) -> None:
         self._closing = True
         self._thread.shutdown(wait=False, cancel_futures=True)
-        for proc, conn in zip(self._procs, self._conns, strict=True):
-            if proc.is_alive():
-                with contextlib.suppress(OSError):
-                    conn.send(("stop",))
         # After a failure the live ranks may be blocked in a collective: no grace then.
         grace = _EXIT_GRACE_S if self._failure is None and self._dead_worker() is None else 0.0
+        if grace:
+            # A worker that never drains the ring is ended below.
+            with contextlib.suppress(OSError, TimeoutError, WorkerDied):
+                self._broadcast.write(encode_stop(), self._check_workers, timeout=1.0)
         for proc in self._procs:
             proc.join(grace)
             if proc.is_alive():
@@ -226,3 +247,4 @@ class MultiProcExecutor(Executor):
                 proc.join()
         for conn in self._conns:
             conn.close()
+        self._broadcast.close()

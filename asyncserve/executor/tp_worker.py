@@ -1,7 +1,10 @@
 """The main loop of one tensor-parallel worker process (started by MultiProcExecutor).
 
 It joins the process group, loads this rank's slice of the model, then answers the engine's
-messages in order until "stop" or until the engine process goes away (its pipe reads EOF).
+messages in order until "stop" or until the engine process goes away. The loop (`serve`)
+reads and answers through a WorkerTransport, so another executor can drive it over its own
+channel; MultiProcExecutor's is ShmTransport: messages from the shared-memory broadcast,
+replies over the worker's pipe.
 """
 
 from __future__ import annotations
@@ -12,13 +15,15 @@ import traceback
 from collections import deque
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from asyncserve.config import EngineConfig
 from asyncserve.core.step import GrammarBitmask
+from asyncserve.executor.shm_broadcast import ReaderHandle, ShmReader
+from asyncserve.executor.step_codec import Message, decode
 from asyncserve.models.loader import load_model
 from asyncserve.models.parallel import TensorParallel
 from asyncserve.worker.model_runner import ForwardedStep, ModelRunner
@@ -49,6 +54,35 @@ def _start(
     return ModelRunner(loaded, config, device, tp)
 
 
+class WorkerTransport(Protocol):
+    """How a worker gets the engine's messages and answers them."""
+
+    def recv(self) -> Message | None:
+        """The next message: ("forward", StepPlan), ("sample", GrammarBitmask | None),
+        ("rpc", method, args) or ("stop",); None once the engine is gone."""
+
+    def send(self, reply: tuple[str, Any]) -> None:
+        """("ok", value) or ("err", one line); one per "sample" and "rpc" message."""
+
+
+class ShmTransport:
+    """Messages from the engine's shared-memory broadcast, replies over the pipe."""
+
+    def __init__(self, handle: ReaderHandle, conn: Connection, spin_s: float) -> None:
+        self._reader = ShmReader(handle, conn, spin_s)
+        self._conn = conn
+
+    def recv(self) -> Message | None:
+        data = self._reader.read()
+        return None if data is None else decode(data)
+
+    def send(self, reply: tuple[str, Any]) -> None:
+        self._conn.send(reply)
+
+    def close(self) -> None:
+        self._reader.close()
+
+
 def worker_main(
     config: EngineConfig,
     device_type: str,
@@ -56,28 +90,35 @@ def worker_main(
     size: int,
     init_method: str,
     conn: Connection,
+    handle: ReaderHandle,
 ) -> None:
     try:
         runner = _start(config, device_type, rank, size, init_method)
     except Exception as exc:
         conn.send(_error(exc))
         return
+    # A GPU worker polls a little for the next message; CPU ranks share the host's cores.
+    transport = ShmTransport(handle, conn, spin_s=0.001 if device_type == "cuda" else 0.0)
     conn.send(("ok", None))
     try:
-        _serve(runner, rank, conn)
+        serve(runner, rank, transport)
     finally:
+        transport.close()
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
 
 
-def _serve(runner: ModelRunner, rank: int, conn: Connection) -> None:
+def serve(runner: ModelRunner, rank: int, transport: WorkerTransport) -> None:
+    """Answer the engine's messages in order until "stop" or until it is gone."""
     # Forwarded steps waiting for their "sample" message (two with async scheduling).
     forwarded: deque[ForwardedStep | BaseException] = deque()
     while True:
         try:
-            message = conn.recv()
+            message = transport.recv()
         except (EOFError, OSError):
             return  # the engine process is gone
+        if message is None:
+            return
         kind = message[0]
         if kind == "stop":
             return
@@ -87,12 +128,12 @@ def _serve(runner: ModelRunner, rank: int, conn: Connection) -> None:
             except Exception as exc:  # reported when the step is collected
                 forwarded.append(exc)
         elif kind == "sample":
-            conn.send(_sample(runner, rank, forwarded.popleft(), message[1]))
+            transport.send(_sample(runner, rank, forwarded.popleft(), message[1]))
         elif kind == "rpc":
             try:
-                conn.send(("ok", getattr(runner, message[1])(*message[2])))
+                transport.send(("ok", getattr(runner, message[1])(*message[2])))
             except Exception as exc:
-                conn.send(_error(exc))
+                transport.send(_error(exc))
 
 
 def _sample(
