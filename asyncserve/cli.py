@@ -126,6 +126,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="devices (one worker process each) the model is split over",
     )
     group.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="MoE models: place whole experts on the tensor-parallel ranks instead of "
+        "slicing every expert",
+    )
+    group.add_argument(
         "--enforce-eager", action="store_true", help="no CUDA graphs (GPU only; always on CPU)"
     )
     group.add_argument(
@@ -156,6 +162,7 @@ def engine_config_from_args(args: argparse.Namespace, env: Environment) -> Engin
         async_scheduling=args.async_scheduling,
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
         stream_interval=args.stream_interval,
     )
 

@@ -86,6 +86,8 @@ class ParallelConfig:
     """How many devices one engine spreads the model over (one worker process each)."""
 
     tensor_parallel_size: int = 1
+    # MoE layers place whole experts on ranks instead of slicing every expert.
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -125,6 +127,7 @@ class EngineConfig:
         enforce_eager: bool = False,
         stream_interval: int = 1,
         tensor_parallel_size: int = 1,
+        enable_expert_parallel: bool = False,
     ) -> EngineConfig:
         """The engine's configuration from vLLM's engine argument names (LLM(...) and the
         serve flags both come here)."""
@@ -151,7 +154,10 @@ class EngineConfig:
                 policy=scheduling_policy,  # type: ignore[arg-type]
                 async_scheduling=async_scheduling,
             ),
-            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+            parallel=ParallelConfig(
+                tensor_parallel_size=tensor_parallel_size,
+                enable_expert_parallel=enable_expert_parallel,
+            ),
             enable_cuda_graphs=not enforce_eager,
             stream_interval=stream_interval,
         )

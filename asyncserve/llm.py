@@ -45,6 +45,7 @@ class LLM:
         async_scheduling: bool | None = None,
         enforce_eager: bool = False,
         tensor_parallel_size: int = 1,
+        enable_expert_parallel: bool = False,
         max_logprobs: int = 20,
     ) -> None:
         # Most logprobs (and prompt_logprobs) a SamplingParams may ask for, as in vLLM.
@@ -68,6 +69,7 @@ class LLM:
             async_scheduling=async_scheduling,
             enforce_eager=enforce_eager,
             tensor_parallel_size=tensor_parallel_size,
+            enable_expert_parallel=enable_expert_parallel,
         )
         self.engine = AsyncEngine.from_config(config)
         self._loop = asyncio.new_event_loop()

@@ -51,14 +51,21 @@ def _free_port() -> int:
 
 
 def check_devices(tensor_parallel_size: int, device: torch.device) -> None:
-    """One-line ValueError when the ranks outnumber the visible GPUs."""
-    if device.type == "cuda":
-        visible = torch.cuda.device_count()
-        if tensor_parallel_size > visible:
-            raise ValueError(
-                f"tensor_parallel_size ({tensor_parallel_size}) exceeds the {visible} visible "
-                "CUDA devices"
-            )
+    """One-line ValueError when the ranks outnumber the visible GPUs, or when the GPU ranks
+    would have no NCCL to talk through."""
+    if device.type != "cuda":
+        return
+    visible = torch.cuda.device_count()
+    if tensor_parallel_size > visible:
+        raise ValueError(
+            f"tensor_parallel_size ({tensor_parallel_size}) exceeds the {visible} visible "
+            "CUDA devices"
+        )
+    if not torch.distributed.is_available() or not torch.distributed.is_nccl_available():
+        raise ValueError(
+            f"tensor_parallel_size ({tensor_parallel_size}) on CUDA needs NCCL, which this "
+            "torch build lacks"
+        )
 
 
 class WorkerDied(RuntimeError):

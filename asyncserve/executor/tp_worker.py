@@ -49,7 +49,7 @@ def _start(
         backend = "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
     torch.manual_seed(config.model.seed)
-    tp = TensorParallel(rank, size)
+    tp = TensorParallel(rank, size, config.parallel.enable_expert_parallel)
     loaded = load_model(config.model, device, tp)
     return ModelRunner(loaded, config, device, tp)
 

@@ -164,6 +164,8 @@ def _iter_safetensors(
         try:
             with safe_open(str(file), framework="pt", device=read_device) as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    if model.checkpoint_skips(name):
+                        continue  # e.g. another rank's expert
                     part = model.checkpoint_slice(name)
                     if part is None:
                         yield name, f.get_tensor(name)
@@ -254,7 +256,7 @@ def load_model(
             f"max_model_len ({config.max_model_len}) exceeds the model's "
             f"max_position_embeddings ({arch.max_position_embeddings})"
         )
-    check_tensor_parallel(arch, tp.size)
+    check_tensor_parallel(arch, tp.size, tp.expert_parallel)
     dtype = resolve_dtype(config.dtype, arch.torch_dtype, device)
     tokenizer = _load_tokenizer(config, root, gguf_file, arch)
     logger.info("tokenizer ready (%.1f s); building %s in %s", time.monotonic() - start,
