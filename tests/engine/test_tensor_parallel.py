@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 
 from asyncserve import LLM, RequestOutput, SamplingParams
 from asyncserve.executor.multiproc import MultiProcExecutor, check_devices
+from tests.models.test_families import save_tiny_family
 from tests.models.test_loader import random_state, write_config
 
 # Small steps (chunked prefill) and a small pool (preemption); blocks of 4 tokens.
@@ -127,6 +128,24 @@ def test_tp2_async_scheduling_equals_one_device(checkpoint: Path, tp_llm: LLM) -
         llm.close()
 
 
+def test_tp2_expert_parallel_equals_one_device(tmp_path: Path) -> None:
+    # Qwen3-MoE: 8 experts, four on each rank, and one dense layer split as Llama's.
+    save_tiny_family("qwen3_moe", tmp_path)
+    outputs = []
+    for size, expert_parallel in ((1, False), (2, True)):
+        llm = LLM(
+            str(tmp_path),
+            tensor_parallel_size=size,
+            enable_expert_parallel=expert_parallel,
+            **ENGINE_ARGS,  # type: ignore[arg-type]
+        )
+        try:
+            outputs.append(_generate(llm))
+        finally:
+            llm.close()
+    assert outputs[0] == outputs[1]
+
+
 def test_killed_worker_ends_the_engine(tp_llm: LLM) -> None:
     executor = tp_llm.engine.executor
     assert isinstance(executor, MultiProcExecutor)
@@ -163,6 +182,8 @@ def test_bad_tensor_parallel_size_fails_before_any_process() -> None:
         LLM(device="cpu", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
         LLM(device="cpu", tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="enable_expert_parallel needs a mixture-of-experts"):
+        LLM(device="cpu", enable_expert_parallel=True)
     assert not multiprocessing.active_children()
 
 

@@ -15,10 +15,8 @@ import torch
 
 from asyncserve.models.moe import SparseMoE
 from asyncserve.models.parallel import SINGLE, TensorParallel
-from tests.models.test_families import _MODEL_CLASSES, _hf_config
+from tests.models.test_families import save_tiny_family
 from tests.models.tp_ranks import load, logits, rank_main
-
-transformers = pytest.importorskip("transformers")
 
 FAMILIES = ("mixtral", "qwen3_moe", "granitemoe", "granite", "phi3")
 MOE = ("mixtral", "qwen3_moe", "granitemoe")
@@ -35,13 +33,8 @@ class Checkpoints:
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
     paths = {}
     for name in FAMILIES:
-        torch.manual_seed(0)
-        hf = getattr(transformers, _MODEL_CLASSES[name])(_hf_config(name)).float()
-        with torch.no_grad():
-            for p in hf.parameters():
-                p.copy_(torch.randn_like(p) * 0.1 + (1.0 if p.ndim == 1 else 0.0))
         path = tmp_path_factory.mktemp(name)
-        hf.save_pretrained(path, safe_serialization=True)
+        save_tiny_family(name, path)
         paths[name] = str(path)
     jobs = [(name, paths[name], False) for name in FAMILIES]
     jobs += [(name, paths[name], True) for name in MOE]
