@@ -178,6 +178,12 @@ def _iter_safetensors(
             raise ValueError(f"cannot read {file}: {e}") from e
 
 
+def load_safetensors_weights(model: CausalLM, root: Path, device: torch.device) -> None:
+    """Replace the model's weights in place from an HF safetensors directory (this rank's
+    slices only); the parameters keep their storage, so CUDA graphs stay valid."""
+    model.load_weights(_iter_safetensors(_safetensors_files(root), device, model))
+
+
 @torch.no_grad()
 def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
     """Random weights in place: N(0, 0.02) everywhere except norm weights (1), generated on

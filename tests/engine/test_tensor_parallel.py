@@ -100,6 +100,26 @@ def test_tp2_logprobs_come_from_rank_0(single_llm: LLM, tp_llm: LLM) -> None:
             assert got_row[token].logprob == pytest.approx(entry.logprob, abs=1e-4)
 
 
+def test_workers_load_new_weights_from_a_directory(
+    tmp_path: Path, checkpoint: Path, single_llm: LLM, tp_llm: LLM
+) -> None:
+    # What `bench throughput --peer hf` does under tensor parallelism (the peer's weights).
+    other = write_config(tmp_path / "other")
+    save_file(random_state(seed=9), str(other / "model.safetensors"))
+    before = _generate(tp_llm)
+    try:
+        outputs = []
+        for llm in (single_llm, tp_llm):
+            llm.engine.executor.collective_rpc("load_weights_from", str(other))
+            assert llm.engine.scheduler.reset_prefix_cache()  # its KV came from the old weights
+            outputs.append(_generate(llm))
+        assert outputs[0] == outputs[1] != before
+    finally:
+        for llm in (single_llm, tp_llm):
+            llm.engine.executor.collective_rpc("load_weights_from", str(checkpoint))
+            llm.engine.scheduler.reset_prefix_cache()
+
+
 def test_replicated_kv_head_equals_one_device(tmp_path: Path) -> None:
     # One KV head, two ranks: each rank holds a copy of it.
     state = random_state(seed=5)
