@@ -27,6 +27,7 @@ TP_ARCHITECTURES = frozenset(
         "Qwen3ForCausalLM",
         "GraniteForCausalLM",
         "Phi3ForCausalLM",
+        "Gemma3ForCausalLM",
         "MixtralForCausalLM",
         "Qwen3MoeForCausalLM",
         "GraniteMoeForCausalLM",

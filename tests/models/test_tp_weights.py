@@ -64,8 +64,8 @@ def test_shapes_that_do_not_split_are_refused() -> None:
     odd_kv = {**TINY_CONFIG, "num_attention_heads": 6, "head_dim": 8, "num_key_value_heads": 3}
     with pytest.raises(ValueError, match="KV heads"):
         check_tensor_parallel(ArchConfig.from_hf_dict(odd_kv), 2)
-    other = {**TINY_CONFIG, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}
-    with pytest.raises(ValueError, match="not supported for Gemma3ForCausalLM"):
+    other = {**TINY_CONFIG, "architectures": ["OPTForCausalLM"], "model_type": "opt", "ffn_dim": 64}
+    with pytest.raises(ValueError, match="not supported for OPTForCausalLM"):
         check_tensor_parallel(ArchConfig.from_hf_dict(other), 2)
 
 
