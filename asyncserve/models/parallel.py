@@ -28,6 +28,7 @@ TP_ARCHITECTURES = frozenset(
         "GraniteForCausalLM",
         "Phi3ForCausalLM",
         "Gemma3ForCausalLM",
+        "OPTForCausalLM",
         "MixtralForCausalLM",
         "Qwen3MoeForCausalLM",
         "GraniteMoeForCausalLM",
@@ -126,17 +127,21 @@ def check_tensor_parallel(arch: ArchConfig, size: int, expert_parallel: bool = F
 
 class RowParallelLinear(nn.Module):
     """y = all_reduce(x_slice @ W_slice^T) + b: this rank holds W's columns for its slice of
-    the input features."""
+    the input features (and the whole bias, added once after the sum)."""
 
-    def __init__(self, in_features: int, out_features: int, tp: TensorParallel) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, tp: TensorParallel, bias: bool = False
+    ) -> None:
         super().__init__()
         self.tp = tp
         self.weight = nn.Parameter(
             torch.empty(out_features, in_features // tp.size), requires_grad=False
         )
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):

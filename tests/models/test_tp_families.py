@@ -18,7 +18,16 @@ from asyncserve.models.parallel import SINGLE, TensorParallel
 from tests.models.test_families import save_tiny_family
 from tests.models.tp_ranks import load, logits, rank_main
 
-FAMILIES = ("mixtral", "qwen3_moe", "granitemoe", "granite", "phi3", "gemma3")
+FAMILIES = (
+    "mixtral",
+    "qwen3_moe",
+    "granitemoe",
+    "granite",
+    "phi3",
+    "gemma3",
+    "opt",
+    "opt_post_norm",
+)
 MOE = ("mixtral", "qwen3_moe", "granitemoe")
 
 
