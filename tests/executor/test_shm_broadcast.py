@@ -4,7 +4,10 @@ StepPlan survives the round trip field for field."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
+import time
 from multiprocessing import get_context
 
 import pytest
@@ -20,6 +23,7 @@ from asyncserve.executor.step_codec import (
     encode_stop,
 )
 from asyncserve.sampling_params import SamplingParams, StructuredOutputsParams
+from tests.executor.shm_orphan import middle_process
 
 
 def _ok() -> None:
@@ -76,6 +80,33 @@ def test_a_full_ring_waits_then_gives_up() -> None:
     writer.write(b"c", _ok)  # a slot is free again
     assert [reader.read(), reader.read()] == [b"b", b"c"]
     reader.close()
+    writer.close()
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # exited, not yet reaped
+    except FileNotFoundError:
+        return True
+
+
+def test_a_reader_whose_engine_was_killed_exits() -> None:
+    # The reader's parent stands for the engine process: SIGKILL leaves no time to say stop.
+    ctx = get_context("spawn")
+    parent, child = ctx.Pipe()
+    writer = ShmBroadcast(ctx, [parent])
+    pids = ctx.Queue()
+    middle = ctx.Process(target=middle_process, args=(writer.reader(0), child, pids))
+    middle.start()
+    reader_pid = pids.get(timeout=60)
+    writer.write(b"step", _ok)
+    os.kill(middle.pid, signal.SIGKILL)  # type: ignore[arg-type]
+    middle.join()
+    deadline = time.monotonic() + 10
+    while not _gone(reader_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(reader_pid)
     writer.close()
 
 
