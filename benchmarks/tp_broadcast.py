@@ -1,10 +1,11 @@
 """Per-step cost of getting a step to the tensor-parallel workers: the shared-memory
 broadcast (msgspec, executor/shm_broadcast.py) against pickled messages over one pipe per
 worker (the transport it replaced). No model runs: each of `--ranks` worker processes
-decodes the messages as the real worker loop does and answers every "sample" message over
-its pipe, as the real ones do, so a step's round trip is
+decodes the messages as the real worker loop does and answers over its pipe, so a step's
+round trip is, as each executor sends it:
 
-    ("forward", plan) to every worker, ("sample", None) to every worker, one reply each.
+    pipes (before):  ("forward", plan) and ("sample", None) to each worker, one reply each
+    broadcast (now): "forward", "sample" and "collect" written once, one reply each
 
 Medians over `--steps` steps, in microseconds: `send` is the engine's step thread sending
 the forward message (what delays the launch), `step` the whole round trip. Plans: a decode
@@ -37,6 +38,7 @@ from asyncserve.executor.shm_broadcast import (  # noqa: E402
 )
 from asyncserve.executor.step_codec import (  # noqa: E402
     decode,
+    encode_collect,
     encode_forward,
     encode_sample,
     encode_stop,
@@ -89,7 +91,7 @@ def _shm_worker(handle: ReaderHandle, conn: Connection) -> None:
         if message[0] == "stop":
             reader.close()
             return
-        if message[0] == "sample":
+        if message[0] == "collect":
             conn.send(("ok", None))
 
 
@@ -144,6 +146,7 @@ def run_shm(ranks: int, plan: StepPlan, steps: int) -> dict[str, float]:
         broadcast.write(encode_forward(plan), ok)
         sent = time.perf_counter()
         broadcast.write(encode_sample(None), ok)
+        broadcast.write(encode_collect(), ok)
         for conn in conns:
             conn.recv()
         sends.append(sent - start)

@@ -7,9 +7,12 @@ a ModelRunner. Every step reaches the workers through one shared-memory broadcas
 
   launch_forward   ("forward", plan)     the worker applies the plan and runs the forward
   launch_sampling  ("sample", bitmask)   rank 0 samples (with the grammar masks) and the
-                                         others take its ids; each worker collects the step
-  collect                                one reply per worker over its pipe: rank 0's is
-                                         the StepResult, the others' None
+                                         others take its ids
+  collect          ("collect",)          each worker waits for the ids and answers over its
+                                         pipe: rank 0 with the StepResult, the others None
+
+The worker runs the stages as they come, like UniProcExecutor's step thread, so under async
+scheduling a rank launches the next step's forward before it waits on this step's copy.
 
 The stages run in submission order on one thread here, so the futures contract of
 Executor holds as with UniProcExecutor. A worker that dies fails the stage waiting on it
@@ -35,7 +38,13 @@ from asyncserve.config import EngineConfig
 from asyncserve.core.step import StepPlan, StepResult
 from asyncserve.executor.abstract import Executor, MasksFuture
 from asyncserve.executor.shm_broadcast import ShmBroadcast
-from asyncserve.executor.step_codec import encode_forward, encode_rpc, encode_sample, encode_stop
+from asyncserve.executor.step_codec import (
+    encode_collect,
+    encode_forward,
+    encode_rpc,
+    encode_sample,
+    encode_stop,
+)
 from asyncserve.executor.tp_worker import worker_main
 
 logger = logging.getLogger(__name__)
@@ -230,6 +239,7 @@ class MultiProcExecutor(Executor):
 
     def _collect(self, launched: Future[Any]) -> StepResult:
         launched.result()
+        self._send(encode_collect())
         result = self._replies()[0]
         assert isinstance(result, StepResult)
         return result

@@ -3,6 +3,7 @@ pickle only for the rare calls that are not steps).
 
   ("forward", StepPlan)                 b"F" + msgpack
   ("sample", GrammarBitmask | None)     b"S" + msgpack (the mask's int32 words as raw bytes)
+  ("collect",)                          b"C"
   ("rpc", method, args)                 b"R" + pickle
   ("stop",)                             b"X"
 
@@ -23,7 +24,7 @@ from asyncserve.core.step import GrammarBitmask, StepPlan
 
 Message = tuple[Any, ...]
 
-_FORWARD, _SAMPLE, _RPC, _STOP = b"F", b"S", b"R", b"X"
+_FORWARD, _SAMPLE, _COLLECT, _RPC, _STOP = b"F", b"S", b"C", b"R", b"X"
 
 _WirePlan = tuple[StepPlan, list[list[int]]]
 # (request ids, rows, words per row, the words' bytes)
@@ -46,6 +47,10 @@ def encode_sample(bitmask: GrammarBitmask | None) -> bytes:
     rows, cols = words.shape
     raw = words.contiguous().numpy().tobytes()
     return _SAMPLE + _encoder.encode((bitmask.request_ids, rows, cols, raw))
+
+
+def encode_collect() -> bytes:
+    return _COLLECT
 
 
 def encode_rpc(method: str, args: tuple[Any, ...]) -> bytes:
@@ -73,6 +78,8 @@ def decode(data: bytes) -> Message:
         else:
             words = torch.frombuffer(bytearray(raw), dtype=torch.int32).reshape(rows, cols)
         return ("sample", GrammarBitmask(request_ids, words))
+    if kind == _COLLECT:
+        return ("collect",)
     if kind == _RPC:
         method, args = pickle.loads(body)
         return ("rpc", method, args)

@@ -26,7 +26,7 @@ from asyncserve.executor.shm_broadcast import ReaderHandle, ShmReader
 from asyncserve.executor.step_codec import Message, decode
 from asyncserve.models.loader import load_model
 from asyncserve.models.parallel import TensorParallel
-from asyncserve.worker.model_runner import ForwardedStep, ModelRunner
+from asyncserve.worker.model_runner import ForwardedStep, LaunchedStep, ModelRunner
 
 
 def _error(exc: BaseException) -> tuple[str, str]:
@@ -109,9 +109,16 @@ def worker_main(
 
 
 def serve(runner: ModelRunner, rank: int, transport: WorkerTransport) -> None:
-    """Answer the engine's messages in order until "stop" or until it is gone."""
-    # Forwarded steps waiting for their "sample" message (two with async scheduling).
+    """Answer the engine's messages in order until "stop" or until it is gone.
+
+    A step is three messages, the three stages of Executor: "forward" and "sample" only
+    enqueue work, "collect" waits for the sampled ids and answers. With async scheduling the
+    next step's "forward" comes before this step's "collect", so the device runs it while
+    this rank waits for the copy."""
+    # Steps waiting for their "sample", then for their "collect" message (errors included:
+    # reported when the step is collected).
     forwarded: deque[ForwardedStep | BaseException] = deque()
+    launched: deque[LaunchedStep | BaseException] = deque()
     while True:
         try:
             message = transport.recv()
@@ -125,10 +132,12 @@ def serve(runner: ModelRunner, rank: int, transport: WorkerTransport) -> None:
         if kind == "forward":
             try:
                 forwarded.append(runner.launch_forward(message[1]))
-            except Exception as exc:  # reported when the step is collected
+            except Exception as exc:
                 forwarded.append(exc)
         elif kind == "sample":
-            transport.send(_sample(runner, rank, forwarded.popleft(), message[1]))
+            launched.append(_launch_sampling(runner, forwarded.popleft(), message[1]))
+        elif kind == "collect":
+            transport.send(_collect(runner, rank, launched.popleft()))
         elif kind == "rpc":
             try:
                 transport.send(("ok", getattr(runner, message[1])(*message[2])))
@@ -136,20 +145,28 @@ def serve(runner: ModelRunner, rank: int, transport: WorkerTransport) -> None:
                 transport.send(_error(exc))
 
 
-def _sample(
-    runner: ModelRunner,
-    rank: int,
-    forwarded: ForwardedStep | BaseException,
-    bitmask: GrammarBitmask | None,
-) -> tuple[str, Any]:
+def _launch_sampling(
+    runner: ModelRunner, forwarded: ForwardedStep | BaseException, bitmask: GrammarBitmask | None
+) -> LaunchedStep | BaseException:
     if isinstance(forwarded, BaseException):
-        return _error(forwarded)
+        return forwarded
     try:
         masks: Future[GrammarBitmask | None] | None = None
         if bitmask is not None:
             masks = Future()
             masks.set_result(bitmask)
-        result = runner.collect(runner.launch_sampling(forwarded, masks))
+        return runner.launch_sampling(forwarded, masks)
+    except Exception as exc:
+        return exc
+
+
+def _collect(
+    runner: ModelRunner, rank: int, launched: LaunchedStep | BaseException
+) -> tuple[str, Any]:
+    if isinstance(launched, BaseException):
+        return _error(launched)
+    try:
+        result = runner.collect(launched)
     except Exception as exc:
         return _error(exc)
     # Only rank 0's sampled ids (and logprobs) go back to the engine.

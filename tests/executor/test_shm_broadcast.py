@@ -17,6 +17,7 @@ from asyncserve.core.step import GrammarBitmask, NewRequestData, RunningRequestD
 from asyncserve.executor.shm_broadcast import ShmBroadcast, ShmReader
 from asyncserve.executor.step_codec import (
     decode,
+    encode_collect,
     encode_forward,
     encode_rpc,
     encode_sample,
@@ -153,6 +154,7 @@ def test_other_messages_round_trip() -> None:
         "allocate_kv_cache",
         (12, 64),
     )
+    assert decode(encode_collect()) == ("collect",)
     assert decode(encode_stop()) == ("stop",)
     with pytest.raises(ValueError, match="unknown worker message"):
         decode(b"?")
