@@ -7,9 +7,10 @@ pickle only for the rare calls that are not steps).
   ("rpc", method, args)                 b"R" + pickle
   ("stop",)                             b"X"
 
-msgspec rebuilds a dataclass through its __post_init__, which resets the engine-filled
-SamplingParams.all_stop_token_ids to the user's stop ids: the plan carries them beside
-each new request and the decoder puts them back.
+A new request's SamplingParams (once per request, not per step) travels pickled inside
+the msgpack: msgspec would rebuild it through __post_init__, validating it again and
+resetting the fields the engine filled in after validation (all_stop_token_ids); pickle
+restores it as it is, and faster. Everything else in the plan is msgspec's.
 """
 
 from __future__ import annotations
@@ -20,13 +21,16 @@ from typing import Any
 import msgspec
 import torch
 
-from asyncserve.core.step import GrammarBitmask, StepPlan
+from asyncserve.core.step import GrammarBitmask, NewRequestData, RunningRequestData, StepPlan
 
 Message = tuple[Any, ...]
 
 _FORWARD, _SAMPLE, _COLLECT, _RPC, _STOP = b"F", b"S", b"C", b"R", b"X"
 
-_WirePlan = tuple[StepPlan, list[list[int]]]
+# (request id, prompt ids, output ids, pickled SamplingParams, block ids, computed tokens)
+_WireNew = tuple[str, list[int], list[int], bytes, list[int], int]
+# new requests, running requests, num_scheduled_tokens, total, freed ids, needs_output_tokens
+_WirePlan = tuple[list[_WireNew], list[RunningRequestData], dict[str, int], int, list[str], bool]
 # (request ids, rows, words per row, the words' bytes)
 _WireMask = tuple[list[str], int, int, bytes] | None
 
@@ -36,8 +40,26 @@ _mask_decoder = msgspec.msgpack.Decoder(_WireMask)
 
 
 def encode_forward(plan: StepPlan) -> bytes:
-    stop_ids = [sorted(new.sampling_params.all_stop_token_ids) for new in plan.new_requests]
-    return _FORWARD + _encoder.encode((plan, stop_ids))
+    new = [
+        (
+            r.request_id,
+            r.prompt_token_ids,
+            r.output_token_ids,
+            pickle.dumps(r.sampling_params, protocol=pickle.HIGHEST_PROTOCOL),
+            r.block_ids,
+            r.num_computed_tokens,
+        )
+        for r in plan.new_requests
+    ]
+    wire = (
+        new,
+        plan.running_requests,
+        plan.num_scheduled_tokens,
+        plan.total_num_scheduled_tokens,
+        list(plan.freed_request_ids),
+        plan.needs_output_tokens,
+    )
+    return _FORWARD + _encoder.encode(wire)
 
 
 def encode_sample(bitmask: GrammarBitmask | None) -> bytes:
@@ -64,9 +86,18 @@ def encode_stop() -> bytes:
 def decode(data: bytes) -> Message:
     kind, body = data[:1], memoryview(data)[1:]
     if kind == _FORWARD:
-        plan, stop_ids = _plan_decoder.decode(body)
-        for new, ids in zip(plan.new_requests, stop_ids, strict=True):
-            new.sampling_params.all_stop_token_ids = set(ids)
+        new, running, scheduled, total, freed, needs_output_tokens = _plan_decoder.decode(body)
+        plan = StepPlan(
+            new_requests=[
+                NewRequestData(rid, prompt, output, pickle.loads(params), blocks, computed)
+                for rid, prompt, output, params, blocks, computed in new
+            ],
+            running_requests=running,
+            num_scheduled_tokens=scheduled,
+            total_num_scheduled_tokens=total,
+            freed_request_ids=set(freed),
+            needs_output_tokens=needs_output_tokens,
+        )
         return ("forward", plan)
     if kind == _SAMPLE:
         mask = _mask_decoder.decode(body)
