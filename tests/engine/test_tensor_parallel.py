@@ -214,3 +214,8 @@ def test_more_ranks_than_gpus_is_refused(monkeypatch: pytest.MonkeyPatch) -> Non
     with pytest.raises(ValueError, match=r"tensor_parallel_size \(2\) exceeds the 1 visible"):
         check_devices(2, torch.device("cuda"))
     check_devices(2, torch.device("cpu"))
+    # Enough GPUs, but a torch without NCCL (the CPU build this runs on has none).
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: False)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size \(2\) on CUDA needs NCCL"):
+        check_devices(2, torch.device("cuda"))
