@@ -17,6 +17,7 @@ from __future__ import annotations
 import multiprocessing.resource_tracker as resource_tracker
 import os
 import struct
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -63,6 +64,8 @@ class ShmBroadcast:
         self._free = [ctx.Semaphore(num_slots) for _ in overflow]
         self._next = 0
         self._closed = False
+        # The step thread writes; shutdown may write "stop" from another thread meanwhile.
+        self._lock = threading.Lock()
 
     def reader(self, rank: int) -> ReaderHandle:
         return ReaderHandle(
@@ -75,13 +78,31 @@ class ShmBroadcast:
         """Publish `payload` to every reader. While the ring is full, `check()` runs every
         half second (it raises when a reader has died); TimeoutError after `timeout` s."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        for free in self._free:
-            while not free.acquire(timeout=_POLL_S if deadline is None else 0.0):
-                check()
-                if deadline is not None:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError("the readers have not drained the ring")
-                    time.sleep(0.01)
+        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+            raise TimeoutError("another write is stuck on the ring")
+        try:
+            self._wait_for_slot(check, deadline)
+            self._write(payload)
+        finally:
+            self._lock.release()
+
+    def _wait_for_slot(self, check: Callable[[], None], deadline: float | None) -> None:
+        taken: list[Any] = []
+        try:
+            for free in self._free:
+                while not free.acquire(timeout=_POLL_S if deadline is None else 0.0):
+                    check()
+                    if deadline is not None:
+                        if time.monotonic() > deadline:
+                            raise TimeoutError("the readers have not drained the ring")
+                        time.sleep(0.01)
+                taken.append(free)
+        except BaseException:
+            for free in taken:  # the slot stays free for the readers that had one
+                free.release()
+            raise
+
+    def _write(self, payload: bytes) -> None:
         start = (self._next % self.num_slots) * self.slot_bytes
         self._next += 1
         size = len(payload)

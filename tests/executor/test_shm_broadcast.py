@@ -84,6 +84,24 @@ def test_a_full_ring_waits_then_gives_up() -> None:
     writer.close()
 
 
+def test_a_write_that_gives_up_takes_no_slot() -> None:
+    # Reader 0 keeps up, reader 1 does not: the failed write must not use up reader 0's slot.
+    ctx = get_context("spawn")
+    pipes = [ctx.Pipe() for _ in range(2)]
+    writer = ShmBroadcast(ctx, [p for p, _ in pipes], num_slots=1, slot_bytes=64)
+    readers = [ShmReader(writer.reader(r), pipes[r][1]) for r in range(2)]
+    writer.write(b"a", _ok)
+    assert readers[0].read() == b"a"
+    with pytest.raises(TimeoutError):
+        writer.write(b"b", _ok, timeout=0.05)
+    assert readers[1].read() == b"a"
+    writer.write(b"b", _ok, timeout=1.0)
+    assert [readers[0].read(), readers[1].read()] == [b"b", b"b"]
+    for reader in readers:
+        reader.close()
+    writer.close()
+
+
 def _gone(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
