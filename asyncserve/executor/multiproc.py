@@ -93,35 +93,35 @@ class MultiProcExecutor(Executor):
         self._failure: str | None = None
         self._closing = False
         self._failure_callbacks: list[Callable[[str], None]] = []
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncserve-step")
         pipes = [ctx.Pipe() for _ in range(size)]
         self._broadcast = ShmBroadcast(ctx, [parent for parent, _ in pipes])
-        for rank, (parent, child) in enumerate(pipes):
-            # Daemonic: the workers end with the engine process even when nobody calls
-            # shutdown.
-            proc = ctx.Process(
-                target=worker_main,
-                args=(
-                    config,
-                    device.type,
-                    rank,
-                    size,
-                    init_method,
-                    child,
-                    self._broadcast.reader(rank),
-                ),
-                name=f"asyncserve-tp{rank}",
-                daemon=True,
-            )
-            proc.start()
-            # Only the worker holds its end, so a dead worker reads as EOF here.
-            child.close()
-            self._procs.append(proc)
-            self._conns.append(parent)
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncserve-step")
         try:
+            for rank, (parent, child) in enumerate(pipes):
+                # Daemonic: the workers end with the engine process even when nobody calls
+                # shutdown.
+                proc = ctx.Process(
+                    target=worker_main,
+                    args=(
+                        config,
+                        device.type,
+                        rank,
+                        size,
+                        init_method,
+                        child,
+                        self._broadcast.reader(rank),
+                    ),
+                    name=f"asyncserve-tp{rank}",
+                    daemon=True,
+                )
+                proc.start()
+                # Only the worker holds its end, so a dead worker reads as EOF here.
+                child.close()
+                self._procs.append(proc)
+                self._conns.append(parent)
             self._replies()  # every worker reports once its model is loaded
         except BaseException:
-            self.shutdown()
+            self.shutdown()  # ends the workers started so far, frees the shared memory
             raise
         logger.info("%d tensor-parallel workers ready (pids %s)", size, self.pids)
         threading.Thread(target=self._watch, name="asyncserve-tp-watch", daemon=True).start()
