@@ -196,6 +196,17 @@ def test_killed_worker_ends_the_engine(tp_llm: LLM) -> None:
             os.kill(pid, 0)
 
 
+def test_a_worker_failing_to_load_ends_every_worker(tmp_path: Path) -> None:
+    # The engine process reads no weights under tensor parallelism: the workers find the gap.
+    state = random_state(seed=3)
+    del state["model.layers.1.mlp.down_proj.weight"]
+    root = write_config(tmp_path / "broken")
+    save_file(state, str(root / "model.safetensors"))
+    with pytest.raises(RuntimeError, match=r"worker \d failed: ValueError: checkpoint is missing"):
+        LLM(str(root), tensor_parallel_size=2, **ENGINE_ARGS)  # type: ignore[arg-type]
+    assert not multiprocessing.active_children()
+
+
 def test_bad_tensor_parallel_size_fails_before_any_process() -> None:
     # SmolLM2-135M has 9 attention heads.
     with pytest.raises(ValueError, match=r"must divide the number of attention heads \(9\)"):
