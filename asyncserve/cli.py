@@ -205,7 +205,12 @@ def run_serve(args: argparse.Namespace) -> int:
         sock.close()
         print(f"asyncserve serve: error: {exc}", file=sys.stderr)
         return 2
-    return run_server(engine, server_config, metrics, sock)
+    try:
+        return run_server(engine, server_config, metrics, sock)
+    finally:
+        # The workers (tensor parallelism) end here rather than at interpreter exit, so that
+        # their shared memory is freed by its owner.
+        engine.executor.shutdown()
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
