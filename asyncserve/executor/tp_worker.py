@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import traceback
 from collections import deque
 from concurrent.futures import Future
@@ -92,6 +93,9 @@ def worker_main(
     conn: Connection,
     handle: ReaderHandle,
 ) -> None:
+    # Ctrl-C reaches the whole process group: the engine process drains and then ends the
+    # workers; a worker that died of it first would fail the requests still running.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         runner = _start(config, device_type, rank, size, init_method)
     except Exception as exc:
