@@ -179,6 +179,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "devices, behind the one server (requests go to the least loaded one)",
     )
     group.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="MoE models: place whole experts on the tensor-parallel ranks instead of "
+        "slicing every expert",
+    )
+    group.add_argument(
         "--enforce-eager", action="store_true", help="no CUDA graphs (GPU only; always on CPU)"
     )
     group.add_argument(
@@ -238,6 +244,7 @@ def engine_config_from_args(args: argparse.Namespace, env: Environment) -> Engin
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
         data_parallel_size=getattr(args, "data_parallel_size", 1),
+        enable_expert_parallel=args.enable_expert_parallel,
         stream_interval=args.stream_interval,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         kv_transfer_config=args.kv_transfer_config,
@@ -308,7 +315,14 @@ def run_serve(args: argparse.Namespace) -> int:
         sock.close()
         print(f"asyncserve serve: error: {exc}", file=sys.stderr)
         return 2
-    return run_server(engine, server_config, metrics, sock)
+    try:
+        return run_server(engine, server_config, metrics, sock)
+    finally:
+        # The workers (tensor parallelism) end here rather than at interpreter exit, so that
+        # their shared memory is freed by its owner. (Replicas and pooling engines have none.)
+        executor = getattr(engine, "executor", None)
+        if executor is not None:
+            executor.shutdown()
 
 
 def build_engine(config: EngineConfig, metrics: EngineMetrics | None) -> Any:

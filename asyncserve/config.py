@@ -105,6 +105,8 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    # MoE layers place whole experts on ranks instead of slicing every expert.
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -272,6 +274,7 @@ class EngineConfig:
         max_cpu_loras: int | None = None,
         data_parallel_size: int = 1,
         decode_latency_target_ms: float = DEFAULT_DECODE_LATENCY_TARGET_MS,
+        enable_expert_parallel: bool = False,
     ) -> EngineConfig:
         """The engine's configuration from vLLM's engine argument names (LLM(...) and the
         serve flags both come here)."""
@@ -301,7 +304,9 @@ class EngineConfig:
                 decode_latency_target_ms=decode_latency_target_ms,
             ),
             parallel=ParallelConfig(
-                tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size
+                tensor_parallel_size=tensor_parallel_size,
+                data_parallel_size=data_parallel_size,
+                enable_expert_parallel=enable_expert_parallel,
             ),
             observability=ObservabilityConfig(
                 otlp_traces_endpoint=otlp_traces_endpoint,

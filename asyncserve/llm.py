@@ -61,6 +61,7 @@ class LLM:
         otlp_traces_endpoint: str | None = None,
         collect_detailed_traces: str | None = None,
         data_parallel_size: int = 1,
+        enable_expert_parallel: bool = False,
         max_logprobs: int = 20,
         enable_lora: bool = False,
         max_loras: int = 1,
@@ -103,6 +104,7 @@ class LLM:
             max_cpu_loras=max_cpu_loras,
             data_parallel_size=data_parallel_size,
             decode_latency_target_ms=decode_latency_target_ms,
+            enable_expert_parallel=enable_expert_parallel,
         )
         place = Environment.read().dp_rank
         self._dp_group: DataParallelGroup | None = None

@@ -8,7 +8,7 @@ import statistics
 import time
 from typing import Any
 
-from asyncserve.bench.workload import random_prompts
+from asyncserve.bench.workload import add_parallel_arguments, random_prompts
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,6 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="plan each step while the one before runs (default: on with CUDA)",
     )
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    add_parallel_arguments(parser)
     parser.add_argument("--output-json", default=None)
 
 
@@ -43,6 +44,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         max_model_len=args.max_model_len,
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
+        tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=False,
     )

@@ -2,16 +2,19 @@
 
 With `--peer hf`, HF transformers' continuous-batching `generate_batch` (paged attention,
 sdpa) runs the same prompts on the same weights in the same process, and the ratio is printed.
+Our model takes the HF model's weights: copied in place when it runs in this process, read
+from a temporary save of them by every worker under tensor parallelism.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
 from typing import Any
 
-from asyncserve.bench.workload import output_lengths, random_prompts
+from asyncserve.bench.workload import add_parallel_arguments, output_lengths, random_prompts
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,8 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="plan each step while the one before runs (default: on with CUDA)",
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    parser.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="engine replicas")
+    add_parallel_arguments(parser)
     parser.add_argument("--peer", choices=["none", "hf"], default="none")
     parser.add_argument("--output-json", default=None)
 
@@ -59,8 +61,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
-        seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
+        seed=args.seed,
         data_parallel_size=args.data_parallel_size,
     )
     vocab = llm.engine.loaded.arch.vocab_size
@@ -119,9 +122,14 @@ def _build_hf_peer(llm: Any) -> Any:
         config, dtype=dtype, attn_implementation="paged|sdpa"
     ).to(llm.engine.device)
     hf.eval()
-    llm.engine.runner.model.load_weights(
-        (name, param.detach()) for name, param in hf.named_parameters()
-    )
+    runner = llm.engine.runner
+    if runner is not None:
+        runner.model.load_weights((name, param.detach()) for name, param in hf.named_parameters())
+        return hf
+    # The model lives in the tensor-parallel workers: each reads its slices from disk.
+    with tempfile.TemporaryDirectory(prefix="asyncserve-peer-") as tmp:
+        hf.save_pretrained(tmp, safe_serialization=True)
+        llm.engine.executor.collective_rpc("load_weights_from", tmp)
     return hf
 
 

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 import random
+
+
+def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    """The engine's parallelism flags, named as serve names them."""
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="engine replicas")
+    parser.add_argument("--enable-expert-parallel", action="store_true")
 
 
 def random_prompts(

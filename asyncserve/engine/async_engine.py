@@ -141,10 +141,13 @@ class AsyncEngine:
         device = resolve_device(config.model.device)
         torch.manual_seed(config.model.seed)
         size = config.parallel.tensor_parallel_size
+        expert_parallel = config.parallel.enable_expert_parallel
         if size == 1:
-            return cls(config, load_model(config.model, device), metrics)
+            tp = TensorParallel(expert_parallel=expert_parallel)
+            return cls(config, load_model(config.model, device, tp), metrics)
         # Config, tokenizer and shape checks here; the weights load in the workers.
-        loaded = load_model(config.model, device, TensorParallel(0, size), weights=False)
+        tp = TensorParallel(0, size, expert_parallel)
+        loaded = load_model(config.model, device, tp, weights=False)
         executor = MultiProcExecutor(config, device)
         try:
             return cls(config, loaded, metrics, executor)

@@ -2,12 +2,17 @@
 
 The scheduler stays in the engine process. Each worker (multiprocessing spawn) joins a
 torch.distributed group (gloo on CPU, NCCL on CUDA), loads its slice of the model and runs
-a ModelRunner. Every step reaches every worker as pickled messages over its pipe:
+a ModelRunner. Every step reaches the workers through one shared-memory broadcast
+(executor/shm_broadcast.py), encoded once with msgspec (executor/step_codec.py):
 
   launch_forward   ("forward", plan)     the worker applies the plan and runs the forward
   launch_sampling  ("sample", bitmask)   rank 0 samples (with the grammar masks) and the
-                                         others take its ids; each worker collects the step
-  collect                                one reply per worker: rank 0's is the StepResult
+                                         others take its ids
+  collect          ("collect",)          each worker waits for the ids and answers over its
+                                         pipe: rank 0 with the StepResult, the others None
+
+The worker runs the stages as they come, like UniProcExecutor's step thread, so under async
+scheduling a rank launches the next step's forward before it waits on this step's copy.
 
 The stages run in submission order on one thread here, so the futures contract of
 Executor holds as with UniProcExecutor. A worker that dies fails the stage waiting on it
@@ -32,6 +37,14 @@ import torch
 from asyncserve.config import EngineConfig
 from asyncserve.core.step import StepPlan, StepResult
 from asyncserve.executor.abstract import Executor, MasksFuture
+from asyncserve.executor.shm_broadcast import ShmBroadcast
+from asyncserve.executor.step_codec import (
+    encode_collect,
+    encode_forward,
+    encode_rpc,
+    encode_sample,
+    encode_stop,
+)
 from asyncserve.executor.tp_worker import worker_main
 
 logger = logging.getLogger(__name__)
@@ -47,14 +60,21 @@ def _free_port() -> int:
 
 
 def check_devices(tensor_parallel_size: int, device: torch.device) -> None:
-    """One-line ValueError when the ranks outnumber the visible GPUs."""
-    if device.type == "cuda":
-        visible = torch.cuda.device_count()
-        if tensor_parallel_size > visible:
-            raise ValueError(
-                f"tensor_parallel_size ({tensor_parallel_size}) exceeds the {visible} visible "
-                "CUDA devices"
-            )
+    """One-line ValueError when the ranks outnumber the visible GPUs, or when the GPU ranks
+    would have no NCCL to talk through."""
+    if device.type != "cuda":
+        return
+    visible = torch.cuda.device_count()
+    if tensor_parallel_size > visible:
+        raise ValueError(
+            f"tensor_parallel_size ({tensor_parallel_size}) exceeds the {visible} visible "
+            "CUDA devices"
+        )
+    if not torch.distributed.is_available() or not torch.distributed.is_nccl_available():
+        raise ValueError(
+            f"tensor_parallel_size ({tensor_parallel_size}) on CUDA needs NCCL, which this "
+            "torch build lacks"
+        )
 
 
 class WorkerDied(RuntimeError):
@@ -73,26 +93,35 @@ class MultiProcExecutor(Executor):
         self._failure: str | None = None
         self._closing = False
         self._failure_callbacks: list[Callable[[str], None]] = []
-        for rank in range(size):
-            parent, child = ctx.Pipe()
-            # Daemonic: the workers end with the engine process even when nobody calls
-            # shutdown.
-            proc = ctx.Process(
-                target=worker_main,
-                args=(config, device.type, rank, size, init_method, child),
-                name=f"asyncserve-tp{rank}",
-                daemon=True,
-            )
-            proc.start()
-            # Only the worker holds its end, so a dead worker reads as EOF here.
-            child.close()
-            self._procs.append(proc)
-            self._conns.append(parent)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncserve-step")
+        pipes = [ctx.Pipe() for _ in range(size)]
+        self._broadcast = ShmBroadcast(ctx, [parent for parent, _ in pipes])
         try:
+            for rank, (parent, child) in enumerate(pipes):
+                # Daemonic: the workers end with the engine process even when nobody calls
+                # shutdown.
+                proc = ctx.Process(
+                    target=worker_main,
+                    args=(
+                        config,
+                        device.type,
+                        rank,
+                        size,
+                        init_method,
+                        child,
+                        self._broadcast.reader(rank),
+                    ),
+                    name=f"asyncserve-tp{rank}",
+                    daemon=True,
+                )
+                proc.start()
+                # Only the worker holds its end, so a dead worker reads as EOF here.
+                child.close()
+                self._procs.append(proc)
+                self._conns.append(parent)
             self._replies()  # every worker reports once its model is loaded
         except BaseException:
-            self.shutdown()
+            self.shutdown()  # ends the workers started so far, frees the shared memory
             raise
         logger.info("%d tensor-parallel workers ready (pids %s)", size, self.pids)
         threading.Thread(target=self._watch, name="asyncserve-tp-watch", daemon=True).start()
@@ -122,13 +151,16 @@ class MultiProcExecutor(Executor):
 
     # ---- messages ------------------------------------------------------------------------
 
-    def _dead_worker(self) -> str | None:
-        """Which worker has ended, if any. Read from the sentinels: is_alive() reads a
-        process as alive when another thread (the watcher) is reaping it at that moment."""
+    def _dead_worker(self, crashed_only: bool = False) -> str | None:
+        """Which worker has ended, if any (`crashed_only`: with a non-zero exit code). Read
+        from the sentinels: is_alive() reads a process as alive when another thread (the
+        watcher) is reaping it at that moment."""
         ended = wait([p.sentinel for p in self._procs], timeout=0)
         for rank, proc in enumerate(self._procs):
             if proc.sentinel in ended:
                 proc.join(1.0)
+                if crashed_only and proc.exitcode == 0:
+                    continue
                 code = "" if proc.exitcode is None else f" (exit code {proc.exitcode})"
                 return f"tensor-parallel worker {rank} (pid {proc.pid}) died{code}"
         return None
@@ -137,16 +169,21 @@ class MultiProcExecutor(Executor):
         self._failure = self._failure or reason
         return WorkerDied(self._failure)
 
-    def _send(self, messages: list[tuple[Any, ...]]) -> None:
+    def _check_workers(self) -> None:
+        if (dead := self._dead_worker()) is not None:
+            raise self._fail(dead)
+
+    def _send(self, payload: bytes) -> None:
+        """One message to every worker."""
         if self._failure is not None:
             raise WorkerDied(self._failure)
-        for rank, (conn, message) in enumerate(zip(self._conns, messages, strict=True)):
-            try:
-                conn.send(message)
-            except OSError as e:
-                # A broken pipe comes before the exit is reaped: give it a moment.
-                self._procs[rank].join(1.0)
-                raise self._fail(self._dead_worker() or f"worker {rank} is unreachable: {e}") from e
+        try:
+            self._broadcast.write(payload, self._check_workers)
+        except OSError as e:
+            # A broken pipe (an oversize message) comes before the exit is reaped.
+            for proc in self._procs:
+                proc.join(0.2)
+            raise self._fail(self._dead_worker() or f"a worker is unreachable: {e}") from e
 
     def _replies(self) -> list[Any]:
         """One reply from every worker, in rank order; raises once any worker has died."""
@@ -165,10 +202,13 @@ class MultiProcExecutor(Executor):
             except (EOFError, OSError) as e:
                 raise self._fail(self._dead_worker() or f"worker {rank} closed its pipe") from e
             if status != "ok":
-                # A rank whose peer died fails its collective: name the dead one as the cause.
+                # A rank whose peer died fails its collective: name the dead one as the cause
+                # (one that crashed or was killed; a rank that reported its own error, as
+                # this one did, ends cleanly after it).
                 wait(sentinels, timeout=1.0)
                 raise self._fail(
-                    self._dead_worker() or f"tensor-parallel worker {rank} failed: {value}"
+                    self._dead_worker(crashed_only=True)
+                    or f"tensor-parallel worker {rank} failed: {value}"
                 )
             out.append(value)
         return out
@@ -179,14 +219,17 @@ class MultiProcExecutor(Executor):
         return self._thread.submit(self._rpc, method, args).result()
 
     def _rpc(self, method: str, args: tuple[Any, ...]) -> list[Any]:
-        self._send([("rpc", method, args)] * self.size)
+        self._send(encode_rpc(method, args))
         return self._replies()
 
     def launch_forward(self, plan: StepPlan, on_launched: Callable[[], None]) -> Future[Any]:
-        job = self._thread.submit(self._send, [("forward", plan)] * self.size)
+        job = self._thread.submit(self._send_forward, plan)
         # The forward is under way once every worker has the plan (or the stage failed).
         job.add_done_callback(lambda _: on_launched())
         return job
+
+    def _send_forward(self, plan: StepPlan) -> None:
+        self._send(encode_forward(plan))
 
     def launch_sampling(self, forwarded: Future[Any], masks: MasksFuture | None) -> Future[Any]:
         return self._thread.submit(self._sample, forwarded, masks)
@@ -194,14 +237,15 @@ class MultiProcExecutor(Executor):
     def _sample(self, forwarded: Future[Any], masks: MasksFuture | None) -> None:
         forwarded.result()  # ran before on this thread: raises if it failed
         bitmask = masks.result() if masks is not None else None
-        # Only rank 0 samples, so only it needs the masks.
-        self._send([("sample", bitmask)] + [("sample", None)] * (self.size - 1))
+        # Only rank 0 samples (and reads the masks); one broadcast is still one write.
+        self._send(encode_sample(bitmask))
 
     def collect(self, launched: Future[Any]) -> Future[StepResult]:
         return self._thread.submit(self._collect, launched)
 
     def _collect(self, launched: Future[Any]) -> StepResult:
         launched.result()
+        self._send(encode_collect())
         result = self._replies()[0]
         assert isinstance(result, StepResult)
         return result
@@ -209,12 +253,12 @@ class MultiProcExecutor(Executor):
     def shutdown(self) -> None:
         self._closing = True
         self._thread.shutdown(wait=False, cancel_futures=True)
-        for proc, conn in zip(self._procs, self._conns, strict=True):
-            if proc.is_alive():
-                with contextlib.suppress(OSError):
-                    conn.send(("stop",))
         # After a failure the live ranks may be blocked in a collective: no grace then.
         grace = _EXIT_GRACE_S if self._failure is None and self._dead_worker() is None else 0.0
+        if grace:
+            # A worker that never drains the ring is ended below.
+            with contextlib.suppress(OSError, TimeoutError, WorkerDied):
+                self._broadcast.write(encode_stop(), self._check_workers, timeout=1.0)
         for proc in self._procs:
             proc.join(grace)
             if proc.is_alive():
@@ -226,3 +270,4 @@ class MultiProcExecutor(Executor):
                 proc.join()
         for conn in self._conns:
             conn.close()
+        self._broadcast.close()

@@ -1,27 +1,33 @@
 """The main loop of one tensor-parallel worker process (started by MultiProcExecutor).
 
 It joins the process group, loads this rank's slice of the model, then answers the engine's
-messages in order until "stop" or until the engine process goes away (its pipe reads EOF).
+messages in order until "stop" or until the engine process goes away. The loop (`serve`)
+reads and answers through a WorkerTransport, so another executor can drive it over its own
+channel; MultiProcExecutor's is ShmTransport: messages from the shared-memory broadcast,
+replies over the worker's pipe.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import traceback
 from collections import deque
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from asyncserve.config import EngineConfig
 from asyncserve.core.step import GrammarBitmask
+from asyncserve.executor.shm_broadcast import ReaderHandle, ShmReader
+from asyncserve.executor.step_codec import Message, decode
 from asyncserve.models.loader import load_model
 from asyncserve.models.parallel import TensorParallel
-from asyncserve.worker.model_runner import ForwardedStep, ModelRunner
+from asyncserve.worker.model_runner import ForwardedStep, LaunchedStep, ModelRunner
 
 
 def _error(exc: BaseException) -> tuple[str, str]:
@@ -44,9 +50,38 @@ def _start(
         backend = "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
     torch.manual_seed(config.model.seed)
-    tp = TensorParallel(rank, size)
+    tp = TensorParallel(rank, size, config.parallel.enable_expert_parallel)
     loaded = load_model(config.model, device, tp)
     return ModelRunner(loaded, config, device, tp)
+
+
+class WorkerTransport(Protocol):
+    """How a worker gets the engine's messages and answers them."""
+
+    def recv(self) -> Message | None:
+        """The next message: ("forward", StepPlan), ("sample", GrammarBitmask | None),
+        ("rpc", method, args) or ("stop",); None once the engine is gone."""
+
+    def send(self, reply: tuple[str, Any]) -> None:
+        """("ok", value) or ("err", one line); one per "sample" and "rpc" message."""
+
+
+class ShmTransport:
+    """Messages from the engine's shared-memory broadcast, replies over the pipe."""
+
+    def __init__(self, handle: ReaderHandle, conn: Connection, spin_s: float) -> None:
+        self._reader = ShmReader(handle, conn, spin_s)
+        self._conn = conn
+
+    def recv(self) -> Message | None:
+        data = self._reader.read()
+        return None if data is None else decode(data)
+
+    def send(self, reply: tuple[str, Any]) -> None:
+        self._conn.send(reply)
+
+    def close(self) -> None:
+        self._reader.close()
 
 
 def worker_main(
@@ -56,59 +91,86 @@ def worker_main(
     size: int,
     init_method: str,
     conn: Connection,
+    handle: ReaderHandle,
 ) -> None:
+    # Ctrl-C reaches the whole process group: the engine process drains and then ends the
+    # workers; a worker that died of it first would fail the requests still running.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         runner = _start(config, device_type, rank, size, init_method)
     except Exception as exc:
         conn.send(_error(exc))
         return
+    # A GPU worker polls a little for the next message; CPU ranks share the host's cores.
+    transport = ShmTransport(handle, conn, spin_s=0.001 if device_type == "cuda" else 0.0)
     conn.send(("ok", None))
     try:
-        _serve(runner, rank, conn)
+        serve(runner, rank, transport)
     finally:
+        transport.close()
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
 
 
-def _serve(runner: ModelRunner, rank: int, conn: Connection) -> None:
-    # Forwarded steps waiting for their "sample" message (two with async scheduling).
+def serve(runner: ModelRunner, rank: int, transport: WorkerTransport) -> None:
+    """Answer the engine's messages in order until "stop" or until it is gone.
+
+    A step is three messages, the three stages of Executor: "forward" and "sample" only
+    enqueue work, "collect" waits for the sampled ids and answers. With async scheduling the
+    next step's "forward" comes before this step's "collect", so the device runs it while
+    this rank waits for the copy."""
+    # Steps waiting for their "sample", then for their "collect" message (errors included:
+    # reported when the step is collected).
     forwarded: deque[ForwardedStep | BaseException] = deque()
+    launched: deque[LaunchedStep | BaseException] = deque()
     while True:
         try:
-            message = conn.recv()
+            message = transport.recv()
         except (EOFError, OSError):
             return  # the engine process is gone
+        if message is None:
+            return
         kind = message[0]
         if kind == "stop":
             return
         if kind == "forward":
             try:
                 forwarded.append(runner.launch_forward(message[1]))
-            except Exception as exc:  # reported when the step is collected
+            except Exception as exc:
                 forwarded.append(exc)
         elif kind == "sample":
-            conn.send(_sample(runner, rank, forwarded.popleft(), message[1]))
+            launched.append(_launch_sampling(runner, forwarded.popleft(), message[1]))
+        elif kind == "collect":
+            transport.send(_collect(runner, rank, launched.popleft()))
         elif kind == "rpc":
             try:
-                conn.send(("ok", getattr(runner, message[1])(*message[2])))
+                transport.send(("ok", getattr(runner, message[1])(*message[2])))
             except Exception as exc:
-                conn.send(_error(exc))
+                transport.send(_error(exc))
 
 
-def _sample(
-    runner: ModelRunner,
-    rank: int,
-    forwarded: ForwardedStep | BaseException,
-    bitmask: GrammarBitmask | None,
-) -> tuple[str, Any]:
+def _launch_sampling(
+    runner: ModelRunner, forwarded: ForwardedStep | BaseException, bitmask: GrammarBitmask | None
+) -> LaunchedStep | BaseException:
     if isinstance(forwarded, BaseException):
-        return _error(forwarded)
+        return forwarded
     try:
         masks: Future[GrammarBitmask | None] | None = None
         if bitmask is not None:
             masks = Future()
             masks.set_result(bitmask)
-        result = runner.collect(runner.launch_sampling(forwarded, masks))
+        return runner.launch_sampling(forwarded, masks)
+    except Exception as exc:
+        return exc
+
+
+def _collect(
+    runner: ModelRunner, rank: int, launched: LaunchedStep | BaseException
+) -> tuple[str, Any]:
+    if isinstance(launched, BaseException):
+        return _error(launched)
+    try:
+        result = runner.collect(launched)
     except Exception as exc:
         return _error(exc)
     # Only rank 0's sampled ids (and logprobs) go back to the engine.

@@ -46,3 +46,8 @@ class CausalLM(nn.Module):
     def checkpoint_slice(self, hf_name: str) -> tuple[int, int, int] | None:
         """(dim, start, size) of the checkpoint tensor this rank needs; None: all of it."""
         return None
+
+    def checkpoint_skips(self, hf_name: str) -> bool:
+        """True when this rank needs nothing of the checkpoint tensor (another rank's
+        expert), so that the reader need not read it."""
+        return False

@@ -11,6 +11,8 @@ Differences from Llama:
   scores by query_pre_attn_scalar ** -0.5, and the final logits soft-capped when the
   config sets final_logit_softcapping (attn_logit_softcapping is ignored, as HF ignores it:
   Gemma 3 has q/k norms instead). The MLP is GELU (tanh) gated.
+Tensor parallelism splits it as Llama (models/parallel.py); the soft cap applies to the
+gathered logits.
 """
 
 from __future__ import annotations
@@ -34,17 +36,23 @@ from asyncserve.models.layers import (
 )
 from asyncserve.models.llama import LlamaAttention, fused_target
 from asyncserve.models.moe import ExpertPlacement
+from asyncserve.models.parallel import SINGLE, TensorParallel, VocabParallelEmbedding
 from asyncserve.models.weights import Target, load_checkpoint
 
 
 class Gemma3DecoderLayer(nn.Module):
     def __init__(
-        self, config: ArchConfig, layer: int, rotary: RotaryEmbedding, ops: KernelOps
+        self,
+        config: ArchConfig,
+        layer: int,
+        rotary: RotaryEmbedding,
+        ops: KernelOps,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = LlamaAttention(config, layer, rotary, ops)
-        self.mlp = GatedMLP(hidden, config.intermediate_size, ops, config.hidden_act)
+        self.self_attn = LlamaAttention(config, layer, rotary, ops, tp)
+        self.mlp = GatedMLP(hidden, config.intermediate_size, ops, config.hidden_act, tp)
         self.input_layernorm = RMSNorm(hidden, eps, ops)
         self.post_attention_layernorm = RMSNorm(hidden, eps, ops)
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps, ops)
@@ -72,10 +80,14 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Model(nn.Module):
-    def __init__(self, config: ArchConfig, ops: KernelOps) -> None:
+    def __init__(self, config: ArchConfig, ops: KernelOps, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.hidden_size = config.hidden_size
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens: VocabEmbedding | VocabParallelEmbedding
+        if tp.size == 1:
+            self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         max_pos = config.max_position_embeddings
         global_rotary = RotaryEmbedding(
             config.rotary_dim, max_pos, config.rope_theta, config.rope_scaling, ops
@@ -84,7 +96,7 @@ class Gemma3Model(nn.Module):
         local_rotary = RotaryEmbedding(config.rotary_dim, max_pos, local_theta, None, ops)
         self.layers = nn.ModuleList(
             Gemma3DecoderLayer(
-                config, i, local_rotary if config.is_sliding(i) else global_rotary, ops
+                config, i, local_rotary if config.is_sliding(i) else global_rotary, ops, tp
             )
             for i in range(config.num_hidden_layers)
         )
@@ -110,17 +122,22 @@ class Gemma3Model(nn.Module):
 
 class Gemma3ForCausalLM(CausalLM):
     def __init__(
-        self, config: ArchConfig, ops: KernelOps, placement: ExpertPlacement | None = None
+        self,
+        config: ArchConfig,
+        ops: KernelOps,
+        placement: ExpertPlacement | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         del placement  # dense model
         self.config = config
-        self.model = Gemma3Model(config, ops)
-        self.lm_head: LMHead | VocabEmbedding
+        self.tp = tp
+        self.model = Gemma3Model(config, ops, tp)
+        self.lm_head: LMHead | VocabEmbedding | VocabParallelEmbedding
         if config.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
-            self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+            self.lm_head = LMHead(config.vocab_size // tp.size, config.hidden_size)
 
     def forward(
         self,
@@ -133,7 +150,7 @@ class Gemma3ForCausalLM(CausalLM):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = compute_logits(hidden, self.lm_head.weight)
+        logits = self.tp.all_gather_last(compute_logits(hidden, self.lm_head.weight))
         cap = self.config.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
@@ -145,7 +162,14 @@ class Gemma3ForCausalLM(CausalLM):
     def route(self, hf_name: str) -> Target | None:
         # Checkpoints of the multimodal model nest the text model one level deeper.
         hf_name = hf_name.replace("model.language_model.", "model.", 1)
-        target = fused_target(self.config, hf_name)
+        target = fused_target(self.config, hf_name, self.tp)
         if target is not None and target.name.endswith("norm.weight"):
             return Target(target.name, offset=1.0)
         return target
+
+    def checkpoint_slice(self, hf_name: str) -> tuple[int, int, int] | None:
+        target = self.route(hf_name)
+        return target.source if target is not None else None
+
+    def checkpoint_skips(self, hf_name: str) -> bool:
+        return self.route(hf_name) is None

@@ -256,6 +256,9 @@ class LlamaForCausalLM(CausalLM):
         target = self.route(hf_name)
         return target.source if target is not None else None
 
+    def checkpoint_skips(self, hf_name: str) -> bool:
+        return self.route(hf_name) is None
+
 
 def fused_target(config: ArchConfig, hf_name: str, tp: TensorParallel = SINGLE) -> Target | None:
     """Target of an HF tensor in a model that fuses q/k/v and gate/up; None to skip it.

@@ -164,6 +164,8 @@ def _iter_safetensors(
         try:
             with safe_open(str(file), framework="pt", device=read_device) as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    if model.checkpoint_skips(name):
+                        continue  # e.g. another rank's expert
                     part = model.checkpoint_slice(name)
                     if part is None:
                         yield name, f.get_tensor(name)
@@ -174,6 +176,12 @@ def _iter_safetensors(
                     yield name, f.get_slice(name)[index]
         except SafetensorError as e:
             raise ValueError(f"cannot read {file}: {e}") from e
+
+
+def load_safetensors_weights(model: CausalLM, root: Path, device: torch.device) -> None:
+    """Replace the model's weights in place from an HF safetensors directory (this rank's
+    slices only); the parameters keep their storage, so CUDA graphs stay valid."""
+    model.load_weights(_iter_safetensors(_safetensors_files(root), device, model))
 
 
 @torch.no_grad()
@@ -254,7 +262,7 @@ def load_model(
             f"max_model_len ({config.max_model_len}) exceeds the model's "
             f"max_position_embeddings ({arch.max_position_embeddings})"
         )
-    check_tensor_parallel(arch, tp.size)
+    check_tensor_parallel(arch, tp.size, tp.expert_parallel)
     dtype = resolve_dtype(config.dtype, arch.torch_dtype, device)
     tokenizer = _load_tokenizer(config, root, gguf_file, arch)
     logger.info("tokenizer ready (%.1f s); building %s in %s", time.monotonic() - start,

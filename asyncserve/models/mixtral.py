@@ -27,7 +27,7 @@ _PROJ = {"w1": "gate", "w3": "up", "w2": "down"}
 class MixtralForCausalLM(LlamaForCausalLM):
     def make_mlp(self, config: ArchConfig, ops: KernelOps, layer: int) -> nn.Module:
         assert config.moe is not None
-        return SparseMoE(config.hidden_size, config.moe, ops, self.placement)
+        return SparseMoE(config.hidden_size, config.moe, ops, self.placement, tp=self.tp)
 
     def route(self, hf_name: str) -> Target | None:
         match = _EXPERT.match(hf_name)

@@ -1,9 +1,11 @@
 """Sparse MoE layer: a router picks top-k experts per token; the fused MoE op runs them.
 
 Expert weights are stacked: w13 [local experts, 2 * intermediate, hidden] (gate rows, then
-up rows) and w2 [local experts, hidden, intermediate]. With expert parallelism an
-ExpertPlacement puts whole experts on ranks; each rank computes its experts' share of every
-token and `reduce` (identity on one rank) sums the shares over ranks.
+up rows) and w2 [local experts, hidden, intermediate]. Under tensor parallelism each rank
+holds a slice of every expert's intermediate dim (column-parallel gate/up, row-parallel
+down); with expert parallelism an ExpertPlacement puts whole experts on ranks instead. Either
+way each rank computes its share of every token and `reduce` (an all-reduce; identity on one
+rank) sums the shares.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch import nn
 from asyncserve.kernels.ops import KernelOps
 from asyncserve.models.arch_config import MoEArch
 from asyncserve.models.layers import Linear
+from asyncserve.models.parallel import SINGLE, TensorParallel
 from asyncserve.models.weights import Target
 
 
@@ -57,20 +60,26 @@ class SparseMoE(nn.Module):
         ops: KernelOps,
         placement: ExpertPlacement | None = None,
         router_bias: bool = False,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         self.ops = ops
         self.moe = moe
+        if placement is None and tp.expert_parallel and tp.size > 1:
+            placement = ExpertPlacement(tp.rank, tp.size, "contiguous")
         placement = placement or ExpertPlacement()
         self.local_experts = placement.local_experts(moe.num_experts)
         self.local_index = {e: i for i, e in enumerate(self.local_experts)}
         num_local = len(self.local_experts)
+        # This rank's slice of every expert's intermediate dim (all of it with whole experts).
+        sliced = tp if not tp.expert_parallel else SINGLE
+        self.intermediate_start, self.intermediate = sliced.split(moe.intermediate_size)
         self.gate = Linear(hidden_size, moe.num_experts, bias=router_bias)
         self.w13 = nn.Parameter(
-            torch.empty(num_local, 2 * moe.intermediate_size, hidden_size), requires_grad=False
+            torch.empty(num_local, 2 * self.intermediate, hidden_size), requires_grad=False
         )
         self.w2 = nn.Parameter(
-            torch.empty(num_local, hidden_size, moe.intermediate_size), requires_grad=False
+            torch.empty(num_local, hidden_size, self.intermediate), requires_grad=False
         )
         if num_local == moe.num_experts:
             self.expert_map = None
@@ -78,8 +87,10 @@ class SparseMoE(nn.Module):
             expert_map = torch.full((moe.num_experts,), -1, dtype=torch.int32)
             expert_map[self.local_experts] = torch.arange(num_local, dtype=torch.int32)
             self.register_buffer("expert_map", expert_map.to(torch.empty(0).device))
-        # Sums the ranks' partial outputs; replaced by an all-reduce under expert parallelism.
-        self.reduce: Callable[[torch.Tensor], torch.Tensor] = _identity
+        # Sums the ranks' partial outputs.
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] = (
+            tp.all_reduce if tp.size > 1 else _identity
+        )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.gate(hidden)
@@ -100,17 +111,24 @@ def expert_target(moe: object, prefix: str, proj: str, expert: int | None) -> Ta
     prefix is the layer's parameter prefix ("model.layers.3.mlp"); proj is "gate" or "up"
     (one expert's half of w13), "gate_up" (both halves) or "down"; expert is the global
     expert id, or None for a tensor that stacks every expert. Another rank's expert -> None.
+    With the intermediate dim split over ranks, the target names this rank's slice.
     """
     if not isinstance(moe, SparseMoE):
         raise ValueError(f"checkpoint has expert weights for {prefix}, a dense MLP in the model")
     param = f"{prefix}.w2" if proj == "down" else f"{prefix}.w13"
+    start, size = moe.intermediate_start, moe.intermediate
+    sliced = size != moe.moe.intermediate_size
     if expert is None:
+        if sliced:
+            raise ValueError(f"{prefix}: stacked expert weights must be split per expert")
         keep = None if moe.expert_map is None else moe.local_experts
         return Target(param, source_experts=keep)
     local = moe.local_index.get(expert)
     if local is None:
         return None
     if proj in ("gate", "up"):
-        size = moe.moe.intermediate_size
-        return Target(param, expert=local, rows=(0 if proj == "gate" else size, size))
-    return Target(param, expert=local)
+        rows = (0 if proj == "gate" else size, size)
+        return Target(param, expert=local, rows=rows, source=(0, start, size) if sliced else None)
+    if proj == "gate_up":
+        raise ValueError(f"{prefix}: one expert's fused gate_up must be split into gate and up")
+    return Target(param, expert=local, source=(1, start, size) if sliced else None)

@@ -20,16 +20,32 @@ from asyncserve.models.arch_config import ArchConfig
 
 # The families whose layers take a TensorParallel (the others run on one device only).
 TP_ARCHITECTURES = frozenset(
-    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+    {
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "GraniteForCausalLM",
+        "Phi3ForCausalLM",
+        "Gemma3ForCausalLM",
+        "OPTForCausalLM",
+        "MixtralForCausalLM",
+        "Qwen3MoeForCausalLM",
+        "GraniteMoeForCausalLM",
+    }
 )
 
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """This rank's place in the tensor-parallel group; size 1 makes every collective a no-op."""
+    """This rank's place in the tensor-parallel group; size 1 makes every collective a no-op.
+
+    expert_parallel: MoE layers place whole experts on ranks instead of slicing every
+    expert's intermediate dim (the rest of the model is split as without it)."""
 
     rank: int = 0
     size: int = 1
+    expert_parallel: bool = False
 
     def split(self, total: int) -> tuple[int, int]:
         """(start, size) of this rank's equal share of `total`."""
@@ -67,8 +83,13 @@ class TensorParallel:
 SINGLE = TensorParallel()
 
 
-def check_tensor_parallel(arch: ArchConfig, size: int) -> None:
+def check_tensor_parallel(arch: ArchConfig, size: int, expert_parallel: bool = False) -> None:
     """One-line ValueError when `arch` cannot be split over `size` ranks."""
+    if expert_parallel and arch.moe is None:
+        raise ValueError(
+            f"enable_expert_parallel needs a mixture-of-experts model; {arch.architecture} "
+            "has no experts"
+        )
     if size == 1:
         return
     if arch.architecture not in TP_ARCHITECTURES:
@@ -86,25 +107,41 @@ def check_tensor_parallel(arch: ArchConfig, size: int) -> None:
             f"tensor_parallel_size ({size}) and the number of KV heads ({kv}) must divide one "
             "another"
         )
-    for name in ("intermediate_size", "vocab_size"):
+    moe = arch.moe
+    dense_mlp = moe is None or not all(moe.is_sparse(i) for i in range(arch.num_hidden_layers))
+    for name in ("intermediate_size", "vocab_size") if dense_mlp else ("vocab_size",):
         value = getattr(arch, name)
         if value % size:
             raise ValueError(f"tensor_parallel_size ({size}) must divide {name} ({value})")
+    if arch.moe is not None and expert_parallel and arch.moe.num_experts < size:
+        raise ValueError(
+            f"expert parallelism needs at least one expert per rank: {arch.moe.num_experts} "
+            f"experts, tensor_parallel_size {size}"
+        )
+    if arch.moe is not None and not expert_parallel and arch.moe.intermediate_size % size:
+        raise ValueError(
+            f"tensor_parallel_size ({size}) must divide the experts' intermediate size "
+            f"({arch.moe.intermediate_size}); or set enable_expert_parallel"
+        )
 
 
 class RowParallelLinear(nn.Module):
     """y = all_reduce(x_slice @ W_slice^T) + b: this rank holds W's columns for its slice of
-    the input features."""
+    the input features (and the whole bias, added once after the sum)."""
 
-    def __init__(self, in_features: int, out_features: int, tp: TensorParallel) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, tp: TensorParallel, bias: bool = False
+    ) -> None:
         super().__init__()
         self.tp = tp
         self.weight = nn.Parameter(
             torch.empty(out_features, in_features // tp.size), requires_grad=False
         )
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):

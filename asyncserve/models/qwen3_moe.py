@@ -25,7 +25,7 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
     def make_mlp(self, config: ArchConfig, ops: KernelOps, layer: int) -> nn.Module:
         assert config.moe is not None
         if config.moe.is_sparse(layer):
-            return SparseMoE(config.hidden_size, config.moe, ops, self.placement)
+            return SparseMoE(config.hidden_size, config.moe, ops, self.placement, tp=self.tp)
         return super().make_mlp(config, ops, layer)
 
     def route(self, hf_name: str) -> Target | None:

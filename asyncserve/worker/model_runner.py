@@ -17,13 +17,14 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from asyncserve.config import EngineConfig
 from asyncserve.core.step import GrammarBitmask, StepPlan, StepResult
 from asyncserve.lora.slots import LoRASlots
-from asyncserve.models.loader import LoadedModel
+from asyncserve.models.loader import LoadedModel, load_safetensors_weights
 from asyncserve.models.parallel import SINGLE, TensorParallel
 from asyncserve.worker import kv_blocks
 from asyncserve.worker.cuda_graphs import DecodeGraphs
@@ -120,6 +121,11 @@ class ModelRunner:
                 self.dtype,
                 device,
             )
+
+    def load_weights_from(self, path: str) -> None:
+        """New weights from an HF safetensors directory (e.g. a peer model's, so that both
+        run the same weights); called on every rank through collective_rpc."""
+        load_safetensors_weights(self.model, Path(path), self.device)
 
     # ---- KV pool -------------------------------------------------------------------------
 

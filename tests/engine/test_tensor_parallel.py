@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 
 from asyncserve import LLM, RequestOutput, SamplingParams
 from asyncserve.executor.multiproc import MultiProcExecutor, check_devices
+from tests.models.test_families import save_tiny_family
 from tests.models.test_loader import random_state, write_config
 
 # Small steps (chunked prefill) and a small pool (preemption); blocks of 4 tokens.
@@ -99,6 +100,26 @@ def test_tp2_logprobs_come_from_rank_0(single_llm: LLM, tp_llm: LLM) -> None:
             assert got_row[token].logprob == pytest.approx(entry.logprob, abs=1e-4)
 
 
+def test_workers_load_new_weights_from_a_directory(
+    tmp_path: Path, checkpoint: Path, single_llm: LLM, tp_llm: LLM
+) -> None:
+    # What `bench throughput --peer hf` does under tensor parallelism (the peer's weights).
+    other = write_config(tmp_path / "other")
+    save_file(random_state(seed=9), str(other / "model.safetensors"))
+    before = _generate(tp_llm)
+    try:
+        outputs = []
+        for llm in (single_llm, tp_llm):
+            llm.engine.executor.collective_rpc("load_weights_from", str(other))
+            assert llm.engine.scheduler.reset_prefix_cache()  # its KV came from the old weights
+            outputs.append(_generate(llm))
+        assert outputs[0] == outputs[1] != before
+    finally:
+        for llm in (single_llm, tp_llm):
+            llm.engine.executor.collective_rpc("load_weights_from", str(checkpoint))
+            llm.engine.scheduler.reset_prefix_cache()
+
+
 def test_replicated_kv_head_equals_one_device(tmp_path: Path) -> None:
     # One KV head, two ranks: each rank holds a copy of it.
     state = random_state(seed=5)
@@ -125,6 +146,24 @@ def test_tp2_async_scheduling_equals_one_device(checkpoint: Path, tp_llm: LLM) -
         assert _generate(llm) == expected
     finally:
         llm.close()
+
+
+def test_tp2_expert_parallel_equals_one_device(tmp_path: Path) -> None:
+    # Qwen3-MoE: 8 experts, four on each rank, and one dense layer split as Llama's.
+    save_tiny_family("qwen3_moe", tmp_path)
+    outputs = []
+    for size, expert_parallel in ((1, False), (2, True)):
+        llm = LLM(
+            str(tmp_path),
+            tensor_parallel_size=size,
+            enable_expert_parallel=expert_parallel,
+            **ENGINE_ARGS,  # type: ignore[arg-type]
+        )
+        try:
+            outputs.append(_generate(llm))
+        finally:
+            llm.close()
+    assert outputs[0] == outputs[1]
 
 
 def test_killed_worker_ends_the_engine(tp_llm: LLM) -> None:
@@ -157,12 +196,25 @@ def test_killed_worker_ends_the_engine(tp_llm: LLM) -> None:
             os.kill(pid, 0)
 
 
+def test_a_worker_failing_to_load_ends_every_worker(tmp_path: Path) -> None:
+    # The engine process reads no weights under tensor parallelism: the workers find the gap.
+    state = random_state(seed=3)
+    del state["model.layers.1.mlp.down_proj.weight"]
+    root = write_config(tmp_path / "broken")
+    save_file(state, str(root / "model.safetensors"))
+    with pytest.raises(RuntimeError, match=r"worker \d failed: ValueError: checkpoint is missing"):
+        LLM(str(root), tensor_parallel_size=2, **ENGINE_ARGS)  # type: ignore[arg-type]
+    assert not multiprocessing.active_children()
+
+
 def test_bad_tensor_parallel_size_fails_before_any_process() -> None:
     # SmolLM2-135M has 9 attention heads.
     with pytest.raises(ValueError, match=r"must divide the number of attention heads \(9\)"):
         LLM(device="cpu", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
         LLM(device="cpu", tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="enable_expert_parallel needs a mixture-of-experts"):
+        LLM(device="cpu", enable_expert_parallel=True)
     assert not multiprocessing.active_children()
 
 
@@ -173,3 +225,8 @@ def test_more_ranks_than_gpus_is_refused(monkeypatch: pytest.MonkeyPatch) -> Non
     with pytest.raises(ValueError, match=r"tensor_parallel_size \(2\) exceeds the 1 visible"):
         check_devices(2, torch.device("cuda"))
     check_devices(2, torch.device("cpu"))
+    # Enough GPUs, but a torch without NCCL (the CPU build this runs on has none).
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: False)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size \(2\) on CUDA needs NCCL"):
+        check_devices(2, torch.device("cuda"))

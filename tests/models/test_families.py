@@ -125,6 +125,17 @@ _MODEL_CLASSES = {
 }
 
 
+def save_tiny_family(name: str, path: Path) -> Any:
+    """A tiny random HF model of the family saved as safetensors in `path`; returns it."""
+    torch.manual_seed(0)
+    hf = getattr(transformers, _MODEL_CLASSES[name])(_hf_config(name)).float().eval()
+    with torch.no_grad():  # every weight random, norms and biases included
+        for p in hf.parameters():
+            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if p.ndim == 1 else 0.0))
+    hf.save_pretrained(path, safe_serialization=True)
+    return hf
+
+
 @dataclass
 class Family:
     name: str
@@ -136,13 +147,8 @@ class Family:
 @pytest.fixture(scope="module", params=list(_MODEL_CLASSES))
 def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Family:
     name = request.param
-    torch.manual_seed(0)
-    hf = getattr(transformers, _MODEL_CLASSES[name])(_hf_config(name)).float().eval()
-    with torch.no_grad():  # every weight random, norms and biases included
-        for p in hf.parameters():
-            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if p.ndim == 1 else 0.0))
     path = tmp_path_factory.mktemp(name)
-    hf.save_pretrained(path, safe_serialization=True)
+    hf = save_tiny_family(name, path)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in PROMPT_LENS]
     return Family(name, path, hf, prompts)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -64,9 +65,32 @@ def test_shapes_that_do_not_split_are_refused() -> None:
     odd_kv = {**TINY_CONFIG, "num_attention_heads": 6, "head_dim": 8, "num_key_value_heads": 3}
     with pytest.raises(ValueError, match="KV heads"):
         check_tensor_parallel(ArchConfig.from_hf_dict(odd_kv), 2)
-    other = {**TINY_CONFIG, "architectures": ["GraniteForCausalLM"]}
-    with pytest.raises(ValueError, match="not supported for GraniteForCausalLM"):
-        check_tensor_parallel(ArchConfig.from_hf_dict(other), 2)
+    # Every family registered today splits; one added without tensor parallelism is refused.
+    other = dataclasses.replace(arch, architecture="OtherForCausalLM")
+    with pytest.raises(ValueError, match="not supported for OtherForCausalLM"):
+        check_tensor_parallel(other, 2)
+
+
+def test_expert_parallel_needs_experts() -> None:
+    dense = ArchConfig.from_hf_dict(TINY_CONFIG)
+    for size in (1, 2):
+        with pytest.raises(ValueError, match="enable_expert_parallel needs a mixture-of-experts"):
+            check_tensor_parallel(dense, size, expert_parallel=True)
+    moe = {
+        **TINY_CONFIG,
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "num_local_experts": 2,
+        "num_experts_per_tok": 1,
+        "intermediate_size": 63,
+    }
+    arch = ArchConfig.from_hf_dict(moe)
+    # Whole experts place on two ranks; a 63-wide expert does not slice in two.
+    check_tensor_parallel(arch, 2, expert_parallel=True)
+    with pytest.raises(ValueError, match=r"experts' intermediate size \(63\); or set enable_exp"):
+        check_tensor_parallel(arch, 2)
+    with pytest.raises(ValueError, match=r"at least one expert per rank: 2 experts"):
+        check_tensor_parallel(arch, 4, expert_parallel=True)
 
 
 def test_whole_tensors_are_sliced_on_load(tmp_path: Path) -> None:
