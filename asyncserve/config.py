@@ -229,8 +229,13 @@ class ServerConfig:
     # Sampling defaults: "auto" (the model's generation_config.json), "vllm" (none: the
     # OpenAI defaults), or a folder holding a generation_config.json.
     generation_config: str = "auto"
+    # Tool calling: tool_choice "auto" parses the output with this parser (vLLM's names).
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.shutdown_timeout < 0:

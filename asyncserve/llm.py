@@ -111,6 +111,7 @@ class LLM:
                         f"{name}: requested {value}, which is greater than max allowed: "
                         f"{self.max_logprobs} (LLM(max_logprobs=...))"
                     )
+            self.engine.check_token_params(params)
             if params.structured_outputs is not None:
                 # A bad schema, regex or grammar is the caller's error: raise before any work.
                 self.engine.structured.validate(params.structured_outputs)

@@ -126,6 +126,19 @@ def test_invalid_sampling_params_name_the_field(kwargs: dict, field: str) -> Non
         SamplingParams(**kwargs)
 
 
+def test_logit_bias_forces_and_forbids(llm: LLM) -> None:
+    plain = SamplingParams(temperature=0.0, max_tokens=3)
+    first = llm.generate("The sky is", plain, use_tqdm=False)[0].outputs[0].token_ids[0]
+    forced = SamplingParams(temperature=0.0, max_tokens=3, logit_bias={42: 100})
+    assert (
+        list(llm.generate("The sky is", forced, use_tqdm=False)[0].outputs[0].token_ids) == [42] * 3
+    )
+    banned = SamplingParams(temperature=0.0, max_tokens=3, logit_bias={first: -100})
+    assert first not in llm.generate("The sky is", banned, use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="logit_bias.*out-of-vocab"):
+        llm.generate("Hi", SamplingParams(logit_bias={10**9: 1.0}), use_tqdm=False)
+
+
 def test_logprobs_over_max_logprobs(llm: LLM) -> None:
     # The bound is LLM's max_logprobs (20 by default, as in vLLM), not SamplingParams'.
     with pytest.raises(ValueError, match="logprobs.*max allowed: 20"):

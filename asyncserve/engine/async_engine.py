@@ -203,12 +203,7 @@ class AsyncEngine:
                 f"prompt has {n_prompt} tokens but max_model_len is {self.max_model_len}: "
                 "the prompt must be shorter than max_model_len"
             )
-        if params.allowed_token_ids is not None:
-            bad = next((t for t in params.allowed_token_ids if t >= vocab), None)
-            if bad is not None:
-                raise ValueError(
-                    f"allowed_token_ids contains token id {bad} outside the vocabulary [0, {vocab})"
-                )
+        self.check_token_params(params)
         if params.structured_outputs is not None:
             # Compiles the grammar (cached): a bad schema, regex or grammar names its field.
             self.structured.validate(params.structured_outputs)
@@ -219,6 +214,23 @@ class AsyncEngine:
                     f"max_tokens: this model's maximum context length is {self.max_model_len} "
                     f"tokens, but {total} were requested ({n_prompt} in the prompt, "
                     f"{params.max_tokens} in the completion)"
+                )
+
+    def check_token_params(self, params: SamplingParams) -> None:
+        """allowed_token_ids and logit_bias name only tokens of the vocabulary."""
+        vocab = self.loaded.arch.vocab_size
+        if params.allowed_token_ids is not None:
+            bad = next((t for t in params.allowed_token_ids if t >= vocab), None)
+            if bad is not None:
+                raise ValueError(
+                    f"allowed_token_ids contains token id {bad} outside the vocabulary [0, {vocab})"
+                )
+        if params.logit_bias:
+            out_of_vocab = sorted(t for t in params.logit_bias if t >= vocab)
+            if out_of_vocab:
+                raise ValueError(
+                    f"logit_bias contains out-of-vocab token ids {out_of_vocab[:10]}; the "
+                    f"vocabulary size is {vocab}"
                 )
 
     def truncate_prompt(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
