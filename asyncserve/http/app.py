@@ -18,7 +18,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from asyncserve.config import ServerConfig
-from asyncserve.http import routes_openai, routes_ops
+from asyncserve.http import routes_openai, routes_ops, routes_tokenize
 from asyncserve.http.engine_client import EngineClient
 from asyncserve.http.errors import APIError, error_response
 from asyncserve.http.middleware import (
@@ -142,7 +142,9 @@ def build_app(
             state.preprocessor.shutdown()
 
     app = Starlette(
-        routes=routes_openai.routes(state) + routes_ops.routes(state),
+        routes=routes_openai.routes(state)
+        + routes_ops.routes(state)
+        + routes_tokenize.routes(state),
         exception_handlers={
             APIError: _api_error,
             HTTPException: _http_error,

@@ -22,6 +22,12 @@ from asyncserve.http.protocol import (
     ModelList,
     VersionResponse,
 )
+from asyncserve.http.routes_tokenize import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 
 REF = "#/components/schemas/{name}"
 
@@ -63,6 +69,22 @@ _ENDPOINTS: list[tuple[str, str, str, Any, Any, Any]] = [
     ("/load", "get", "Generation requests in flight (vLLM)", None, LoadResponse, None),
     ("/health", "get", "200 while the engine loop runs, 503 otherwise", None, HealthResponse, None),
     ("/version", "get", "Server version", None, VersionResponse, None),
+    (
+        "/tokenize",
+        "post",
+        "Token ids of a prompt, or of chat messages through the chat template (vLLM)",
+        TokenizeRequest,
+        TokenizeResponse,
+        None,
+    ),
+    (
+        "/detokenize",
+        "post",
+        "Text of token ids (vLLM)",
+        DetokenizeRequest,
+        DetokenizeResponse,
+        None,
+    ),
 ]
 
 
