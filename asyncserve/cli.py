@@ -191,7 +191,10 @@ def run_serve(args: argparse.Namespace) -> int:
     from asyncserve.http.server import run_server
     from asyncserve.metrics import EngineMetrics
 
-    metrics = EngineMetrics(server_config.served_model_names[0])
+    metrics = EngineMetrics(
+        server_config.served_model_names[0],
+        max_model_len=engine_config.model.max_model_len or 2**20,
+    )
     try:
         engine = AsyncEngine.from_config(engine_config, metrics=metrics)
     except (ValueError, FileNotFoundError) as exc:

@@ -229,6 +229,13 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         "or a folder holding a generation_config.json",
     )
     group.add_argument(
+        "--metrics-prefix",
+        default="both",
+        choices=["both", "vllm", "asyncserve"],
+        help="names of the /metrics series: both (asyncserve:* and vLLM's vllm:*, so "
+        "dashboards made for vLLM work unchanged), vllm or asyncserve",
+    )
+    group.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help='tool_choice "auto": the model decides when to call tools (needs --tool-call-parser)',
@@ -291,6 +298,7 @@ def server_config_from_args(args: argparse.Namespace, env: Environment) -> Serve
         generation_config=check_generation_config(args.generation_config),
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        metrics_prefix=args.metrics_prefix,
     )
 
 

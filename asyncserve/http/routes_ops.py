@@ -122,7 +122,7 @@ def routes(state: ServerState) -> list[Route]:
         engine = state.engine
         # Gauges as of now, not as of the last step (an idle engine does not step).
         state.metrics.on_step(engine.num_running, engine.num_waiting, engine.kv_cache_usage)
-        payload, content_type = state.metrics.render()
+        payload, content_type = state.metrics.render(state.config.metrics_prefix)
         return Response(payload, headers={"content-type": content_type})
 
     async def load(request: Request) -> Response:
