@@ -172,7 +172,7 @@ def openapi_schema(version: str, auth: bool) -> dict[str, Any]:
         paths["/invocations"]["post"]["security"] = [{"bearer": []}]
     paths["/metrics"] = {
         "get": {
-            "summary": "Prometheus metrics (asyncserve: prefix, vLLM names)",
+            "summary": "Prometheus metrics (vLLM names, as asyncserve:* and vllm:*)",
             "responses": {"200": {"description": "OK", "content": {"text/plain": {}}}},
         }
     }

@@ -142,6 +142,23 @@ def test_bad_tool_requests_are_400s_naming_the_field(client: Any) -> None:
             "tool_choice",
             "",
         ),
+        (
+            {
+                "tools": [
+                    {"type": "function", "function": {"name": "f", "parameters": {"type": 7}}}
+                ],
+                "tool_choice": "required",
+            },
+            "tools",
+            "schema",
+        ),
+        (
+            {
+                "messages": [{"role": "assistant", "tool_calls": ["not an object"]}],
+            },
+            "messages[0].tool_calls[0]",
+            "",
+        ),
     ]
     for fields, param, words in cases:
         r = post(**fields)
