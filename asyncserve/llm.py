@@ -129,8 +129,10 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation and generate."""
+        """Apply the model's chat template to each conversation and generate; `tools`
+        (OpenAI's shape) reach the template as its `tools` variable, as in vLLM."""
         conversations: list[list[dict[str, Any]]]
         if messages and isinstance(messages[0], dict):
             conversations = [messages]  # type: ignore[list-item]
@@ -142,6 +144,7 @@ class LLM:
             text = tokenizer.apply_chat_template(
                 conversation,
                 add_generation_prompt=add_generation_prompt,
+                tools=tools,
                 **(chat_template_kwargs or {}),
             )
             # The template already holds BOS where the model wants one.

@@ -94,6 +94,20 @@ def test_chat_uses_template(llm: LLM) -> None:
     assert "<|im_start|>" in llm.get_tokenizer().decode(out.prompt_token_ids, False)
 
 
+def test_chat_passes_tools_to_the_template(llm: LLM) -> None:
+    template = "{% for t in tools %}[{{ t.function.name }}]{% endfor %}{{ messages[0].content }}"
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    out = llm.chat(
+        [{"role": "user", "content": "Hi"}],
+        params,
+        use_tqdm=False,
+        tools=[tool],
+        chat_template_kwargs={"chat_template": template},
+    )[0]
+    assert llm.get_tokenizer().decode(out.prompt_token_ids, False) == "[get_weather]Hi"
+
+
 def test_too_long_prompt_fails_alone(llm: LLM) -> None:
     long_prompt = " ".join(["word"] * 400)
     params = SamplingParams(temperature=0.0, max_tokens=4)
