@@ -12,8 +12,10 @@ from asyncserve.http.tools.parsers.qwen3_xml import Qwen3XmlToolParser
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
+    "llama4_json": Llama3JsonToolParser,
     "mistral": MistralToolParser,
     "pythonic": PythonicToolParser,
+    "llama4_pythonic": PythonicToolParser,
     "qwen3_xml": Qwen3XmlToolParser,
     "qwen3_coder": Qwen3XmlToolParser,
 }
