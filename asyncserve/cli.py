@@ -300,7 +300,9 @@ def run_serve(args: argparse.Namespace) -> int:
             engine = DataParallelClient(engine_config, model_name)
             metrics = DataParallelMetrics()
         else:
-            engine_metrics = EngineMetrics(model_name)
+            engine_metrics = EngineMetrics(
+                model_name, max_model_len=engine_config.model.max_model_len or 2**20
+            )
             metrics = engine_metrics
             engine = build_engine(engine_config, engine_metrics)
         if server_config.lora_modules and not hasattr(engine, "add_lora"):

@@ -12,6 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from asyncserve.config import Environment, ServerConfig
+from asyncserve.http.tools.parsers import TOOL_PARSERS
+
+TOOL_PARSER_NAMES = tuple(TOOL_PARSERS)
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(I?B?)\s*$", re.IGNORECASE)
@@ -253,6 +256,24 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         help="sampling defaults: auto (the model's generation_config.json), vllm (none), "
         "or a folder holding a generation_config.json",
     )
+    group.add_argument(
+        "--metrics-prefix",
+        default="both",
+        choices=["both", "vllm", "asyncserve"],
+        help="names of the /metrics series: both (asyncserve:* and vLLM's vllm:*, so "
+        "dashboards made for vLLM work unchanged), vllm or asyncserve",
+    )
+    group.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto": the model decides when to call tools (needs --tool-call-parser)',
+    )
+    group.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSER_NAMES),
+        help="how tool calls are read from the model's output (for tool_choice auto)",
+    )
 
 
 def served_names(args: argparse.Namespace, env: Environment) -> tuple[str, ...]:
@@ -305,6 +326,9 @@ def server_config_from_args(args: argparse.Namespace, env: Environment) -> Serve
         generation_config=check_generation_config(args.generation_config),
         lora_modules=tuple(args.lora_modules),
         allow_runtime_lora_updating=env.allow_runtime_lora_updating,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
+        metrics_prefix=args.metrics_prefix,
     )
 
 

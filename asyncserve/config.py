@@ -475,8 +475,19 @@ class ServerConfig:
     lora_modules: tuple[tuple[str, str], ...] = ()
     # /v1/load_lora_adapter and /v1/unload_lora_adapter (they change what the server runs).
     allow_runtime_lora_updating: bool = False
+    # Tool calling: tool_choice "auto" parses the output with this parser (vLLM's names).
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    # /metrics names: "both" (asyncserve: and vLLM's vllm:), "vllm" or "asyncserve".
+    metrics_prefix: str = "both"
 
     def __post_init__(self) -> None:
+        if self.metrics_prefix not in ("both", "vllm", "asyncserve"):
+            raise ValueError(
+                f"metrics_prefix must be both, vllm or asyncserve, got {self.metrics_prefix!r}"
+            )
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.shutdown_timeout < 0:

@@ -17,6 +17,7 @@ from asyncserve.config import DEFAULT_DECODE_LATENCY_TARGET_MS, EngineConfig, En
 from asyncserve.engine.async_engine import AsyncEngine
 from asyncserve.engine.dp_client import DataParallelClient
 from asyncserve.engine.dp_group import DataParallelGroup
+from asyncserve.engine.request_checks import check_token_params
 from asyncserve.lora.request import LoRARequest
 from asyncserve.outputs import CompletionOutput, RequestOutput
 from asyncserve.pooling.config import resolve_runner
@@ -230,6 +231,7 @@ class LLM:
                         f"{name}: requested {value}, which is greater than max allowed: "
                         f"{self.max_logprobs} (LLM(max_logprobs=...))"
                     )
+            check_token_params(params, self.engine.loaded.arch.vocab_size)
             if params.structured_outputs is not None:
                 # A bad schema, regex or grammar is the caller's error: raise before any work.
                 self.engine.structured.validate(params.structured_outputs)
@@ -276,8 +278,10 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation and generate."""
+        """Apply the model's chat template to each conversation and generate; `tools`
+        (OpenAI's shape) reach the template as its `tools` variable, as in vLLM."""
         self._check_generates()
         conversations: list[list[dict[str, Any]]]
         if messages and isinstance(messages[0], dict):
@@ -290,6 +294,7 @@ class LLM:
             text = tokenizer.apply_chat_template(
                 conversation,
                 add_generation_prompt=add_generation_prompt,
+                tools=tools,
                 **(chat_template_kwargs or {}),
             )
             # The template already holds BOS where the model wants one.

@@ -1,4 +1,5 @@
-"""Prometheus collectors with vLLM's metric names, prefixed `asyncserve:`.
+"""Prometheus collectors with vLLM's metric names, prefixed `asyncserve:` and, at /metrics,
+also `vllm:` (--metrics-prefix), so that dashboards built for vLLM read them unchanged.
 
 The engine calls the `on_*` hooks; the server renders the registry at /metrics. Every instance
 owns its registry (no module-level state), so several engines or tests never collide.
@@ -7,7 +8,7 @@ owns its registry (no module-level state), so several engines or tests never col
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 from prometheus_client import (
@@ -18,9 +19,21 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 PREFIX = "asyncserve:"
+VLLM_PREFIX = "vllm:"
+# --metrics-prefix: which names /metrics shows the series under.
+METRICS_PREFIXES = ("both", "vllm", "asyncserve")
 FINISH_REASONS = ("stop", "length", "abort", "error")
+# vLLM's reasons a request waits: for room in the batch or KV cache ("capacity"), or for
+# something else first, such as a grammar or a remote KV transfer ("deferred"). asyncserve
+# compiles grammars before queueing, so nothing waits deferred.
+WAITING_REASONS = ("capacity", "deferred")
+ITERATION_TOKEN_BUCKETS: Sequence[float] = (
+    1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+)  # fmt: skip
 
 # Buckets as vLLM uses them, so dashboards built for vLLM read these the same way.
 TTFT_BUCKETS: Sequence[float] = (
@@ -42,15 +55,51 @@ class ServerMetrics(Protocol):
 
     async def refresh(self, engine: Any) -> None: ...
 
-    def render(self) -> tuple[bytes, str]: ...
+    def render(self, prefix: str = "both") -> tuple[bytes, str]: ...
+
+
+def token_count_buckets(max_model_len: int) -> list[float]:
+    """vLLM's 1-2-5 buckets up to max_model_len: 1, 2, 5, 10, 20, 50, ..."""
+    buckets: list[float] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_model_len:
+                return buckets
+            buckets.append(value)
+        exponent += 1
+
+
+class _Renamed(Collector):
+    """Every family of `source` again under another prefix (the same values, read at
+    scrape time: nothing is counted twice)."""
+
+    def __init__(self, source: CollectorRegistry, old: str, new: str) -> None:
+        self.source, self.old, self.new = source, old, new
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.source.collect():
+            renamed = Metric(self._name(family.name), family.documentation, family.type)
+            renamed.samples = [s._replace(name=self._name(s.name)) for s in family.samples]
+            yield renamed
+
+    def _name(self, name: str) -> str:
+        return self.new + name[len(self.old) :] if name.startswith(self.old) else name
 
 
 class EngineMetrics:
     """Engine-level gauges, counters and histograms, labelled with the served model name."""
 
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        registry: CollectorRegistry | None = None,
+        max_model_len: int = 2**20,
+    ) -> None:
         self.model_name = model_name
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self._vllm_names = vllm_names(self.registry)
         labels = ["model_name"]
         reg = self.registry
 
@@ -91,6 +140,22 @@ class EngineMetrics:
             "Time from arrival to first scheduling.",
             REQUEST_LATENCY_BUCKETS,
         )
+        tokens = token_count_buckets(max_model_len)
+        self._request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt tokens per finished request.", tokens
+        )
+        self._request_generation_tokens = histogram(
+            "request_generation_tokens", "Generated tokens per finished request.", tokens
+        )
+        self._iteration_tokens = histogram(
+            "iteration_tokens_total", "Tokens scheduled per engine step.", ITERATION_TOKEN_BUCKETS
+        )
+        self._waiting_by_reason = Gauge(
+            PREFIX + "num_requests_waiting_by_reason",
+            "Requests waiting to be scheduled, by why they wait.",
+            ["model_name", "reason"],
+            registry=reg,
+        )
         self._success = Counter(
             PREFIX + "request_success",
             "Finished requests, by finish reason.",
@@ -123,10 +188,16 @@ class EngineMetrics:
         self._e2e_c = self._e2e.labels(name)
         self._queue_c = self._queue.labels(name)
         self._success_c = {r: self._success.labels(name, r) for r in FINISH_REASONS}
+        self._request_prompt_tokens_c = self._request_prompt_tokens.labels(name)
+        self._request_generation_tokens_c = self._request_generation_tokens.labels(name)
+        self._iteration_tokens_c = self._iteration_tokens.labels(name)
+        self._waiting_capacity_c = self._waiting_by_reason.labels(name, "capacity")
+        self._waiting_by_reason.labels(name, "deferred").set(0)
 
     def on_step(self, num_running: int, num_waiting: int, kv_cache_usage: float) -> None:
         self._running_c.set(num_running)
         self._waiting_c.set(num_waiting)
+        self._waiting_capacity_c.set(num_waiting)
         self._kv_usage_c.set(kv_cache_usage)
 
     def on_lora(self, max_lora: int, running: Sequence[str], waiting: Sequence[str]) -> None:
@@ -137,6 +208,11 @@ class EngineMetrics:
         self._lora_info.clear()
         self._lora_info.labels(*labels).set(time.time())
         self._lora_labels = labels
+
+    def on_iteration(self, num_tokens: int) -> None:
+        """One engine step that scheduled `num_tokens` tokens (prompt and output)."""
+        if num_tokens > 0:
+            self._iteration_tokens_c.observe(num_tokens)
 
     def on_preemptions(self, count: int) -> None:
         if count > 0:
@@ -160,7 +236,14 @@ class EngineMetrics:
     def on_inter_token(self, itl_s: float) -> None:
         self._itl_c.observe(itl_s)
 
-    def on_request_finished(self, finish_reason: str, e2e_s: float, queue_s: float) -> None:
+    def on_request_finished(
+        self,
+        finish_reason: str,
+        e2e_s: float,
+        queue_s: float,
+        prompt_tokens: int | None = None,
+        generation_tokens: int | None = None,
+    ) -> None:
         child = self._success_c.get(finish_reason)
         if child is None:
             child = self._success_c[finish_reason] = self._success.labels(
@@ -169,11 +252,36 @@ class EngineMetrics:
         child.inc()
         self._e2e_c.observe(e2e_s)
         self._queue_c.observe(queue_s)
+        if prompt_tokens is not None:
+            self._request_prompt_tokens_c.observe(prompt_tokens)
+        if generation_tokens is not None:
+            self._request_generation_tokens_c.observe(generation_tokens)
 
     async def refresh(self, engine: Any) -> None:
         """Gauges as of now, not as of the last step (an idle engine does not step)."""
         self.on_step(engine.num_running, engine.num_waiting, engine.kv_cache_usage)
 
-    def render(self) -> tuple[bytes, str]:
-        """The registry in Prometheus' text format, and its content type."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+    def render(self, prefix: str = "both") -> tuple[bytes, str]:
+        """The registry in Prometheus' text format, and its content type; `prefix` (one of
+        METRICS_PREFIXES) picks the names: asyncserve:, vllm:, or both."""
+        return render_registry(self.registry, self._vllm_names, prefix)
+
+
+def vllm_names(registry: CollectorRegistry) -> CollectorRegistry:
+    """The same series under vLLM's `vllm:` names, read from `registry` at scrape time."""
+    renamed = CollectorRegistry(auto_describe=False)
+    renamed.register(_Renamed(registry, PREFIX, VLLM_PREFIX))
+    return renamed
+
+
+def render_registry(
+    registry: CollectorRegistry, renamed: CollectorRegistry, prefix: str
+) -> tuple[bytes, str]:
+    if prefix not in METRICS_PREFIXES:
+        raise ValueError(f"metrics prefix must be one of {METRICS_PREFIXES}, got {prefix!r}")
+    parts = []
+    if prefix in ("both", "asyncserve"):
+        parts.append(generate_latest(registry))
+    if prefix in ("both", "vllm"):
+        parts.append(generate_latest(renamed))
+    return b"".join(parts), CONTENT_TYPE_LATEST

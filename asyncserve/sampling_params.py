@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +49,24 @@ def _check(cond: bool, field_name: str, message: str) -> None:
         raise ValueError(f"{field_name} {message}")
 
 
+def _clamped_bias(bias: Any) -> dict[int, float]:
+    _check(isinstance(bias, dict), "logit_bias", "must be a mapping of token ids to biases")
+    out: dict[int, float] = {}
+    for token, value in bias.items():
+        _check(
+            isinstance(token, int) and not isinstance(token, bool) and token >= 0,
+            "logit_bias",
+            f"keys must be non-negative token ids, got {token!r}",
+        )
+        _check(
+            isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value),
+            "logit_bias",
+            f"values must be finite numbers, got {value!r} for token {token}",
+        )
+        out[token] = min(100.0, max(-100.0, float(value)))
+    return out
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -77,6 +96,9 @@ class SamplingParams:
     # Words never generated: the last token of each word's tokenization is ruled out where
     # the output so far ends with the rest of it.
     bad_words: list[str] | None = None
+    # Token id -> a bias added to its logit before sampling (OpenAI's logit_bias); values
+    # are clamped to [-100, 100] as vLLM does.
+    logit_bias: dict[int, float] | None = None
     # Keep only the last k prompt tokens (-1: as many as max_model_len allows).
     truncate_prompt_tokens: int | None = None
     # Disaggregated prefill (vLLM's field): {"do_remote_decode": true} on a producer keeps
@@ -192,6 +214,8 @@ class SamplingParams:
                 "bad_words",
                 "must be a list of non-empty strings",
             )
+        if self.logit_bias is not None:
+            self.logit_bias = _clamped_bias(self.logit_bias)
         if self.truncate_prompt_tokens is not None:
             _check(
                 isinstance(self.truncate_prompt_tokens, int)

@@ -102,6 +102,11 @@ def test_defaults() -> None:
     assert server.served_model_names == (DEFAULT_SERVED_NAME,)
     assert server.api_key is None
     assert server.max_request_body_bytes is None  # derived from max_model_len
+    assert server.metrics_prefix == "both"
+    assert not server.enable_auto_tool_choice and server.tool_call_parser is None
+    tools = parse("serve", "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_xml")
+    server = server_config_from_args(tools, NO_ENV)
+    assert server.enable_auto_tool_choice and server.tool_call_parser == "qwen3_xml"
 
 
 @pytest.mark.parametrize(
@@ -161,6 +166,8 @@ def test_parse_bytes_rejects(text: str) -> None:
         ["serve", "--max-num-seqs", "0"],
         ["serve", "-tp", "0"],
         ["serve", "--port", "http"],
+        ["serve", "--tool-call-parser", "nonesuch"],
+        ["serve", "--metrics-prefix", "tgi"],
         ["frobnicate"],
         [],
     ],
@@ -179,6 +186,7 @@ def test_bad_flags_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -
         (["serve", "--block-size", "24"], "block_size"),
         (["serve", "--ssl-keyfile", "k.pem"], "ssl_certfile"),
         (["serve", "--port", "70000"], "port"),
+        (["serve", "--enable-auto-tool-choice"], "--tool-call-parser"),
     ],
 )
 def test_invalid_config_exits_2_before_loading(

@@ -94,6 +94,20 @@ def test_chat_uses_template(llm: LLM) -> None:
     assert "<|im_start|>" in llm.get_tokenizer().decode(out.prompt_token_ids, False)
 
 
+def test_chat_passes_tools_to_the_template(llm: LLM) -> None:
+    template = "{% for t in tools %}[{{ t.function.name }}]{% endfor %}{{ messages[0].content }}"
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    out = llm.chat(
+        [{"role": "user", "content": "Hi"}],
+        params,
+        use_tqdm=False,
+        tools=[tool],
+        chat_template_kwargs={"chat_template": template},
+    )[0]
+    assert llm.get_tokenizer().decode(out.prompt_token_ids, False) == "[get_weather]Hi"
+
+
 def test_too_long_prompt_fails_alone(llm: LLM) -> None:
     long_prompt = " ".join(["word"] * 400)
     params = SamplingParams(temperature=0.0, max_tokens=4)
@@ -124,6 +138,19 @@ def test_too_long_prompt_fails_alone(llm: LLM) -> None:
 def test_invalid_sampling_params_name_the_field(kwargs: dict, field: str) -> None:  # type: ignore[type-arg]
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_logit_bias_forces_and_forbids(llm: LLM) -> None:
+    plain = SamplingParams(temperature=0.0, max_tokens=3)
+    first = llm.generate("The sky is", plain, use_tqdm=False)[0].outputs[0].token_ids[0]
+    forced = SamplingParams(temperature=0.0, max_tokens=3, logit_bias={42: 100})
+    assert (
+        list(llm.generate("The sky is", forced, use_tqdm=False)[0].outputs[0].token_ids) == [42] * 3
+    )
+    banned = SamplingParams(temperature=0.0, max_tokens=3, logit_bias={first: -100})
+    assert first not in llm.generate("The sky is", banned, use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="logit_bias.*out-of-vocab"):
+        llm.generate("Hi", SamplingParams(logit_bias={10**9: 1.0}), use_tqdm=False)
 
 
 def test_logprobs_over_max_logprobs(llm: LLM) -> None:

@@ -23,7 +23,7 @@ from asyncserve.disagg.engine_hooks import (
 )
 from asyncserve.disagg.kv_transfer import KVTransferError
 from asyncserve.engine.engine_core import EngineCore
-from asyncserve.engine.request_checks import check_request, truncate_prompt
+from asyncserve.engine.request_checks import check_request, check_token_params, truncate_prompt
 from asyncserve.engine.step_loop import StepLoop
 from asyncserve.executor.abstract import Executor
 from asyncserve.executor.multiproc import MultiProcExecutor
@@ -282,6 +282,10 @@ class AsyncEngine:
 
     def list_loras(self) -> list[LoRARequest]:
         return list(self.loras.values())
+
+    def check_token_params(self, params: SamplingParams) -> None:
+        """allowed_token_ids and logit_bias name only tokens of the vocabulary."""
+        check_token_params(params, self.loaded.arch.vocab_size)
 
     def truncate_prompt(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
         return truncate_prompt(prompt_ids, params, self.max_model_len)

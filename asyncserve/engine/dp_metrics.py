@@ -8,9 +8,11 @@ from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
+
+from asyncserve.metrics import render_registry, vllm_names
 
 # Gauges whose total is the mean over replicas rather than the sum.
 _MEAN_GAUGES = frozenset({"asyncserve:kv_cache_usage_perc"})
@@ -57,10 +59,11 @@ class DataParallelMetrics:
         self._collector = _Snapshots()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self._collector)
+        self._vllm_names = vllm_names(self.registry)
 
     async def refresh(self, engine: Any) -> None:
         # `engine` is the DataParallelClient the server runs.
         self._collector.snapshots = await engine.metrics_snapshots()
 
-    def render(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+    def render(self, prefix: str = "both") -> tuple[bytes, str]:
+        return render_registry(self.registry, self._vllm_names, prefix)

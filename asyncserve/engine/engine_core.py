@@ -100,7 +100,7 @@ class EngineCore:
         next step's masks depend on these tokens). Returns the requests that got tokens and
         the ids whose grammar completed ("stop"; their last token is text)."""
         updated = self.scheduler.update(plan, result)
-        self._record_step()
+        self._record_step(plan.total_num_scheduled_tokens)
         return updated, self._advance_grammars(updated)
 
     def publish(self, updated: list[Request], result: StepResult, grammar_done: list[str]) -> None:
@@ -128,13 +128,14 @@ class EngineCore:
             self.finish([request_id], RequestStatus.FINISHED_ERROR, error)
         return accepted.stopped
 
-    def _record_step(self) -> None:
+    def _record_step(self, num_tokens: int) -> None:
         if self.metrics is None:
             return
         s = self.scheduler
         self.metrics.on_step(s.num_running, s.num_waiting, s.kv_cache_usage)
         if s.max_loras:
             self.metrics.on_lora(s.max_loras, *s.lora_names())
+        self.metrics.on_iteration(num_tokens)
         preemptions = s.num_preemptions_total - self._seen_preemptions
         if preemptions:
             self.metrics.on_preemptions(preemptions)

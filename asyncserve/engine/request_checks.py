@@ -27,12 +27,7 @@ def check_request(
             f"prompt has {n_prompt} tokens but max_model_len is {max_model_len}: "
             "the prompt must be shorter than max_model_len"
         )
-    if params.allowed_token_ids is not None:
-        bad = next((t for t in params.allowed_token_ids if t >= vocab_size), None)
-        if bad is not None:
-            raise ValueError(
-                f"allowed_token_ids contains token id {bad} outside the vocabulary [0, {vocab_size})"
-            )
+    check_token_params(params, vocab_size)
     if params.structured_outputs is not None:
         # Compiles the grammar (cached): a bad schema, regex or grammar names its field.
         structured.validate(params.structured_outputs)
@@ -43,6 +38,23 @@ def check_request(
                 f"max_tokens: this model's maximum context length is {max_model_len} "
                 f"tokens, but {total} were requested ({n_prompt} in the prompt, "
                 f"{params.max_tokens} in the completion)"
+            )
+
+
+def check_token_params(params: SamplingParams, vocab_size: int) -> None:
+    """allowed_token_ids and logit_bias name only tokens of the vocabulary."""
+    if params.allowed_token_ids is not None:
+        bad = next((t for t in params.allowed_token_ids if t >= vocab_size), None)
+        if bad is not None:
+            raise ValueError(
+                f"allowed_token_ids contains token id {bad} outside the vocabulary [0, {vocab_size})"
+            )
+    if params.logit_bias:
+        out_of_vocab = sorted(t for t in params.logit_bias if t >= vocab_size)
+        if out_of_vocab:
+            raise ValueError(
+                f"logit_bias contains out-of-vocab token ids {out_of_vocab[:10]}; the "
+                f"vocabulary size is {vocab_size}"
             )
 
 

@@ -27,6 +27,7 @@ from asyncserve.http import (
     routes_openai,
     routes_ops,
     routes_pooling,
+    routes_tokenize,
 )
 from asyncserve.http.engine_client import EngineClient
 from asyncserve.http.errors import APIError, error_response
@@ -176,6 +177,7 @@ def build_app(
         + routes_kv_transfer.routes(state)
         + routes_ops.routes(state)
         + routes_lora.routes(state, loras)
+        + routes_tokenize.routes(state)
         + dashboard.routes(state),
         exception_handlers={
             APIError: _api_error,

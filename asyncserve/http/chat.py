@@ -35,6 +35,9 @@ from asyncserve.http.sse import (
     closing,
     sse_event,
 )
+from asyncserve.http.tools.parsers import ParseResult
+from asyncserve.http.tools.plan import ToolPlan, plan_tools, tool_calls
+from asyncserve.http.tools.stream import ToolCallStream
 from asyncserve.outputs import CompletionOutput, RequestOutput
 from asyncserve.sampling_params import SamplingParams
 from asyncserve.tracing import trace_headers
@@ -59,8 +62,10 @@ class _Job:
         prompt: PromptInput,
         model: str,
         request: Request,
+        tools: ToolPlan,
     ) -> None:
         self.state = state
+        self.tools = tools
         self.body = body
         self.prompt = prompt
         self.model = model
@@ -120,8 +125,12 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     body.top_logprobs = state.resolve_logprobs(body.top_logprobs, "top_logprobs")
     body.prompt_logprobs = state.resolve_logprobs(body.prompt_logprobs, "prompt_logprobs", "prompt")
     params = chat_params(body, state.generation_config)
+    tools = _plan_tools(state, body, params.structured_outputs is not None)
+    tools.apply(params)
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     constraint = "response_format" if body.response_format is not None else "structured_outputs"
+    if tools.forced:
+        constraint = "tools"
 
     def prepare() -> PromptInput:  # in the preprocessing pool: off the event loop
         text = render_chat_prompt(state.engine.tokenizer, body, state.config.chat_template)
@@ -130,24 +139,14 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
         return prompt
 
     prompt = await state.preprocessor.run(prepare)
-    job = _Job(state, body, prompt, model, request)
+    job = _Job(state, body, prompt, model, request, tools)
     job.ticket = state.check_ready(body.priority)
     if body.stream:
         return EventStreamResponse(_stream(job, params))
     final = await cancel_on_disconnect(_final(job.stream(params)), request.receive)
     if final.error is not None and not final.internal_error:
         raise engine_error(final, state.engine)
-    choices = [
-        ChatChoice(
-            index=comp.index,
-            message=ChatResponseMessage(role="assistant", content=comp.text),
-            logprobs=job.logprobs(comp),
-            finish_reason=comp.finish_reason,
-            stop_reason=comp.stop_reason,
-            token_ids=list(comp.token_ids) if body.return_token_ids else None,
-        )
-        for comp in sorted(final.outputs, key=lambda c: c.index)
-    ]
+    choices = [_choice(job, comp) for comp in sorted(final.outputs, key=lambda c: c.index)]
     completion_tokens = sum(len(c.token_ids) for c in final.outputs)
     response = ChatCompletionResponse(
         id=job.id,
@@ -164,6 +163,31 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
         kv_transfer_params=final.kv_transfer_params,
     )
     return Response(msgspec.json.encode(response), media_type="application/json")
+
+
+def _plan_tools(state: ServerState, body: ChatCompletionRequest, constrained: bool) -> ToolPlan:
+    config = state.config
+    parser = config.tool_call_parser if config.enable_auto_tool_choice else None
+    return plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, parser, constrained)
+
+
+def _choice(job: _Job, comp: CompletionOutput) -> ChatChoice:
+    parser = job.tools.new_parser()
+    parsed = parser.extract(comp.text) if parser is not None else ParseResult(comp.text)
+    calls = tool_calls(parsed)
+    return ChatChoice(
+        index=comp.index,
+        message=ChatResponseMessage(
+            role="assistant",
+            # OpenAI's shape: no content (null) beside tool calls unless the model wrote some.
+            content=parsed.content if parsed.content or not calls else None,
+            tool_calls=calls,
+        ),
+        logprobs=job.logprobs(comp),
+        finish_reason=job.tools.finish_reason(comp.finish_reason, bool(calls)),
+        stop_reason=comp.stop_reason,
+        token_ids=list(comp.token_ids) if job.body.return_token_ids else None,
+    )
 
 
 async def _final(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
@@ -184,6 +208,7 @@ async def _stream(job: _Job, params: SamplingParams) -> AsyncIterator[bytes]:
     finished: set[int] = set()  # choices whose finish_reason went out: nothing more for them
     last: RequestOutput | None = None
     wants_logprobs = job.body.logprobs
+    tool_streams: dict[int, ToolCallStream] = {}
     try:
         # The role comes first, one chunk per choice, before any token is generated.
         for index in range(job.body.n):
@@ -205,24 +230,30 @@ async def _stream(job: _Job, params: SamplingParams) -> AsyncIterator[bytes]:
                     if comp.index in finished:
                         continue
                     tokens[comp.index] = tokens.get(comp.index, 0) + len(comp.token_ids)
+                    deltas = _deltas(job, tool_streams, comp)
                     if (
-                        not comp.text
+                        deltas == [DeltaMessage()]
                         and comp.finish_reason is None
                         and not (comp.token_ids and (wants_logprobs or return_ids))
                     ):
                         continue
                     if comp.finish_reason is not None:
                         finished.add(comp.index)
+                    called = comp.index in tool_streams and tool_streams[comp.index].called
+                    running = _running(prompt_tokens, tokens[comp.index]) if continuous else None
+                    # Tool-call headers and fragments go out one per chunk; the last chunk
+                    # carries the step's logprobs, token ids and finish reason.
+                    for delta in deltas[:-1]:
+                        yield job.chunk([ChatStreamChoice(index=comp.index, delta=delta)], running)
                     choice = ChatStreamChoice(
                         index=comp.index,
-                        delta=DeltaMessage(content=comp.text) if comp.text else DeltaMessage(),
+                        delta=deltas[-1],
                         logprobs=job.logprobs(comp),
-                        finish_reason=comp.finish_reason,
+                        finish_reason=job.tools.finish_reason(comp.finish_reason, called),
                         stop_reason=comp.stop_reason,
                     )
                     if return_ids:
                         choice.token_ids = list(comp.token_ids)
-                    running = _running(prompt_tokens, tokens[comp.index]) if continuous else None
                     yield job.chunk([choice], running)
         if include_usage and not failed:
             completion_tokens = sum(tokens.values())
@@ -235,6 +266,24 @@ async def _stream(job: _Job, params: SamplingParams) -> AsyncIterator[bytes]:
         logger.exception("chat stream %s failed", job.id)
         yield sse_event(APIError(f"{type(exc).__name__}: {exc}", 500).to_body())
     yield DONE
+
+
+def _deltas(
+    job: _Job, streams: dict[int, ToolCallStream], comp: CompletionOutput
+) -> list[DeltaMessage]:
+    """The messages one engine output becomes (at least one, possibly empty): its text, or
+    with tool parsing the new content and tool-call deltas."""
+    if job.tools.mode == "none":
+        return [DeltaMessage(content=comp.text) if comp.text else DeltaMessage()]
+    stream = streams.get(comp.index)
+    if stream is None:
+        parser = job.tools.new_parser()
+        assert parser is not None
+        stream = streams[comp.index] = ToolCallStream(parser)
+    content, calls = stream.feed(comp.text, comp.finish_reason is not None)
+    out = [DeltaMessage(content=content)] if content else []
+    out += [DeltaMessage(tool_calls=[call]) for call in calls]
+    return out or [DeltaMessage()]
 
 
 def _running(prompt_tokens: int, completion_tokens: int) -> UsageInfo:

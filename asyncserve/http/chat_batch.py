@@ -39,6 +39,7 @@ def _check(body: BatchChatCompletionRequest) -> None:
     for name, bad in (
         ("stream", body.stream),
         ("tools", bool(body.tools)),
+        ("tool_choice", body.tool_choice not in (None, "none")),
         ("use_beam_search", body.use_beam_search),
         ("n", body.n != 1),
     ):

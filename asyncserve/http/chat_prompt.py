@@ -7,7 +7,10 @@ the messages, flattens text content parts, and implements vLLM's `continue_final
 
 from __future__ import annotations
 
+import json
 from typing import Any
+
+import msgspec
 
 from asyncserve.http.errors import APIError
 from asyncserve.http.protocol import ChatCompletionRequest, ChatMessage
@@ -51,10 +54,31 @@ def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         if message.name is not None:
             entry["name"] = message.name
         if message.tool_calls is not None:
-            entry["tool_calls"] = message.tool_calls
+            entry["tool_calls"] = _template_tool_calls(message.tool_calls, i)
         if message.tool_call_id is not None:
             entry["tool_call_id"] = message.tool_call_id
         out.append(entry)
+    return out
+
+
+def _template_tool_calls(calls: list[dict[str, Any]], index: int) -> list[dict[str, Any]]:
+    """Tool calls as HF templates read them: arguments an object, not OpenAI's JSON text
+    (vLLM does the same); arguments that are not a JSON object stay as sent."""
+    out = []
+    for j, call in enumerate(calls):
+        if not isinstance(call, dict):
+            raise APIError(
+                "a tool call must be an object", 400, f"messages[{index}].tool_calls[{j}]"
+            )
+        function = call.get("function")
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            try:
+                arguments = json.loads(function["arguments"])
+            except ValueError:
+                arguments = None
+            if isinstance(arguments, dict):
+                call = {**call, "function": {**function, "arguments": arguments}}
+        out.append(call)
     return out
 
 
@@ -97,9 +121,10 @@ def render_chat_prompt(
             )
     if chat_template is not None:
         kwargs["chat_template"] = chat_template
+    tools = [msgspec.to_builtins(t) for t in body.tools] if body.tools else None
     try:
         text = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tools=body.tools, **kwargs
+            messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs
         )
     except ValueError as exc:
         raise APIError(f"the chat template could not be applied: {exc}", 400, "messages") from exc

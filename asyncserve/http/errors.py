@@ -191,6 +191,7 @@ _KNOWN_FIELDS = frozenset(
         "structured_outputs",
         "allowed_token_ids",
         "bad_words",
+        "logit_bias",
         "truncate_prompt_tokens",
     }
 )

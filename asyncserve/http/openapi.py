@@ -31,6 +31,12 @@ from asyncserve.http.protocol_pooling import (
     ScoreRequest,
     ScoreResponse,
 )
+from asyncserve.http.routes_tokenize import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 
 REF = "#/components/schemas/{name}"
 
@@ -104,6 +110,22 @@ _ENDPOINTS: list[tuple[str, str, str, Any, Any, Any]] = [
     ("/load", "get", "Generation requests in flight (vLLM)", None, LoadResponse, None),
     ("/health", "get", "200 while the engine loop runs, 503 otherwise", None, HealthResponse, None),
     ("/version", "get", "Server version", None, VersionResponse, None),
+    (
+        "/tokenize",
+        "post",
+        "Token ids of a prompt, or of chat messages through the chat template (vLLM)",
+        TokenizeRequest,
+        TokenizeResponse,
+        None,
+    ),
+    (
+        "/detokenize",
+        "post",
+        "Text of token ids (vLLM)",
+        DetokenizeRequest,
+        DetokenizeResponse,
+        None,
+    ),
 ]
 
 
@@ -191,7 +213,7 @@ def openapi_schema(version: str, auth: bool) -> dict[str, Any]:
         paths["/invocations"]["post"]["security"] = [{"bearer": []}]
     paths["/metrics"] = {
         "get": {
-            "summary": "Prometheus metrics (asyncserve: prefix, vLLM names)",
+            "summary": "Prometheus metrics (vLLM names, as asyncserve:* and vllm:*)",
             "responses": {"200": {"description": "OK", "content": {"text/plain": {}}}},
         }
     }

@@ -10,6 +10,8 @@ from typing import Annotated, Any
 
 import msgspec
 
+from asyncserve.http.tools.protocol import ChatTool, DeltaToolCall, ToolCall, ToolChoice
+
 # Bounds that keep every integer inside what torch and the engine take.
 Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 Count = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]
@@ -129,8 +131,9 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: Count | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    # Default: "auto" with tools, else "none".
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     # vLLM extras: how the chat template is applied.
     add_generation_prompt: bool | None = None
@@ -273,7 +276,7 @@ class ChatLogprobs(msgspec.Struct):
 class ChatResponseMessage(msgspec.Struct):
     role: str
     content: str | None
-    tool_calls: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    tool_calls: list[ToolCall] = msgspec.field(default_factory=list)
 
 
 class ChatChoice(msgspec.Struct):
@@ -302,6 +305,7 @@ class ChatCompletionResponse(msgspec.Struct):
 class DeltaMessage(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(msgspec.Struct):

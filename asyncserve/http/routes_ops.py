@@ -125,7 +125,7 @@ def routes(state: ServerState) -> list[Route]:
 
     async def metrics(request: Request) -> Response:
         await state.metrics.refresh(state.engine)
-        payload, content_type = state.metrics.render()
+        payload, content_type = state.metrics.render(state.config.metrics_prefix)
         return Response(payload, headers={"content-type": content_type})
 
     async def load(request: Request) -> Response:

@@ -102,8 +102,6 @@ def _check_common(body: SamplingFields | GenerateRequest) -> None:
         raise APIError(f"n must be an integer in [1, {MAX_N}], got {body.n}", 400, "n")
     if isinstance(body, SamplingFields):
         check_stream_fields(body)
-        if body.logit_bias:
-            raise APIError("logit_bias is not supported", 400, "logit_bias")
         if body.best_of is not None and body.best_of != body.n and not body.use_beam_search:
             raise APIError(
                 f"best_of must equal n ({body.n}) when given: best_of > n is not supported",
@@ -217,11 +215,28 @@ def _shared(body: SamplingFields, output_kind: RequestOutputKind) -> dict[str, A
         "spaces_between_special_tokens": body.spaces_between_special_tokens,
         "allowed_token_ids": body.allowed_token_ids,
         "bad_words": body.bad_words,
+        "logit_bias": _logit_bias(body.logit_bias),
         "truncate_prompt_tokens": body.truncate_prompt_tokens,
         "kv_transfer_params": body.kv_transfer_params,
         "prompt_logprobs": body.prompt_logprobs,
         "output_kind": output_kind,
     }
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias keys are token ids as strings."""
+    if not bias:
+        return None
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if not key.strip().isdigit():
+            raise APIError(
+                f"logit_bias keys must be token ids (non-negative integers), got {key!r}",
+                400,
+                "logit_bias",
+            )
+        out[int(key)] = value
+    return out
 
 
 def completion_params(
@@ -239,26 +254,10 @@ def completion_params(
     return _build(fields, generation_config)
 
 
-def _check_tools(body: ChatCompletionRequest) -> None:
-    if body.tools:
-        raise APIError(
-            "tools: tool calling is not supported yet; send the request without tools",
-            400,
-            "tools",
-        )
-    if body.tool_choice not in (None, "none"):
-        raise APIError(
-            "tool_choice: tool calling is not supported yet (only 'none' is accepted)",
-            400,
-            "tool_choice",
-        )
-
-
 def chat_params(
     body: ChatCompletionRequest, generation_config: Mapping[str, Any]
 ) -> SamplingParams:
     _check_common(body)
-    _check_tools(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError("top_logprobs requires logprobs to be true", 400, "top_logprobs")
     renames = {"logprobs": "top_logprobs"}

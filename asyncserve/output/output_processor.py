@@ -371,7 +371,10 @@ class OutputProcessor:
         e2e_s = now - parent.arrival_time
         reason = parent.children[0].finish_reason or "abort"
         if self.metrics is not None:
-            self.metrics.on_request_finished(reason, e2e_s, queue_s)
+            generated = sum(c.request.num_output_tokens for c in parent.children)
+            self.metrics.on_request_finished(
+                reason, e2e_s, queue_s, len(parent.prompt_token_ids), generated
+            )
         metrics = {"e2e_s": e2e_s, "queue_s": queue_s}
         if parent.first_token_time is not None:
             metrics["ttft_s"] = parent.first_token_time - parent.arrival_time

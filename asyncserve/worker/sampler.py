@@ -1,6 +1,6 @@
 """Batched logits processing and sampling on the device (the same code on CPU and CUDA).
 
-Order as vLLM v1: raw logprobs -> allowed-token mask -> min_tokens and bad words -> penalties -> greedy
+Order as vLLM v1: raw logprobs -> logit_bias -> allowed-token mask -> min_tokens and bad words -> penalties -> greedy
 argmax -> temperature -> min_p -> top-k -> top-p -> sample. Nothing reads a device value back
 to the host, and nothing loops over the vocabulary; the only Python loop is over seeded rows.
 """
@@ -52,6 +52,10 @@ class Sampler:
 
 def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """The steps that can change the greedy choice. Returns a new tensor when any applies."""
+    if meta.logit_bias_index is not None:
+        assert meta.logit_bias_values is not None
+        rows, tokens = meta.logit_bias_index
+        logits = logits.index_put((rows, tokens), meta.logit_bias_values, accumulate=True)
     if meta.allowed_token_mask is not None:
         logits = logits.masked_fill(~meta.allowed_token_mask, _NEG_INF)
     if meta.banned_token_index is not None:

@@ -65,6 +65,9 @@ class SamplingMetadata:
     max_num_logprobs: int | None
     # [N, V] bool from allowed_token_ids (rows without them all True); None when unused.
     allowed_token_mask: torch.Tensor | None = None
+    # logit_bias of every row that has one: [2, M] int64 (row, token) and [M] float32 biases.
+    logit_bias_index: torch.Tensor | None = None
+    logit_bias_values: torch.Tensor | None = None
 
     @property
     def no_penalties(self) -> bool:
@@ -84,6 +87,7 @@ class SamplingMetadata:
         output_counts, prompt_mask = _penalty_tensors(rows, vocab_size, device)
         pairs = _banned_pairs(rows, vocab_size)
         wanted = [p.logprobs for p in params if p.logprobs is not None]
+        bias_index, bias_values = _logit_bias(params, vocab_size, device)
         return cls(
             num_rows=len(rows),
             vocab_size=vocab_size,
@@ -108,6 +112,8 @@ class SamplingMetadata:
             if pairs
             else None,  # fmt: skip
             allowed_token_mask=_allowed_token_mask(params, vocab_size, device),
+            logit_bias_index=bias_index,
+            logit_bias_values=bias_values,
             generators={
                 i: row.generator
                 for i, (row, g) in enumerate(zip(rows, greedy, strict=True))
@@ -181,6 +187,27 @@ def _banned_pairs(rows: Sequence[SamplingRow], vocab_size: int) -> list[tuple[in
             if prefix == 0 or output[-prefix:] == word[:-1]:
                 pairs.append((i, word[-1]))
     return pairs
+
+
+def _logit_bias(
+    params: Sequence[SamplingParams], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Sparse (row, token) -> bias for the rows with a logit_bias; (None, None) when none."""
+    rows: list[int] = []
+    tokens: list[int] = []
+    values: list[float] = []
+    for i, p in enumerate(params):
+        for token, bias in (p.logit_bias or {}).items():
+            if token < vocab_size:
+                rows.append(i)
+                tokens.append(token)
+                values.append(bias)
+    if not rows:
+        return None, None
+    return (
+        _to_device([rows, tokens], torch.int64, device),
+        _to_device(values, torch.float32, device),
+    )
 
 
 def _allowed_token_mask(

@@ -68,3 +68,28 @@ def test_unknown_finish_reason_gets_its_own_series() -> None:
     m.on_request_finished("timeout", 1.0, 0.0)
     key = tuple(sorted({"model_name": "m", "finished_reason": "timeout"}.items()))
     assert _samples(m)[("asyncserve:request_success_total", key)] == 1
+
+
+def test_vllm_histograms_and_names() -> None:
+    m = EngineMetrics("smol", max_model_len=100)
+    m.on_step(num_running=1, num_waiting=4, kv_cache_usage=0.5)
+    m.on_iteration(48)
+    m.on_iteration(0)  # an empty step is not an iteration
+    m.on_request_finished("stop", e2e_s=1.0, queue_s=0.1, prompt_tokens=7, generation_tokens=30)
+    s = _samples(m)
+    label = (("model_name", "smol"),)
+    for prefix in ("asyncserve:", "vllm:"):
+        assert s[(prefix + "request_prompt_tokens_sum", label)] == 7
+        assert s[(prefix + "request_generation_tokens_sum", label)] == 30
+        assert s[(prefix + "iteration_tokens_total_count", label)] == 1
+        # 1-2-5 buckets up to max_model_len, as vLLM's.
+        le = (("le", "50.0"), ("model_name", "smol"))
+        assert s[(prefix + "request_generation_tokens_bucket", le)] == 1
+        assert (prefix + "request_prompt_tokens_bucket", (("le", "200.0"), label[0])) not in s
+        for reason, count in (("capacity", 4), ("deferred", 0)):
+            key = tuple(sorted({"model_name": "smol", "reason": reason}.items()))
+            assert s[(prefix + "num_requests_waiting_by_reason", key)] == count
+    only_vllm = m.render("vllm")[0].decode()
+    assert "vllm:num_requests_waiting{" in only_vllm and "asyncserve:" not in only_vllm
+    only_ours = m.render("asyncserve")[0].decode()
+    assert "asyncserve:num_requests_waiting{" in only_ours and "vllm:" not in only_ours

@@ -26,6 +26,10 @@ METRIC_NAMES = [
     "asyncserve:prefix_cache_queries_total",
     "asyncserve:prefix_cache_hits_total",
     "asyncserve:request_success_total",
+    "asyncserve:request_prompt_tokens_bucket",
+    "asyncserve:request_generation_tokens_bucket",
+    "asyncserve:iteration_tokens_total_bucket",
+    "asyncserve:num_requests_waiting_by_reason",
 ]
 
 
@@ -69,6 +73,13 @@ def test_metrics_count_a_request(client: httpx.Client) -> None:
         before, "asyncserve:time_to_first_token_seconds_count"
     )
     assert ttft == 1
+    # The same series under vLLM's names (--metrics-prefix both, the default).
+    for name in METRIC_NAMES:
+        vllm_name = name.replace("asyncserve:", "vllm:")
+        assert f"{vllm_name}{{" in after, vllm_name
+    for name in ("generation_tokens_total", "request_generation_tokens_sum"):
+        assert value(after, "vllm:" + name) == value(after, "asyncserve:" + name)
+    assert 'vllm:num_requests_waiting_by_reason{model_name="smol",reason="capacity"}' in after
 
 
 def test_version(client: httpx.Client) -> None:

@@ -95,7 +95,7 @@ def test_prompt_logprobs_in_responses(client: httpx.Client) -> None:
     assert negative.json()["error"]["param"] == "prompt_logprobs"
 
 
-def test_tools_are_refused_but_tool_turns_render(client: httpx.Client) -> None:
+def test_tools_without_a_parser_are_refused_but_tool_turns_render(client: httpx.Client) -> None:
     tool = {"type": "function", "function": {"name": "weather", "parameters": {}}}
     refused = chat(client, [{"role": "user", "content": "Weather?"}], tools=[tool])
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools"
@@ -111,3 +111,20 @@ def test_tools_are_refused_but_tool_turns_render(client: httpx.Client) -> None:
     null_user = chat(client, [{"role": "user", "content": None}])
     assert null_user.status_code == 400
     assert null_user.json()["error"]["param"] == "messages[0].content"
+
+
+def test_logit_bias_forces_and_forbids_tokens(client: httpx.Client) -> None:
+    forced = complete(client, logit_bias={"42": 100}, logprobs=0, return_tokens_as_token_ids=True)
+    assert forced.status_code == 200, forced.text
+    assert token_ids(forced.json()["choices"][0]) == [42] * 6
+    plain = complete(client, logprobs=0, return_tokens_as_token_ids=True).json()
+    first = token_ids(plain["choices"][0])[0]
+    banned = complete(
+        client, logit_bias={str(first): -100}, logprobs=0, return_tokens_as_token_ids=True
+    )
+    assert first not in token_ids(banned.json()["choices"][0])
+    # Over 100 is clamped (vLLM): still a valid request, still forcing.
+    messages = [{"role": "user", "content": "Hi"}]
+    r = chat(client, messages, logit_bias={"42": 1e9}, max_tokens=2, return_token_ids=True)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == [42, 42]

@@ -1,6 +1,7 @@
 """vLLM's server options through one real server started with them (some from --config):
 --root-path, /invocations, /load, chat batch, forced usage, per-request metrics, token ids in
-logprobs, --max-logprobs -1, --chat-template, --generation-config, CORS and X-Request-Id."""
+logprobs, --max-logprobs -1, --chat-template, --generation-config, CORS, X-Request-Id, and
+tool_choice "auto" with --enable-auto-tool-choice --tool-call-parser hermes."""
 
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ def options_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerP
         "allowed-origins": [ORIGIN],
         "max-model-len": 1024,
         "kv-cache-memory": "128M",
+        "enable-auto-tool-choice": True,
+        "tool-call-parser": "hermes",
     }
     (root / "config.yaml").write_text(json.dumps(config))  # JSON is YAML
     args = [
@@ -219,3 +222,38 @@ def test_yaml_config_expansion(tmp_path: Path) -> None:
     (tmp_path / "bad.yaml").write_text("no-such-flag: 1\n")
     with pytest.raises(SystemExit):
         main(["serve", "--config", str(tmp_path / "bad.yaml")])
+
+
+def test_auto_tool_choice_parses_the_models_calls(
+    http: httpx.Client, options_server: ServerProcess
+) -> None:
+    """The model's output is held (by a regex) to a Hermes tool call; the server reads it
+    back as an OpenAI tool call, whole and streamed."""
+    openai = pytest.importorskip("openai")
+    oai = openai.OpenAI(base_url=f"{options_server.base_url}/v1", api_key="x", max_retries=0)
+    params = {"type": "object", "properties": {"city": {"type": "string"}}}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": params}}]
+    regex = r'Checking\.<tool_call>\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,8}"\}\}</tool_call>'
+    kwargs: dict[str, Any] = dict(
+        model="opts",
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=tools,
+        temperature=0,
+        max_tokens=60,
+        extra_body={"structured_outputs": {"regex": regex}},
+    )
+    done = oai.chat.completions.create(**kwargs).choices[0]
+    assert done.finish_reason == "tool_calls" and done.message.content == "Checking."
+    [call] = done.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert set(json.loads(call.function.arguments)) == {"city"}
+    with oai.chat.completions.stream(**kwargs) as stream:
+        for _ in stream:
+            pass
+        streamed = stream.get_final_completion().choices[0]
+    assert streamed.finish_reason == "tool_calls" and streamed.message.content == "Checking."
+    [again] = streamed.message.tool_calls
+    assert (again.function.name, again.function.arguments) == (
+        call.function.name,
+        call.function.arguments,
+    )

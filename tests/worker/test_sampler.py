@@ -326,6 +326,23 @@ def test_allowed_token_ids(device: torch.device) -> None:
     assert_matches(samples[1:], expected / expected.sum())
 
 
+def test_logit_bias_forces_and_forbids_tokens(device: torch.device) -> None:
+    """+100 makes a token certain; -100 rules one out; rows without a bias are unchanged;
+    biases beyond [-100, 100] are clamped, ids past the logits ignored."""
+    logits = torch.tensor(PROBS, device=device).log().repeat(4, 1)
+    rows = [
+        row(SamplingParams(temperature=0.0, logit_bias={5: 100})),
+        row(SamplingParams(temperature=0.0, logit_bias={0: -1e6, 99: 50})),
+        row(SamplingParams(temperature=0.0)),
+        row(SamplingParams(temperature=1.0, seed=3, logit_bias={7: 250.0})),
+    ]
+    meta = SamplingMetadata.build(rows, len(PROBS), device)
+    assert meta.logit_bias_values is not None
+    assert meta.logit_bias_values.tolist() == [100.0, -100.0, 100.0]
+    out = Sampler()(logits, meta).sampled_token_ids.tolist()
+    assert out == [5, 1, 0, 7]
+
+
 def test_bad_words_rule_out_the_completing_token(device: torch.device) -> None:
     """A one-token bad word is never sampled; a two-token one only after its first token."""
     params = SamplingParams(temperature=0.0)
@@ -352,6 +369,7 @@ def test_metadata_leaves_unused_features_off() -> None:
     assert greedy.top_k is None and greedy.top_p is None and greedy.min_p is None
     assert greedy.no_penalties
     assert greedy.banned_token_index is None and greedy.max_num_logprobs is None
+    assert greedy.logit_bias_index is None and greedy.logit_bias_values is None
 
     rows = [
         row(SamplingParams(top_k=100, logprobs=2)),

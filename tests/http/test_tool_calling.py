@@ -1,0 +1,220 @@
+"""Tool calling through the OpenAI SDK against the real server (SmolLM2, no tool-call parser
+configured): tool_choice "required" and a named function are forced through the grammar, so
+the calls parse with the SDK and their arguments validate against the tool's schema; a
+stream's deltas reassemble to the same calls; "auto" without a parser is a 400 naming the
+flags; tools and tool_call_id reach the chat template."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+import msgspec
+import pytest
+
+from asyncserve.http.chat_prompt import render_chat_prompt
+from asyncserve.http.protocol import ChatCompletionRequest
+from asyncserve.http.tools.plan import plan_tools
+from asyncserve.http.tools.protocol import ChatTool
+from tests.http.conftest import MODEL
+
+WEATHER_PARAMS = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 24},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": WEATHER_PARAMS,
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "Current time in a time zone",
+            "parameters": {
+                "type": "object",
+                "properties": {"zone": {"type": "string", "enum": ["UTC", "CET", "PST"]}},
+                "required": ["zone"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _check_calls(calls: Any) -> list[tuple[str, str]]:
+    assert calls, "no tool calls"
+    out = []
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+        out.append((call.function.name, call.function.arguments))
+    return out
+
+
+@pytest.mark.parametrize(
+    "tool_choice",
+    ["required", {"type": "function", "function": {"name": "get_weather"}}],
+    ids=["required", "named"],
+)
+def test_forced_calls_parse_validate_and_stream_the_same(oai: Any, tool_choice: Any) -> None:
+    kwargs = dict(
+        model=MODEL,
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice=tool_choice,
+        temperature=0,
+        max_tokens=60,
+        parallel_tool_calls=False,
+    )
+    done = oai.chat.completions.create(**kwargs)
+    choice = done.choices[0]
+    calls = _check_calls(choice.message.tool_calls)
+    assert choice.message.content is None
+    if tool_choice == "required":
+        assert len(calls) == 1 and choice.finish_reason == "tool_calls"
+    else:
+        assert calls[0][0] == "get_weather" and choice.finish_reason == "stop"
+
+    with oai.chat.completions.stream(**kwargs) as stream:
+        for _ in stream:
+            pass
+        streamed = stream.get_final_completion()
+    assert _check_calls(streamed.choices[0].message.tool_calls) == calls
+    assert streamed.choices[0].finish_reason == choice.finish_reason
+
+
+def test_stream_deltas_in_openai_shape(client: Any) -> None:
+    body = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "tools": TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+        "temperature": 0,
+        "max_tokens": 30,
+        "stream": True,
+    }
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    deltas = [c["choices"][0]["delta"] for c in lines if c["choices"]]
+    calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+    first, rest = calls[0], calls[1:]
+    assert first["id"].startswith("chatcmpl-tool-") and first["type"] == "function"
+    assert first["function"] == {"name": "get_time", "arguments": ""}
+    assert rest and all(set(c) == {"index", "function"} for c in rest)
+    arguments = "".join(c["function"]["arguments"] for c in rest)
+    assert json.loads(arguments)["zone"] in ("UTC", "CET", "PST")
+
+
+def test_bad_tool_requests_are_400s_naming_the_field(client: Any) -> None:
+    def post(**fields: Any) -> Any:
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, **fields}
+        return client.post("/v1/chat/completions", json=body)
+
+    cases = [
+        ({"tools": TOOLS}, "tools", "--enable-auto-tool-choice"),
+        ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "--tool-call-parser"),
+        ({"tool_choice": "required"}, "tool_choice", "tools"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice.function.name",
+            "nope",
+        ),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", ""),
+        ({"tools": [{"type": "function", "function": {"name": 3}}]}, "tools[0].function.name", ""),
+        ({"tools": [{"type": "web", "function": {"name": "x"}}]}, "tools[0].type", ""),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "tool_choice",
+            "",
+        ),
+        (
+            {
+                "tools": [
+                    {"type": "function", "function": {"name": "f", "parameters": {"type": 7}}}
+                ],
+                "tool_choice": "required",
+            },
+            "tools",
+            "schema",
+        ),
+        (
+            {
+                "messages": [{"role": "assistant", "tool_calls": ["not an object"]}],
+            },
+            "messages[0].tool_calls[0]",
+            "",
+        ),
+    ]
+    for fields, param, words in cases:
+        r = post(**fields)
+        assert r.status_code == 400, (fields, r.text)
+        error = r.json()["error"]
+        assert error["param"] == param, (fields, error)
+        assert words in error["message"], (fields, error)
+    # tool_choice "none" needs no parser: the tools go to the template, the reply is text.
+    r = post(tools=TOOLS, tool_choice="none")
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["tool_calls"] == []
+
+
+TEMPLATE = (
+    "{% for t in tools %}[tool {{ t.function.name }}]{% endfor %}"
+    "{% for m in messages %}<{{ m.role }}>"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}call {{ c.function.name }} "
+    "city={{ c.function.arguments.city }}{% endfor %}{% endif %}"
+    "{% if m.tool_call_id %}({{ m.tool_call_id }}){% endif %}{{ m.content }}{% endfor %}"
+)
+
+
+def test_tools_and_tool_turns_reach_the_template(tokenizer: Any) -> None:
+    body = msgspec.convert(
+        {
+            "messages": [
+                *MESSAGES,
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "call_1",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+            ],
+            "tools": TOOLS,
+            "add_generation_prompt": False,
+        },
+        ChatCompletionRequest,
+    )
+    text = render_chat_prompt(tokenizer, body, TEMPLATE)
+    assert text == (
+        "[tool get_weather][tool get_time]<user>What is the weather in Paris?"
+        "<assistant>call get_weather city=Paris<tool>(call_1)18 C"
+    )
+
+
+def test_plan_for_each_tool_choice() -> None:
+    tools = [msgspec.convert(t, ChatTool) for t in TOOLS]
+    assert plan_tools(None, None, None, None, False).mode == "none"
+    assert plan_tools(tools, "none", None, None, False).mode == "none"
+    auto = plan_tools(tools, None, None, "hermes", False)
+    assert auto.mode == "auto" and type(auto.new_parser()).__name__ == "HermesToolParser"
+    required = plan_tools(tools, "required", False, None, False)
+    assert required.mode == "required" and not required.parallel
