@@ -129,6 +129,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--enforce-eager", action="store_true", help="no CUDA graphs (GPU only; always on CPU)"
     )
     group.add_argument(
+        "--speculative-config",
+        default=None,
+        help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\'',
+    )
+    group.add_argument(
         "--stream-interval",
         type=_positive_int,
         default=1,
@@ -157,6 +163,7 @@ def engine_config_from_args(args: argparse.Namespace, env: Environment) -> Engin
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
         stream_interval=args.stream_interval,
+        speculative_config=args.speculative_config,
     )
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
+
+from asyncserve.spec_decode.config import SpeculativeConfig
 
 SchedulingPolicy = Literal["fcfs", "priority"]
 LoadFormat = Literal["auto", "dummy"]
@@ -98,6 +100,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig | None = None
     # Step-loop behaviour.
     enable_cuda_graphs: bool = True
     stream_interval: int = 1
@@ -125,6 +128,7 @@ class EngineConfig:
         enforce_eager: bool = False,
         stream_interval: int = 1,
         tensor_parallel_size: int = 1,
+        speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None,
     ) -> EngineConfig:
         """The engine's configuration from vLLM's engine argument names (LLM(...) and the
         serve flags both come here)."""
@@ -152,6 +156,9 @@ class EngineConfig:
                 async_scheduling=async_scheduling,
             ),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+            speculative=None
+            if speculative_config is None
+            else SpeculativeConfig.from_value(speculative_config),
             enable_cuda_graphs=not enforce_eager,
             stream_interval=stream_interval,
         )

@@ -46,6 +46,7 @@ class LLM:
         enforce_eager: bool = False,
         tensor_parallel_size: int = 1,
         max_logprobs: int = 20,
+        speculative_config: dict[str, Any] | None = None,
     ) -> None:
         # Most logprobs (and prompt_logprobs) a SamplingParams may ask for, as in vLLM.
         self.max_logprobs = max_logprobs
@@ -68,6 +69,7 @@ class LLM:
             async_scheduling=async_scheduling,
             enforce_eager=enforce_eager,
             tensor_parallel_size=tensor_parallel_size,
+            speculative_config=speculative_config,
         )
         self.engine = AsyncEngine.from_config(config)
         self._loop = asyncio.new_event_loop()

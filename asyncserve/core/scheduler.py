@@ -14,6 +14,13 @@ whose token is being sampled holds a placeholder (num_output_placeholders) that 
 step already computes. A request that ends on that token (EOS, stop) has one wasted row in
 the next step, whose token update() drops; length limits count placeholders, so nothing is
 ever computed past max_tokens or max_model_len.
+
+Speculative decoding: a decoding request with proposed tokens (Request.spec_token_ids, from
+the last step's StepResult) gets them scheduled after its last token, so the step verifies
+k + 1 positions; they count in the token budget and get slots like any token, and are cut so
+the step can never produce more than max_tokens or reach past max_model_len. update()
+rewinds num_computed_tokens past the rejected ones: their slots are written again by the
+next step, and, holding no known token, they are never hashed for the prefix cache.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from asyncserve.core.kv_cache_manager import KVCacheManager
 from asyncserve.core.request import Request, RequestStatus
 from asyncserve.core.step import NewRequestData, RunningRequestData, StepPlan, StepResult
 from asyncserve.core.waiting_queue import WaitingQueue
+from asyncserve.spec_decode.stats import SpecDecodeStats
 
 
 class Scheduler:
@@ -59,6 +67,7 @@ class Scheduler:
         self._freed_ids: set[str] = set()
         self._errored: list[Request] = []
         self.num_preemptions_total = 0
+        self.spec_stats = SpecDecodeStats()
 
     # ----------------------------------------------------------------- requests in and out
 
@@ -148,6 +157,8 @@ class Scheduler:
             if num_new <= 0 or self._at_length_limit(request):
                 index += 1
                 continue
+            spec = self._spec_tokens(request, num_new, step.budget)
+            num_new += len(spec)
             if self._never_fits(request.num_computed_tokens + num_new):
                 running.pop(index)
                 self.kv_cache_manager.free(request)
@@ -156,7 +167,7 @@ class Scheduler:
             block_ids, index = self._allocate_or_preempt(request, num_new, index, step)
             if block_ids is None:
                 break  # it preempted itself; anything after it waits for the next step
-            step.add_running(request, num_new, block_ids)
+            step.add_running(request, num_new, block_ids, spec)
             index += 1
 
     def _allocate_or_preempt(
@@ -239,6 +250,7 @@ class Scheduler:
             num_scheduled_tokens=step.num_scheduled,
             total_num_scheduled_tokens=self.max_num_batched_tokens - step.budget,
             freed_request_ids=self._freed_ids,
+            scheduled_spec_tokens=step.spec,
         )
         self._freed_ids = set()
         # The plan carries the start positions; from here on the tokens count as computed,
@@ -274,6 +286,14 @@ class Scheduler:
                 request.num_output_placeholders - len(token_ids), 0
             )
             preempted = request.status == RequestStatus.PREEMPTED
+            spec = plan.scheduled_spec_tokens.get(rid)
+            if spec is not None:
+                num_accepted = len(token_ids) - 1
+                self.spec_stats.observe(len(spec), num_accepted)
+                if not preempted:
+                    # The rejected proposals' K/V are stale: computed again from here.
+                    request.num_computed_tokens -= len(spec) - num_accepted
+            drafts = result.draft_token_ids.get(rid)
             for token_id in token_ids:
                 request.output_token_ids.append(token_id)
                 if self._check_stop(request, token_id):
@@ -284,6 +304,8 @@ class Scheduler:
                     else:
                         any_finished = True
                     break
+            if drafts and not request.is_finished:
+                request.spec_token_ids = drafts
             if request.first_token_time is None:
                 if now is None:
                     now = time.monotonic()
@@ -317,6 +339,23 @@ class Scheduler:
             request.status = RequestStatus.FINISHED_LENGTH
             return True
         return False
+
+    def _spec_tokens(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """The proposals to verify this step (taken off the request), cut so that the step's
+        tokens (accepted proposals plus one) stay within the budget, max_tokens and
+        max_model_len. Only a plain decode step verifies proposals."""
+        spec = request.spec_token_ids
+        if not spec:
+            return spec
+        request.spec_token_ids = []
+        if num_new != 1 or request.num_output_placeholders:
+            return []
+        room = min(
+            budget - 1,
+            request.max_tokens - request.num_output_tokens - 1,
+            self.max_model_len - request.num_tokens - 1,
+        )
+        return spec[: max(room, 0)]
 
     def _at_length_limit(self, request: Request) -> bool:
         """The tokens in flight already reach max_tokens or max_model_len: nothing more to
@@ -366,17 +405,23 @@ class _StepBudget:
     running: list[Request] = field(default_factory=list)
     new: list[Request] = field(default_factory=list)
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    spec: dict[str, list[int]] = field(default_factory=dict)
 
-    def add_running(self, request: Request, num_new: int, block_ids: list[int]) -> None:
+    def add_running(
+        self, request: Request, num_new: int, block_ids: list[int], spec: list[int]
+    ) -> None:
         self.running.append(request)
         self.num_scheduled[request.request_id] = num_new
         self.new_block_ids[request.request_id] = block_ids
+        if spec:
+            self.spec[request.request_id] = spec
         self.budget -= num_new
 
     def remove_running(self, request: Request) -> None:
         self.running.remove(request)
         self.budget += self.num_scheduled.pop(request.request_id)
         del self.new_block_ids[request.request_id]
+        self.spec.pop(request.request_id, None)
 
     def add_new(self, request: Request, num_new: int) -> None:
         self.new.append(request)

@@ -45,6 +45,9 @@ class StepPlan:
     # A scheduled request samples from its output tokens' values (penalties, bad words): with
     # a step in flight, this one samples only after that step's tokens are collected.
     needs_output_tokens: bool = False
+    # request id -> proposed tokens verified this step (speculative decoding); they are the
+    # last of its scheduled tokens, after its last known token.
+    scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -61,6 +64,8 @@ class StepResult:
     # request id -> per prompt position (the first has none): top-k logprobs and the rank of
     # the actual next prompt token; filled chunk by chunk.
     prompt_logprobs: dict[str, list[tuple[dict[int, float], int]]] = field(default_factory=dict)
+    # request id -> tokens proposed to follow this step's tokens (speculative decoding).
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass

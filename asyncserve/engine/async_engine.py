@@ -84,6 +84,11 @@ class AsyncEngine:
         async_scheduling = config.scheduler.async_scheduling
         if async_scheduling is None:
             async_scheduling = self.device.type == "cuda"
+        if config.speculative is not None:
+            # A step's proposals come from the tokens of the step before: one step in flight.
+            if async_scheduling and config.scheduler.async_scheduling:
+                logger.info("speculative decoding runs with synchronous scheduling")
+            async_scheduling = False
         self.step_loop = StepLoop(self.core, self.executor, async_scheduling)
         self._loop_task: asyncio.Task[None] | None = None
         self._wakeup: asyncio.Event | None = None

@@ -18,12 +18,16 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from asyncserve.config import EngineConfig
 from asyncserve.core.step import GrammarBitmask, StepPlan, StepResult
 from asyncserve.models.loader import LoadedModel
 from asyncserve.models.parallel import SINGLE, TensorParallel
+from asyncserve.spec_decode.config import can_speculate
+from asyncserve.spec_decode.ngram_proposer import NgramProposer
+from asyncserve.spec_decode.verify import expand_request_ids, verify
 from asyncserve.worker.cuda_graphs import DecodeGraphs
 from asyncserve.worker.grammar_mask import apply_grammar_bitmask
 from asyncserve.worker.input_batch import (
@@ -106,6 +110,12 @@ class ModelRunner:
         self.num_blocks = 0
         self.decode_graphs: DecodeGraphs | None = None
         self.staging = HostStaging(device)
+        spec = config.speculative
+        self.proposer: NgramProposer | None = None
+        if spec is not None and spec.method == "ngram":
+            self.proposer = NgramProposer(
+                spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+            )
 
     # ---- KV pool -------------------------------------------------------------------------
 
@@ -227,7 +237,9 @@ class ModelRunner:
             else:
                 assert forwarded.hidden is not None
                 logits = self.model.compute_logits(forwarded.hidden[inputs.logits_indices])
-            sampler_out = self._sample(logits, inputs.sample_request_ids, grammar)
+            sampler_out = self._sample(
+                logits, inputs.sample_request_ids, grammar, inputs.spec_token_ids
+            )
 
         for rid, count in zip(inputs.request_ids, inputs.counts, strict=True):
             self.states[rid].num_computed_tokens += count
@@ -240,21 +252,26 @@ class ModelRunner:
         logits: torch.Tensor,
         request_ids: list[str],
         grammar: Future[GrammarBitmask | None] | None,
+        spec: list[list[int]] | None = None,
     ) -> SamplerOutput:
         """Rank 0 samples; under tensor parallelism every other rank takes its ids, so all
-        ranks feed the same tokens to the next step."""
+        ranks feed the same tokens to the next step. With proposals (`spec`, per request)
+        the logits hold k + 1 rows per request and the ids come back as [B, K + 1]."""
         if self.tp.rank == 0:
             # Filled on the grammar thread while the forward ran.
             bitmask = grammar.result() if grammar is not None else None
             if bitmask is not None:
-                apply_grammar_bitmask(logits, bitmask, request_ids)
+                row_ids = request_ids if spec is None else expand_request_ids(request_ids, spec)
+                apply_grammar_bitmask(logits, bitmask, row_ids)
             rows = [self._sampling_row(self.states[rid]) for rid in request_ids]
-            meta = SamplingMetadata.build(rows, self.vocab_size, self.device)
-            out = self.sampler(logits, meta)
+            if spec is None:
+                meta = SamplingMetadata.build(rows, self.vocab_size, self.device)
+                out = self.sampler(logits, meta)
+            else:
+                out = verify(logits, rows, spec, self.vocab_size, self.device)
         else:
-            out = SamplerOutput(
-                torch.empty(len(request_ids), dtype=torch.int64, device=self.device)
-            )
+            shape = [len(request_ids)] + ([] if spec is None else [max(map(len, spec)) + 1])
+            out = SamplerOutput(torch.empty(shape, dtype=torch.int64, device=self.device))
         self.tp.broadcast_from_first(out.sampled_token_ids)
         return out
 
@@ -294,16 +311,31 @@ class ModelRunner:
         sampled, lp_ids, lp_vals, ranks = (t.tolist() if t is not None else None for t in step.host)
         assert sampled is not None
         for row, (rid, state, index) in enumerate(step.rows):
-            token = int(sampled[row])
-            state.output_token_ids[index] = token
+            value = sampled[row]
+            # A verifying request gets its accepted proposals and one more (-1 padded).
+            tokens = [t for t in value if t >= 0] if isinstance(value, list) else [int(value)]
+            state.output_token_ids[index : index + 1] = tokens
             if state.in_flight is not None and state.in_flight[0] is step.sampled:
                 state.in_flight = None
-            result.sampled_token_ids[rid] = [token]
+            result.sampled_token_ids[rid] = tokens
             num_logprobs = state.sampling_params.logprobs
             if num_logprobs is not None and lp_ids is not None and lp_vals is not None:
                 rank = int(ranks[row]) if ranks is not None else 0
                 result.logprobs[rid] = [row_entry(lp_ids[row], lp_vals[row], rank, num_logprobs)]
+        if self.proposer is not None:
+            self._propose(step, result)
         return result
+
+    def _propose(self, step: LaunchedStep, result: StepResult) -> None:
+        """Proposals to follow each sampled request's tokens, verified by its next step."""
+        assert self.proposer is not None
+        for rid, state, _ in step.rows:
+            if not can_speculate(state.sampling_params, len(state.output_token_ids)):
+                continue
+            tokens = np.asarray(state.prompt_token_ids + state.output_token_ids, dtype=np.int64)
+            drafts = self.proposer.propose(tokens)
+            if drafts:
+                result.draft_token_ids[rid] = drafts
 
     def _can_replay(self, inputs: StepInputs) -> bool:
         """A pure-decode step (one token per request, all sampling) fits a captured graph."""
