@@ -105,6 +105,11 @@ class EngineConfig:
     enable_cuda_graphs: bool = True
     stream_interval: int = 1
 
+    def __post_init__(self) -> None:
+        spec = self.speculative
+        if spec is not None and spec.model is not None and self.parallel.tensor_parallel_size > 1:
+            raise ValueError("speculative_config: a draft model needs tensor_parallel_size 1")
+
     @classmethod
     def from_engine_args(
         cls,

@@ -75,8 +75,10 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: Sequence[KVBlock] = (),
+        num_lookahead_tokens: int = 0,
     ) -> list[int] | None:
-        """Make room for request.num_computed_tokens + prefix hit + num_new_tokens tokens.
+        """Make room for request.num_computed_tokens + prefix hit + num_new_tokens tokens,
+        and num_lookahead_tokens slots past them (a draft model's proposals write there).
 
         Returns the ids of the newly allocated blocks (prefix-hit blocks not included), or
         None, with nothing taken, when the pool lacks free blocks.
@@ -86,7 +88,7 @@ class KVCacheManager:
         num_held = 0 if blocks is None else len(blocks)
         num_hit = len(new_computed_blocks)
         total = request.num_computed_tokens + num_hit * self.block_size + num_new_tokens
-        num_needed = -(-total // self.block_size) - num_held - num_hit
+        num_needed = -(-(total + num_lookahead_tokens) // self.block_size) - num_held - num_hit
         # Free hit blocks leave the free list when touched, so they count against it.
         num_available = self.block_pool.num_free_blocks
         for block in new_computed_blocks:

@@ -46,8 +46,11 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         max_model_len: int,
+        num_lookahead_tokens: int = 0,
     ) -> None:
         self.config = scheduler_config
+        # Slots past each step's tokens for a draft model's proposals.
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_num_seqs = scheduler_config.max_num_seqs
         self._priority = scheduler_config.policy == "priority"
@@ -178,7 +181,9 @@ class Scheduler:
         new block ids (None when the request preempted itself) and its index now."""
         running = self._running
         while True:
-            block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            block_ids = self.kv_cache_manager.allocate_slots(
+                request, num_new, num_lookahead_tokens=self.num_lookahead_tokens
+            )
             if block_ids is not None:
                 return block_ids, index
             if self._priority:
@@ -212,7 +217,7 @@ class Scheduler:
                 continue
             hit_blocks, num_hit = kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, step.budget)
-            if kv.allocate_slots(request, num_new, hit_blocks) is None:
+            if kv.allocate_slots(request, num_new, hit_blocks, self.num_lookahead_tokens) is None:
                 break  # never admit past a request that does not fit
             waiting.pop()
             kv.record_prefix_lookup(request, num_hit)

@@ -70,7 +70,14 @@ class AsyncEngine:
         num_blocks = self.executor.determine_num_blocks(self.max_model_len)
         self.executor.allocate_kv_cache(num_blocks, self.max_model_len)
         self.num_blocks = num_blocks
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len)
+        spec = config.speculative
+        self.scheduler = Scheduler(
+            config.scheduler,
+            config.cache,
+            num_blocks,
+            self.max_model_len,
+            num_lookahead_tokens=spec.num_lookahead_tokens if spec is not None else 0,
+        )
         self.output_processor = OutputProcessor(self.tokenizer, config.stream_interval, metrics)
         self.eos_token_ids = eos_token_ids(loaded, self.tokenizer.eos_token_id)
         # Grammar matchers; masks are filled on its own thread while the forward runs.

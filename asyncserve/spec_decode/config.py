@@ -12,7 +12,7 @@ from typing import Any
 
 from asyncserve.sampling_params import SamplingParams
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 32
 _KEYS = frozenset(
     {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
@@ -28,6 +28,11 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 0
     # Draft model: a directory or GGUF file the loader accepts.
     model: str | None = None
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """Slots the scheduler holds past each step for the proposer to write K/V into."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
 
     @classmethod
     def from_value(cls, value: SpeculativeConfig | dict[str, Any] | str) -> SpeculativeConfig:

@@ -112,7 +112,7 @@ def rejection_sample(
         residual = torch.where(empty, p, residual)
         uniform = _uniform(num_rows, meta, logits.device)
         accepted = has_draft & (uniform * q_draft < p_draft)
-        recovered = _race(residual, meta)
+        recovered = sample_from(residual, meta)
         if greedy_tokens is not None:
             assert meta.greedy_mask is not None
             greedy_accepted = has_draft & (greedy_tokens == drafts)
@@ -135,7 +135,7 @@ def _uniform(num_rows: int, meta: SamplingMetadata, device: torch.device) -> tor
     return u
 
 
-def _race(weights: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+def sample_from(weights: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """One draw per row proportional to `weights` (need not sum to 1): argmax(w / q),
     q ~ Exponential(1)."""
     q = torch.empty_like(weights)

@@ -21,15 +21,26 @@ def verify(
     spec: list[list[int]],
     vocab_size: int,
     device: torch.device,
+    draft_probs: list[torch.Tensor | None] | None = None,
 ) -> SamplerOutput:
     """logits [sum(k_b + 1), V] -> sampled ids [B, K + 1] (-1 padded): accepted proposals,
     then one token from the target. A request without proposals samples as usual (its one
     row); only those may ask for logprobs (see spec_decode.config.can_speculate), which are
-    reported for each request's first token."""
+    reported for each request's first token. `draft_probs`: per request, the [k, V]
+    distributions its proposals were drawn from (None: a fixed proposal)."""
     expanded = [row for row, s in zip(rows, spec, strict=True) for _ in range(len(s) + 1)]
     meta = SamplingMetadata.build(expanded, vocab_size, device)
     layout = SpecLayout.build(spec, device)
-    sampled = rejection_sample(logits, meta, layout)
+    q = None
+    if draft_probs is not None and any(p is not None for p in draft_probs):
+        # One row per scored position; a request's last row (no proposal) stays zero.
+        q = logits.new_zeros(logits.shape, dtype=torch.float32)
+        row = 0
+        for probs, s in zip(draft_probs, spec, strict=True):
+            if probs is not None and s:
+                q[row : row + len(s)] = probs[: len(s)]
+            row += len(s) + 1
+    sampled = rejection_sample(logits, meta, layout, q)
     if meta.max_num_logprobs is None:
         return SamplerOutput(sampled_token_ids=sampled)
     last_rows = layout.index[:, -1]

@@ -26,6 +26,7 @@ from asyncserve.core.step import GrammarBitmask, StepPlan, StepResult
 from asyncserve.models.loader import LoadedModel
 from asyncserve.models.parallel import SINGLE, TensorParallel
 from asyncserve.spec_decode.config import can_speculate
+from asyncserve.spec_decode.draft_proposer import DraftProposer
 from asyncserve.spec_decode.ngram_proposer import NgramProposer
 from asyncserve.spec_decode.verify import expand_request_ids, verify
 from asyncserve.worker.cuda_graphs import DecodeGraphs
@@ -37,7 +38,7 @@ from asyncserve.worker.input_batch import (
     StepInputs,
     build_step_inputs,
 )
-from asyncserve.worker.kv_pool import allocate_kv_caches, determine_num_blocks
+from asyncserve.worker.kv_pool import allocate_kv_caches, determine_num_blocks, kv_block_bytes
 from asyncserve.worker.logprobs import gather_logprobs, row_entry
 from asyncserve.worker.sampler import Sampler, SamplerOutput
 from asyncserve.worker.sampling_metadata import SamplingMetadata, SamplingRow
@@ -110,25 +111,41 @@ class ModelRunner:
         self.num_blocks = 0
         self.decode_graphs: DecodeGraphs | None = None
         self.staging = HostStaging(device)
+        self.max_model_len = 0
         spec = config.speculative
-        self.proposer: NgramProposer | None = None
+        self.proposer: NgramProposer | DraftProposer | None = None
         if spec is not None and spec.method == "ngram":
             self.proposer = NgramProposer(
                 spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+            )
+        elif spec is not None:
+            self.proposer = DraftProposer(
+                spec, self.vocab_size, self.dtype, device, config.cache.block_size
             )
 
     # ---- KV pool -------------------------------------------------------------------------
 
     def determine_num_blocks(self, max_model_len: int) -> int:
-        """How many KV blocks this device holds (see worker/kv_pool.py)."""
-        return determine_num_blocks(self.model, self.kv_arch, self.config, self.dtype,
-                                    self.device, max_model_len)  # fmt: skip
+        """How many KV blocks this device holds (see worker/kv_pool.py); a draft model's
+        pool takes its share of the budget (the same number of blocks)."""
+        num_blocks = determine_num_blocks(self.model, self.kv_arch, self.config, self.dtype,
+                                          self.device, max_model_len)  # fmt: skip
+        if (
+            isinstance(self.proposer, DraftProposer)
+            and self.config.cache.num_blocks_override is None
+        ):
+            own = kv_block_bytes(self.kv_arch, self.block_size, self.dtype)
+            num_blocks = max(num_blocks * own // (own + self.proposer.block_bytes()), 1)
+        return num_blocks
 
     def allocate_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
         self.kv_caches = allocate_kv_caches(
             self.kv_arch, num_blocks, self.block_size, self.dtype, self.device
         )
         self.num_blocks = num_blocks
+        self.max_model_len = max_model_len
+        if isinstance(self.proposer, DraftProposer):
+            self.proposer.allocate_kv_cache(num_blocks)
         if self.device.type == "cuda" and self.config.enable_cuda_graphs:
             self.decode_graphs = DecodeGraphs(
                 self.model,
@@ -145,6 +162,8 @@ class ModelRunner:
         for rid in plan.freed_request_ids:
             self.states.pop(rid, None)
             self.generators.pop(rid, None)
+            if isinstance(self.proposer, DraftProposer):
+                self.proposer.forget(rid)
         for new in plan.new_requests:
             params = new.sampling_params
             self.states[new.request_id] = CachedRequestState(
@@ -268,7 +287,14 @@ class ModelRunner:
                 meta = SamplingMetadata.build(rows, self.vocab_size, self.device)
                 out = self.sampler(logits, meta)
             else:
-                out = verify(logits, rows, spec, self.vocab_size, self.device)
+                draft_probs = None
+                if isinstance(self.proposer, DraftProposer):
+                    proposer = self.proposer
+                    draft_probs = [
+                        proposer.draft_probs(rid, len(s))
+                        for rid, s in zip(request_ids, spec, strict=True)
+                    ]
+                out = verify(logits, rows, spec, self.vocab_size, self.device, draft_probs)
         else:
             shape = [len(request_ids)] + ([] if spec is None else [max(map(len, spec)) + 1])
             out = SamplerOutput(torch.empty(shape, dtype=torch.int64, device=self.device))
@@ -328,14 +354,24 @@ class ModelRunner:
 
     def _propose(self, step: LaunchedStep, result: StepResult) -> None:
         """Proposals to follow each sampled request's tokens, verified by its next step."""
-        assert self.proposer is not None
-        for rid, state, _ in step.rows:
-            if not can_speculate(state.sampling_params, len(state.output_token_ids)):
-                continue
+        proposer = self.proposer
+        assert proposer is not None
+        states = [
+            state
+            for _, state, _ in step.rows
+            if can_speculate(state.sampling_params, len(state.output_token_ids))
+        ]
+        if isinstance(proposer, DraftProposer):
+            # Its proposals write K/V at the next k - 1 positions, which must exist.
+            limit = self.max_model_len - proposer.k
+            states = [state for state in states if state.num_tokens <= limit]
+            result.draft_token_ids.update(proposer.propose(states))
+            return
+        for state in states:
             tokens = np.asarray(state.prompt_token_ids + state.output_token_ids, dtype=np.int64)
-            drafts = self.proposer.propose(tokens)
+            drafts = proposer.propose(tokens)
             if drafts:
-                result.draft_token_ids[rid] = drafts
+                result.draft_token_ids[state.request_id] = drafts
 
     def _can_replay(self, inputs: StepInputs) -> bool:
         """A pure-decode step (one token per request, all sampling) fits a captured graph."""
