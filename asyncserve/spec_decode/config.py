@@ -98,11 +98,11 @@ def can_speculate(params: SamplingParams, num_output_tokens: int) -> bool:
 
     Verification samples every proposed position with the same processing; features whose
     processing depends on the output so far at each position (penalties, multi-token bad
-    words, min_tokens not yet reached), logprobs and grammars decode one token a step.
+    words, min_tokens not yet reached) and logprobs decode one token a step. Grammars do
+    speculate: each proposed position gets the mask after the proposals before it.
     """
     return (
         not params.needs_output_tokens
         and params.logprobs is None
-        and params.structured_outputs is None
         and num_output_tokens >= params.min_tokens
     )

@@ -123,7 +123,7 @@ def test_sampling_with_n_and_seeds_is_reproducible(spec_llm: LLM) -> None:
 
 
 def test_prefix_hits_and_preemption_keep_the_output(gguf_path: object, smollm2_llm: LLM) -> None:
-    """A pool of 12 blocks of 16 tokens cannot hold four 80-token requests at once:
+    """A pool of 12 blocks of 16 tokens cannot hold four 70-token requests at once:
     requests are preempted and recomputed (with prefix hits) mid-speculation."""
     llm = LLM(
         device="cpu",
@@ -133,7 +133,7 @@ def test_prefix_hits_and_preemption_keep_the_output(gguf_path: object, smollm2_l
         speculative_config=NGRAM,
     )
     try:
-        params = SamplingParams(temperature=0.0, max_tokens=48)
+        params = SamplingParams(temperature=0.0, max_tokens=32)
         prompts = [COUNTING, LETTERS, FOX, COUNTING]
         ours = _ids(llm, prompts, params)
         assert llm.engine.scheduler.num_preemptions_total > 0
@@ -141,3 +141,32 @@ def test_prefix_hits_and_preemption_keep_the_output(gguf_path: object, smollm2_l
     finally:
         llm.close()
     assert ours == _ids(smollm2_llm, prompts, params)
+
+
+@pytest.mark.parametrize(
+    ("regex", "accepts"),
+    [
+        # The proposals (the prompt's "4, 5, 6, ...") fit the grammar: they are accepted.
+        (r"( ?[0-9]+,)+", True),
+        # The prompt's proposals do not fit; the grammar rules them out.
+        (r"[a-z ]+", False),
+    ],
+)
+def test_grammar_checks_the_proposals(
+    spec_llm: LLM, smollm2_llm: LLM, regex: str, accepts: bool
+) -> None:
+    params = SamplingParams(
+        temperature=0.0, max_tokens=16, structured_outputs=StructuredOutputsParams(regex=regex)
+    )
+    stats = spec_llm.engine.scheduler.spec_stats
+    drafts, accepted = stats.num_draft_tokens, stats.num_accepted_tokens
+    ours = spec_llm.generate([COUNTING], params, use_tqdm=False)[0].outputs[0]
+    theirs = smollm2_llm.generate([COUNTING], params, use_tqdm=False)[0].outputs[0]
+    assert ours.token_ids == theirs.token_ids
+    assert ours.text == theirs.text
+    assert stats.num_draft_tokens > drafts
+    if accepts:
+        rate = (stats.num_accepted_tokens - accepted) / (stats.num_draft_tokens - drafts)
+        assert rate > 0.5, rate
+    else:
+        assert all(t.isalpha() or t == " " for t in ours.text), ours.text
