@@ -36,6 +36,7 @@ from asyncserve.core.kv_cache_manager import KVCacheManager
 from asyncserve.core.request import Request, RequestStatus
 from asyncserve.core.step import NewRequestData, RunningRequestData, StepPlan, StepResult
 from asyncserve.core.waiting_queue import WaitingQueue
+from asyncserve.spec_decode.proposals import take_proposals
 from asyncserve.spec_decode.stats import SpecDecodeStats
 
 
@@ -160,7 +161,7 @@ class Scheduler:
             if num_new <= 0 or self._at_length_limit(request):
                 index += 1
                 continue
-            spec = self._spec_tokens(request, num_new, step.budget)
+            spec = take_proposals(request, num_new, step.budget, self.max_model_len)
             num_new += len(spec)
             if self._never_fits(request.num_computed_tokens + num_new):
                 running.pop(index)
@@ -344,23 +345,6 @@ class Scheduler:
             request.status = RequestStatus.FINISHED_LENGTH
             return True
         return False
-
-    def _spec_tokens(self, request: Request, num_new: int, budget: int) -> list[int]:
-        """The proposals to verify this step (taken off the request), cut so that the step's
-        tokens (accepted proposals plus one) stay within the budget, max_tokens and
-        max_model_len. Only a plain decode step verifies proposals."""
-        spec = request.spec_token_ids
-        if not spec:
-            return spec
-        request.spec_token_ids = []
-        if num_new != 1 or request.num_output_placeholders:
-            return []
-        room = min(
-            budget - 1,
-            request.max_tokens - request.num_output_tokens - 1,
-            self.max_model_len - request.num_tokens - 1,
-        )
-        return spec[: max(room, 0)]
 
     def _at_length_limit(self, request: Request) -> bool:
         """The tokens in flight already reach max_tokens or max_model_len: nothing more to

@@ -7,8 +7,11 @@ import pytest
 
 from asyncserve.cli import build_parser, engine_config_from_args, main
 from asyncserve.config import EngineConfig, Environment
+from asyncserve.core.request import Request
+from asyncserve.sampling_params import SamplingParams
 from asyncserve.spec_decode.config import SpeculativeConfig
 from asyncserve.spec_decode.ngram_proposer import NgramProposer
+from asyncserve.spec_decode.proposals import take_proposals
 
 
 def test_ngram_keys_and_defaults() -> None:
@@ -76,3 +79,29 @@ def test_ngram_proposals(tokens: list[int], proposal: list[int]) -> None:
 def test_ngram_respects_the_minimum() -> None:
     proposer = NgramProposer(num_speculative_tokens=2, lookup_min=2, lookup_max=3)
     assert proposer.propose(np.asarray([4, 9, 8, 6, 4], dtype=np.int64)) == []
+
+
+def _request(num_output: int, max_tokens: int) -> Request:
+    request = Request("r", [1, 2, 3], SamplingParams(), max_tokens=max_tokens)
+    request.output_token_ids = [4] * num_output
+    request.spec_token_ids = [5, 6, 7, 8]
+    return request
+
+
+@pytest.mark.parametrize(
+    ("num_output", "max_tokens", "num_new", "budget", "max_model_len", "taken"),
+    [
+        (1, 16, 1, 100, 64, 4),
+        (1, 16, 1, 3, 64, 2),  # the token budget holds the decode token and two proposals
+        (1, 4, 1, 100, 64, 2),  # 3 more tokens at most: 2 proposals + the target's own
+        (1, 16, 1, 100, 7, 2),  # 4 tokens now, max_model_len 7
+        (1, 2, 1, 100, 64, 0),
+        (1, 16, 5, 100, 64, 0),  # not a decode step
+    ],
+)
+def test_proposals_are_cut_to_the_limits(
+    num_output: int, max_tokens: int, num_new: int, budget: int, max_model_len: int, taken: int
+) -> None:
+    request = _request(num_output, max_tokens)
+    assert take_proposals(request, num_new, budget, max_model_len) == [5, 6, 7, 8][:taken]
+    assert request.spec_token_ids == []  # used once, whatever was taken
