@@ -214,6 +214,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="also time the engine steps each traced request was in",
     )
     group.add_argument(
+        "--speculative-config",
+        default=None,
+        help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\'',
+    )
+    group.add_argument(
         "--stream-interval",
         type=_positive_int,
         default=1,
@@ -254,6 +260,7 @@ def engine_config_from_args(args: argparse.Namespace, env: Environment) -> Engin
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras,
+        speculative_config=args.speculative_config,
     )
 
 

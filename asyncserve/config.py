@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from asyncserve.spec_decode.config import SpeculativeConfig
+
 SchedulingPolicy = Literal["fcfs", "priority"]
 LoadFormat = Literal["auto", "dummy"]
 
@@ -236,9 +238,15 @@ class EngineConfig:
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     kv_transfer: KVTransferConfig | None = None
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    speculative: SpeculativeConfig | None = None
     # Step-loop behaviour.
     enable_cuda_graphs: bool = True
     stream_interval: int = 1
+
+    def __post_init__(self) -> None:
+        spec = self.speculative
+        if spec is not None and spec.model is not None and self.parallel.tensor_parallel_size > 1:
+            raise ValueError("speculative_config: a draft model needs tensor_parallel_size 1")
 
     @classmethod
     def from_engine_args(
@@ -275,6 +283,7 @@ class EngineConfig:
         data_parallel_size: int = 1,
         decode_latency_target_ms: float = DEFAULT_DECODE_LATENCY_TARGET_MS,
         enable_expert_parallel: bool = False,
+        speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None,
     ) -> EngineConfig:
         """The engine's configuration from vLLM's engine argument names (LLM(...) and the
         serve flags both come here)."""
@@ -325,6 +334,9 @@ class EngineConfig:
                 max_lora_rank=max_lora_rank,
                 max_cpu_loras=max_cpu_loras,
             ),
+            speculative=None
+            if speculative_config is None
+            else SpeculativeConfig.from_value(speculative_config),
             enable_cuda_graphs=not enforce_eager,
             stream_interval=stream_interval,
         ).checked()

@@ -69,6 +69,7 @@ class LLM:
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
         decode_latency_target_ms: float = DEFAULT_DECODE_LATENCY_TARGET_MS,
+        speculative_config: dict[str, Any] | None = None,
     ) -> None:
         """`data_parallel_size` > 1: that many engine replicas in their own processes (each on
         its own tensor_parallel_size devices); generate() spreads the prompts over them.
@@ -106,6 +107,7 @@ class LLM:
             data_parallel_size=data_parallel_size,
             decode_latency_target_ms=decode_latency_target_ms,
             enable_expert_parallel=enable_expert_parallel,
+            speculative_config=speculative_config,
         )
         place = Environment.read().dp_rank
         self._dp_group: DataParallelGroup | None = None

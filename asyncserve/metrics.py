@@ -172,6 +172,18 @@ class EngineMetrics:
             registry=reg,
         )
         self._lora_labels: tuple[str, str, str] | None = None
+        # Speculative decoding, as vLLM names it (registered even when off, then zero).
+        self._spec_drafts = counter("spec_decode_num_drafts", "Verification rounds with proposals.")
+        self._spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Proposed tokens.")
+        self._spec_accepted = counter(
+            "spec_decode_num_accepted_tokens", "Proposed tokens the target accepted."
+        )
+        self._spec_per_pos = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Accepted proposed tokens at each position (0-based).",
+            ["model_name", "position"],
+            registry=reg,
+        )
 
         # Bind the label once: the hooks run on the step loop, per token.
         name = model_name
@@ -223,6 +235,19 @@ class EngineMetrics:
             self._prefix_queries_c.inc(queries)
         if hits > 0:
             self._prefix_hits_c.inc(hits)
+
+    def on_spec_decode(
+        self, drafts: int, draft_tokens: int, accepted: int, accepted_per_pos: Sequence[int]
+    ) -> None:
+        if drafts > 0:
+            self._spec_drafts.labels(self.model_name).inc(drafts)
+        if draft_tokens > 0:
+            self._spec_draft_tokens.labels(self.model_name).inc(draft_tokens)
+        if accepted > 0:
+            self._spec_accepted.labels(self.model_name).inc(accepted)
+        for pos, count in enumerate(accepted_per_pos):
+            if count > 0:
+                self._spec_per_pos.labels(self.model_name, str(pos)).inc(count)
 
     def on_tokens(self, prompt_tokens: int, generation_tokens: int) -> None:
         if prompt_tokens > 0:

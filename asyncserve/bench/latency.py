@@ -30,11 +30,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     add_parallel_arguments(parser)
+    parser.add_argument(
+        "--speculative-config",
+        default=None,
+        help="speculative decoding as JSON (as serve takes it); the report adds the mean "
+        "accepted length",
+    )
+    parser.add_argument(
+        "--prompt-file",
+        default=None,
+        help="a text file used as every prompt (cut to --input-len tokens) instead of random "
+        "tokens; speculation needs text whose continuation it can predict",
+    )
     parser.add_argument("--output-json", default=None)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from asyncserve import SamplingParams
+    from asyncserve.engine.async_engine import AsyncEngine
     from asyncserve.llm import LLM
 
     llm = LLM(
@@ -48,12 +61,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         enable_expert_parallel=args.enable_expert_parallel,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=False,
+        speculative_config=args.speculative_config,
     )
     vocab = llm.engine.loaded.arch.vocab_size
-    prompts = random_prompts(args.batch_size, args.input_len, vocab)
+    prompts: list[Any]
+    if args.prompt_file:
+        with open(args.prompt_file) as f:
+            ids = llm.get_tokenizer().encode(f.read())[: args.input_len]
+        prompts = [{"prompt_token_ids": ids}] * args.batch_size
+    else:
+        prompts = random_prompts(args.batch_size, args.input_len, vocab)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     for _ in range(args.num_iters_warmup):
         llm.generate(prompts, params, use_tqdm=False)
+    engine = llm.engine
+    assert isinstance(engine, AsyncEngine)  # one engine: no data parallelism here
+    stats = engine.scheduler.spec_stats
+    drafts, accepted = stats.num_drafts, stats.num_accepted_tokens
     latencies = []
     for _ in range(args.num_iters):
         start = time.perf_counter()
@@ -73,12 +97,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "latency_median_s": statistics.median(latencies),
         "prefill_s": statistics.fmean(prefill),
         "ms_per_output_token": per_token * 1e3,
+        "output_tokens_per_s": args.batch_size * args.output_len / mean,
         "device": str(llm.engine.device),
     }
-    print(
+    summary = (
         f"batch {args.batch_size}, {args.input_len} in / {args.output_len} out: "
         f"{mean * 1e3:.1f} ms per request, {report['ms_per_output_token']:.2f} ms per output token"
     )
+    if args.speculative_config:
+        # Tokens per verification round in the timed runs: accepted proposals plus one.
+        rounds = stats.num_drafts - drafts
+        length = 1.0 + (stats.num_accepted_tokens - accepted) / rounds if rounds else 1.0
+        report["mean_accepted_length"] = length
+        report["acceptance_rate"] = stats.acceptance_rate
+        summary += f", mean accepted length {length:.2f}"
+    print(summary)
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(report, f, indent=2)

@@ -302,6 +302,7 @@ class StructuredOutputManager:
         if not self._matchers:
             return None
         rows: list[tuple[str, LLMatcher]] = []
+        drafts: dict[str, list[int]] = {}
         for request_id in plan.num_scheduled_tokens:
             state = self._matchers.get(request_id)
             if state is None:
@@ -310,9 +311,42 @@ class StructuredOutputManager:
             if request is None or request.num_computed_tokens < request.num_tokens:
                 continue  # a prompt chunk that does not reach the end samples nothing
             rows.append((request_id, state.matcher))
+            spec = plan.scheduled_spec_tokens.get(request_id)
+            if spec:
+                drafts[request_id] = spec
         if not rows:
             return None
+        if drafts:
+            return self._executor.submit(self.fill_with_drafts, rows, drafts)
         return self._executor.submit(self.fill, rows)
+
+    def fill_with_drafts(
+        self, rows: Sequence[tuple[str, LLMatcher]], drafts: dict[str, list[int]]
+    ) -> GrammarBitmask:
+        """Masks for a step that verifies proposals: a request with k of them gets k + 1
+        rows, the mask after each proposed prefix (the matcher advances over the proposals
+        and rolls back). Past the first proposal the grammar rejects, the rows allow every
+        token: that proposal's own row rules it out, so nothing after it is kept."""
+        num_rows = sum(len(drafts.get(rid, ())) + 1 for rid, _ in rows)
+        bitmask = self._rows(num_rows)
+        row_bytes = bitmask.shape[1] * 4
+        request_ids: list[str] = []
+        row = 0
+        for request_id, matcher in rows:
+            spec = drafts.get(request_id, [])
+            num_valid = matcher.validate_tokens(spec) if spec else 0
+            for j in range(len(spec) + 1):
+                if j <= num_valid:
+                    if j:
+                        matcher.consume_token(spec[j - 1])
+                    matcher.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), row_bytes)
+                else:
+                    bitmask[row].fill_(-1)
+                request_ids.append(request_id)
+                row += 1
+            if num_valid:
+                matcher.rollback(num_valid)
+        return GrammarBitmask(request_ids, bitmask)
 
     def fill(self, rows: Sequence[tuple[str, LLMatcher]]) -> GrammarBitmask:
         """Fill one mask row per (request id, matcher); runs on the grammar thread.

@@ -103,8 +103,10 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: Sequence[KVBlock] = (),
+        num_lookahead_tokens: int = 0,
     ) -> list[int] | None:
-        """Make room for request.num_computed_tokens + prefix hit + num_new_tokens tokens.
+        """Make room for request.num_computed_tokens + prefix hit + num_new_tokens tokens,
+        and num_lookahead_tokens slots past them (a draft model's proposals write there).
 
         Returns the ids of the newly allocated blocks (prefix-hit blocks not included), or
         None, with nothing taken, when the pool lacks free blocks.
@@ -115,7 +117,7 @@ class KVCacheManager:
         num_hit = len(new_computed_blocks)
         first_query = request.num_computed_tokens + num_hit * self.block_size
         total = first_query + num_new_tokens
-        num_needed = -(-total // self.block_size) - num_held - num_hit
+        num_needed = -(-(total + num_lookahead_tokens) // self.block_size) - num_held - num_hit
         # Blocks before this many are out of every query's window from this step on.
         num_skipped = self._num_skipped_blocks(first_query)
         if blocks is not None:

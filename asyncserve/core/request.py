@@ -60,6 +60,8 @@ class Request:
     # Chained hashes of this request's full blocks, extended as tokens arrive.
     block_hashes: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    # Proposed next tokens (speculative decoding), verified by the next step that runs it.
+    spec_token_ids: list[int] = field(default_factory=list)
     stop_reason: int | str | None = None
     error: str | None = None
     # Monotonic timestamps for metrics.

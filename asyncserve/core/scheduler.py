@@ -19,6 +19,13 @@ whose token is being sampled holds a placeholder (num_output_placeholders) that 
 step already computes. A request that ends on that token (EOS, stop) has one wasted row in
 the next step, whose token update() drops; length limits count placeholders, so nothing is
 ever computed past max_tokens or max_model_len.
+
+Speculative decoding: a decoding request with proposed tokens (Request.spec_token_ids, from
+the last step's StepResult) gets them scheduled after its last token, so the step verifies
+k + 1 positions; they count in the token budget and get slots like any token, and are cut so
+the step can never produce more than max_tokens or reach past max_model_len. update()
+rewinds num_computed_tokens past the rejected ones: their slots are written again by the
+next step, and, holding no known token, they are never hashed for the prefix cache.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ from asyncserve.core.step import NewRequestData, RunningRequestData, StepPlan, S
 from asyncserve.core.step_budget import StepBudget
 from asyncserve.core.step_time import StepTimeModel
 from asyncserve.core.waiting_queue import WaitingQueue
+from asyncserve.spec_decode.proposals import take_proposals
+from asyncserve.spec_decode.stats import SpecDecodeStats
 
 
 class Scheduler:
@@ -46,11 +55,14 @@ class Scheduler:
         max_model_len: int,
         max_loras: int | None = None,
         sliding_window: int | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> None:
         """`max_loras`: most LoRA adapters one step may use (None: LoRA is off).
         `sliding_window`: set when every layer of the model attends through a window of
         that many positions; blocks behind it go back to the pool (KVCacheManager)."""
         self.config = scheduler_config
+        # Slots past each step's tokens for a draft model's proposals.
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_num_seqs = scheduler_config.max_num_seqs
         self._priority = scheduler_config.policy == "priority"
@@ -78,6 +90,7 @@ class Scheduler:
         self._removed_loras: set[int] = set()
         self.step_time = StepTimeModel()
         self._latency_target_s = scheduler_config.decode_latency_target_ms / 1000.0
+        self.spec_stats = SpecDecodeStats()
 
     # ----------------------------------------------------------------- requests in and out
 
@@ -198,6 +211,8 @@ class Scheduler:
             if num_new <= 0 or self._at_length_limit(request):
                 index += 1
                 continue
+            spec = take_proposals(request, num_new, step.budget, self.max_model_len)
+            num_new += len(spec)
             if self._never_fits(request.num_computed_tokens + num_new):
                 running.pop(index)
                 self.kv_cache_manager.free(request)
@@ -206,7 +221,7 @@ class Scheduler:
             block_ids, index = self._allocate_or_preempt(request, num_new, index, step)
             if block_ids is None:
                 break  # it preempted itself; anything after it waits for the next step
-            step.add_running(request, num_new, block_ids)
+            step.add_running(request, num_new, block_ids, spec)
             index += 1
 
     def _allocate_or_preempt(
@@ -217,7 +232,9 @@ class Scheduler:
         new block ids (None when the request preempted itself) and its index now."""
         running = self._running
         while True:
-            block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            block_ids = self.kv_cache_manager.allocate_slots(
+                request, num_new, num_lookahead_tokens=self.num_lookahead_tokens
+            )
             if block_ids is not None:
                 return block_ids, index
             if self._priority:
@@ -263,7 +280,7 @@ class Scheduler:
             num_new = step.limit(request.num_tokens - num_hit)
             if num_new <= 0:
                 break  # the prefill cap is spent
-            if kv.allocate_slots(request, num_new, hit_blocks) is None:
+            if kv.allocate_slots(request, num_new, hit_blocks, self.num_lookahead_tokens) is None:
                 break  # never admit past a request that does not fit
             waiting.pop()
             kv.record_prefix_lookup(request, num_hit)
@@ -307,6 +324,7 @@ class Scheduler:
             total_num_scheduled_tokens=self.max_num_batched_tokens - step.budget,
             freed_request_ids=self._freed_ids,
             removed_lora_ids=self._removed_loras,
+            scheduled_spec_tokens=step.spec,
         )
         self._freed_ids = set()
         self._removed_loras = set()
@@ -343,6 +361,14 @@ class Scheduler:
                 request.num_output_placeholders - len(token_ids), 0
             )
             preempted = request.status == RequestStatus.PREEMPTED
+            spec = plan.scheduled_spec_tokens.get(rid)
+            if spec is not None:
+                num_accepted = len(token_ids) - 1
+                self.spec_stats.observe(len(spec), num_accepted)
+                if not preempted:
+                    # The rejected proposals' K/V are stale: computed again from here.
+                    request.num_computed_tokens -= len(spec) - num_accepted
+            drafts = result.draft_token_ids.get(rid)
             for token_id in token_ids:
                 request.output_token_ids.append(token_id)
                 if self._check_stop(request, token_id):
@@ -353,6 +379,8 @@ class Scheduler:
                     else:
                         any_finished = True
                     break
+            if drafts and not request.is_finished:
+                request.spec_token_ids = drafts
             if request.first_token_time is None:
                 if now is None:
                     now = time.monotonic()

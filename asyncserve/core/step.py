@@ -49,6 +49,9 @@ class StepPlan:
     needs_output_tokens: bool = False
     # LoRA adapters unloaded since the last step: the runner drops their cached weights.
     removed_lora_ids: set[int] = field(default_factory=set)
+    # request id -> proposed tokens verified this step (speculative decoding); they are the
+    # last of its scheduled tokens, after its last known token.
+    scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -65,6 +68,8 @@ class StepResult:
     # request id -> per prompt position (the first has none): top-k logprobs and the rank of
     # the actual next prompt token; filled chunk by chunk.
     prompt_logprobs: dict[str, list[tuple[dict[int, float], int]]] = field(default_factory=dict)
+    # request id -> tokens proposed to follow this step's tokens (speculative decoding).
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass

@@ -3,6 +3,7 @@ prefill budget left (the decode-latency cap), and the requests scheduled with th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from asyncserve.core.request import Request
@@ -20,6 +21,8 @@ class StepBudget:
     running: list[Request] = field(default_factory=list)
     new: list[Request] = field(default_factory=list)
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    # request id -> proposed tokens to verify (speculative decoding), within num_scheduled.
+    spec: dict[str, list[int]] = field(default_factory=dict)
 
     def limit(self, num_wanted: int) -> int:
         """Tokens a request wanting num_wanted gets: a decode (1) only needs the budget; a
@@ -29,25 +32,31 @@ class StepBudget:
             num_new = min(num_new, self.prefill_budget)
         return num_new
 
-    def add_running(self, request: Request, num_new: int, block_ids: list[int]) -> None:
+    def add_running(
+        self, request: Request, num_new: int, block_ids: list[int], spec: Sequence[int] = ()
+    ) -> None:
         self.running.append(request)
         self.new_block_ids[request.request_id] = block_ids
-        self._take(request, num_new)
+        if spec:
+            self.spec[request.request_id] = list(spec)
+        # A decode with proposals is not a prefill: only its own token counts as one.
+        self._take(request, num_new, num_new - len(spec) > 1)
 
     def remove_running(self, request: Request) -> None:
         self.running.remove(request)
         num_new = self.num_scheduled.pop(request.request_id)
+        spec = self.spec.pop(request.request_id, [])
         self.budget += num_new
-        if num_new > 1 and self.prefill_budget is not None:
+        if num_new - len(spec) > 1 and self.prefill_budget is not None:
             self.prefill_budget += num_new
         del self.new_block_ids[request.request_id]
 
     def add_new(self, request: Request, num_new: int) -> None:
         self.new.append(request)
-        self._take(request, num_new)
+        self._take(request, num_new, num_new > 1)
 
-    def _take(self, request: Request, num_new: int) -> None:
+    def _take(self, request: Request, num_new: int, is_prefill: bool) -> None:
         self.num_scheduled[request.request_id] = num_new
         self.budget -= num_new
-        if num_new > 1 and self.prefill_budget is not None:
+        if is_prefill and self.prefill_budget is not None:
             self.prefill_budget -= num_new

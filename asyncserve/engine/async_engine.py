@@ -86,6 +86,7 @@ class AsyncEngine:
         num_blocks = self.executor.determine_num_blocks(self.max_model_len)
         self.executor.allocate_kv_cache(num_blocks, self.max_model_len)
         self.num_blocks = num_blocks
+        spec = config.speculative
         self.scheduler = Scheduler(
             config.scheduler,
             config.cache,
@@ -93,6 +94,7 @@ class AsyncEngine:
             self.max_model_len,
             config.lora.max_loras if config.lora.enable_lora else None,
             sliding_window=loaded.arch.kv_sliding_window,
+            num_lookahead_tokens=spec.num_lookahead_tokens if spec is not None else 0,
         )
         self.kv_transfer = make_kv_transfer(config, self.scheduler, executor)
         self.tracer = make_tracer(config, self.model_path)
@@ -111,6 +113,11 @@ class AsyncEngine:
         async_scheduling = config.scheduler.async_scheduling
         if async_scheduling is None:
             async_scheduling = self.device.type == "cuda"
+        if config.speculative is not None:
+            # A step's proposals come from the tokens of the step before: one step in flight.
+            if async_scheduling and config.scheduler.async_scheduling:
+                logger.info("speculative decoding runs with synchronous scheduling")
+            async_scheduling = False
         self.step_loop = StepLoop(
             self.core,
             self.executor,

@@ -18,6 +18,7 @@ from asyncserve.core.scheduler import Scheduler
 from asyncserve.core.step import StepPlan, StepResult
 from asyncserve.metrics import EngineMetrics
 from asyncserve.output.output_processor import OutputProcessor, ParentState
+from asyncserve.spec_decode.stats import SpecDecodeStats
 
 
 class EngineCore:
@@ -39,6 +40,7 @@ class EngineCore:
         self._seen_preemptions = 0
         self._seen_queries = 0
         self._seen_hits = 0
+        self._seen_spec = SpecDecodeStats()
 
     # ---- requests in and out ---------------------------------------------------------------
 
@@ -146,3 +148,19 @@ class EngineCore:
             self.metrics.on_prefix_cache(queries, hits)
         self._seen_queries = s.prefix_cache_queries
         self._seen_hits = s.prefix_cache_hits
+        spec, seen = s.spec_stats, self._seen_spec
+        if spec.num_drafts != seen.num_drafts:
+            per_pos = spec.num_accepted_tokens_per_pos
+            seen_per_pos = seen.num_accepted_tokens_per_pos
+            self.metrics.on_spec_decode(
+                spec.num_drafts - seen.num_drafts,
+                spec.num_draft_tokens - seen.num_draft_tokens,
+                spec.num_accepted_tokens - seen.num_accepted_tokens,
+                [
+                    c - (seen_per_pos[i] if i < len(seen_per_pos) else 0)
+                    for i, c in enumerate(per_pos)
+                ],
+            )
+            self._seen_spec = SpecDecodeStats(
+                spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens, list(per_pos)
+            )

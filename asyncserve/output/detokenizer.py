@@ -75,6 +75,10 @@ class IncrementalDetokenizer:
     def num_output_tokens(self) -> int:
         return self._num_output_tokens
 
+    @property
+    def has_stop_strings(self) -> bool:
+        return bool(self._stop)
+
     def update(self, new_token_ids: list[int], stop_terminated: bool) -> str | None:
         """Add the step's new tokens; return the stop string that ended the text, if any.
 

@@ -182,7 +182,19 @@ class OutputProcessor:
             request.status == RequestStatus.FINISHED_STOPPED
             and request.request_id not in grammar_done
         )
-        stop_str = child.detokenizer.update(new_tokens, stop_terminated)
+        detokenizer = child.detokenizer
+        if len(new_tokens) > 1 and detokenizer.has_stop_strings:
+            # Several tokens in one step (speculative decoding): the output ends with the
+            # token that completes a stop string, as it would one token a step.
+            stop_str = None
+            for i, token in enumerate(new_tokens):
+                last = i == len(new_tokens) - 1
+                stop_str = detokenizer.update([token], stop_terminated and last)
+                if stop_str is not None:
+                    new_tokens = new_tokens[: i + 1]
+                    break
+        else:
+            stop_str = detokenizer.update(new_tokens, stop_terminated)
         child.num_accepted_tokens += len(new_tokens)
         if stop_str is not None:
             child.finish_reason = "stop"

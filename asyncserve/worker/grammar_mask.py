@@ -20,15 +20,27 @@ def apply_grammar_bitmask(
     """Set to -inf, in place, the logits of tokens the grammar forbids in each constrained row.
 
     `logits` is [N, V] in `sample_request_ids` order; rows without a grammar are untouched.
+    A request verifying proposals has consecutive rows under its id in both.
     """
     if list(grammar.request_ids) == list(sample_request_ids):
         apply_token_bitmask_(logits, grammar.bitmask, None)
         return
-    position = {rid: i for i, rid in enumerate(sample_request_ids)}
-    mask_rows = [i for i, rid in enumerate(grammar.request_ids) if rid in position]
+    position: dict[str, int] = {}
+    for i, rid in enumerate(sample_request_ids):
+        position.setdefault(rid, i)
+    mask_rows: list[int] = []
+    rows: list[int] = []
+    seen: dict[str, int] = {}
+    for i, rid in enumerate(grammar.request_ids):
+        first = position.get(rid)
+        if first is None:
+            continue
+        offset = seen.get(rid, 0)
+        seen[rid] = offset + 1
+        mask_rows.append(i)
+        rows.append(first + offset)
     if not mask_rows:
         return
-    rows = [position[grammar.request_ids[i]] for i in mask_rows]
     bitmask = grammar.bitmask
     if len(mask_rows) != len(grammar.request_ids):
         bitmask = bitmask[mask_rows]

@@ -53,13 +53,16 @@ class StepInputs:
     counts: list[int]
     # Requests whose chunk reaches their last known token: they sample this step.
     sample_request_ids: list[str]
-    # Row in the flattened tokens whose hidden state feeds each sampled request.
-    logits_indices: torch.Tensor  # [num_sample] int64
+    # Rows in the flattened tokens whose hidden states are scored: one per sampled request,
+    # or k + 1 for a request verifying k proposals (speculative decoding).
+    logits_indices: torch.Tensor  # [num_logits] int64
     # Input tokens that are placeholders: their rows in input_ids, and the rows of
     # placeholder_source (the last step's sampled ids) that hold them. None when none.
     placeholder_index: torch.Tensor | None = None
     placeholder_rows: torch.Tensor | None = None
     placeholder_source: torch.Tensor | None = None
+    # Per sampled request, the proposals it verifies (empty for most); None when none does.
+    spec_token_ids: list[list[int]] | None = None
 
 
 def build_step_inputs(
@@ -83,18 +86,26 @@ def build_step_inputs(
     placeholder_index: list[int] = []
     placeholder_rows: list[int] = []
     placeholder_source: torch.Tensor | None = None
+    all_spec = plan.scheduled_spec_tokens
+    spec_token_ids: list[list[int]] = []
     for i, rid in enumerate(request_ids):
         state = states[rid]
         start = state.num_computed_tokens
         end = start + counts[i]
+        spec = all_spec.get(rid, []) if all_spec else []
+        # Proposals follow the last known token; they are not in the state's tokens.
+        known_end = end - len(spec)
         starts.append(start)
-        token_ids.extend(state.token_slice(start, end))
+        token_ids.extend(state.token_slice(start, known_end))
+        token_ids.extend(spec)
         seq_lens[i] = end
         cu_seqlens[i + 1] = cu_seqlens[i] + counts[i]
         max_blocks = max(max_blocks, len(state.block_ids))
-        if end >= state.num_tokens:
+        if known_end >= state.num_tokens:
             sample_request_ids.append(rid)
-            logits_indices.append(int(cu_seqlens[i + 1]) - 1)
+            last = int(cu_seqlens[i + 1]) - 1
+            logits_indices.extend(range(last - len(spec), last + 1))
+            spec_token_ids.append(spec)
             if state.in_flight is not None:
                 # The last output token is still being sampled by the step before.
                 source, row = state.in_flight
@@ -102,7 +113,7 @@ def build_step_inputs(
                     placeholder_source = source
                 elif source is not placeholder_source:
                     raise RuntimeError("placeholder tokens from two different steps")
-                placeholder_index.append(int(cu_seqlens[i + 1]) - 1)
+                placeholder_index.append(last - len(spec))
                 placeholder_rows.append(row)
 
     block_tables = np.zeros((num_reqs, max_blocks), dtype=np.int32)
@@ -152,6 +163,7 @@ def build_step_inputs(
         placeholder_index=ph_index_t if placeholder_index else None,
         placeholder_rows=ph_rows_t if placeholder_index else None,
         placeholder_source=placeholder_source,
+        spec_token_ids=spec_token_ids if all_spec else None,
     )
 
 

