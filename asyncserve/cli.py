@@ -126,6 +126,20 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="devices (one worker process each) the model is split over",
     )
     group.add_argument(
+        "--distributed-executor-backend",
+        choices=["mp", "ray", "uni"],
+        default=None,
+        help="where the tensor-parallel workers run: mp (processes of this host, the default "
+        "with several workers), ray (actors of a Ray cluster, across nodes), uni (this process)",
+    )
+    group.add_argument(
+        "--ray-placement-strategy",
+        choices=["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"],
+        default="STRICT_PACK",
+        help="with --distributed-executor-backend ray: STRICT_PACK keeps every worker on one "
+        "node; SPREAD places them across nodes",
+    )
+    group.add_argument(
         "--enforce-eager", action="store_true", help="no CUDA graphs (GPU only; always on CPU)"
     )
     group.add_argument(
@@ -156,6 +170,8 @@ def engine_config_from_args(args: argparse.Namespace, env: Environment) -> Engin
         async_scheduling=args.async_scheduling,
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
+        ray_placement_strategy=args.ray_placement_strategy,
         stream_interval=args.stream_interval,
     )
 

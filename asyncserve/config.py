@@ -81,15 +81,39 @@ class SchedulerConfig:
             raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {self.policy!r}")
 
 
+DistributedExecutorBackend = Literal["mp", "ray", "uni"]
+RAY_PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How many devices one engine spreads the model over (one worker process each)."""
+    """How many devices one engine spreads the model over (one worker each), and where the
+    workers run: processes of this host ("mp") or Ray actors across a cluster ("ray")."""
 
     tensor_parallel_size: int = 1
+    # None: "mp" when there are several workers; "uni" runs the model in this process.
+    distributed_executor_backend: DistributedExecutorBackend | None = None
+    # How the Ray placement group spreads the workers' devices over nodes.
+    ray_placement_strategy: str = "STRICT_PACK"
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.distributed_executor_backend not in (None, "mp", "ray", "uni"):
+            raise ValueError(
+                "distributed_executor_backend must be 'mp', 'ray' or 'uni', got "
+                f"{self.distributed_executor_backend!r}"
+            )
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "distributed_executor_backend='uni' runs one worker: it needs "
+                f"tensor_parallel_size 1, got {self.tensor_parallel_size}"
+            )
+        if self.ray_placement_strategy not in RAY_PLACEMENT_STRATEGIES:
+            raise ValueError(
+                f"ray_placement_strategy must be one of {', '.join(RAY_PLACEMENT_STRATEGIES)}, "
+                f"got {self.ray_placement_strategy!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -125,6 +149,8 @@ class EngineConfig:
         enforce_eager: bool = False,
         stream_interval: int = 1,
         tensor_parallel_size: int = 1,
+        distributed_executor_backend: str | None = None,
+        ray_placement_strategy: str = "STRICT_PACK",
     ) -> EngineConfig:
         """The engine's configuration from vLLM's engine argument names (LLM(...) and the
         serve flags both come here)."""
@@ -151,7 +177,11 @@ class EngineConfig:
                 policy=scheduling_policy,  # type: ignore[arg-type]
                 async_scheduling=async_scheduling,
             ),
-            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+            parallel=ParallelConfig(
+                tensor_parallel_size=tensor_parallel_size,
+                distributed_executor_backend=distributed_executor_backend,  # type: ignore[arg-type]
+                ray_placement_strategy=ray_placement_strategy,
+            ),
             enable_cuda_graphs=not enforce_eager,
             stream_interval=stream_interval,
         )

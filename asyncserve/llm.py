@@ -45,6 +45,8 @@ class LLM:
         async_scheduling: bool | None = None,
         enforce_eager: bool = False,
         tensor_parallel_size: int = 1,
+        distributed_executor_backend: str | None = None,
+        ray_placement_strategy: str = "STRICT_PACK",
         max_logprobs: int = 20,
     ) -> None:
         # Most logprobs (and prompt_logprobs) a SamplingParams may ask for, as in vLLM.
@@ -68,6 +70,8 @@ class LLM:
             async_scheduling=async_scheduling,
             enforce_eager=enforce_eager,
             tensor_parallel_size=tensor_parallel_size,
+            distributed_executor_backend=distributed_executor_backend,
+            ray_placement_strategy=ray_placement_strategy,
         )
         self.engine = AsyncEngine.from_config(config)
         self._loop = asyncio.new_event_loop()

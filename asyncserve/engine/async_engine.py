@@ -109,11 +109,18 @@ class AsyncEngine:
         device = resolve_device(config.model.device)
         torch.manual_seed(config.model.seed)
         size = config.parallel.tensor_parallel_size
-        if size == 1:
+        backend = config.parallel.distributed_executor_backend
+        if backend == "uni" or (size == 1 and backend is None):
             return cls(config, load_model(config.model, device), metrics)
         # Config, tokenizer and shape checks here; the weights load in the workers.
         loaded = load_model(config.model, device, TensorParallel(0, size), weights=False)
-        executor = MultiProcExecutor(config, device)
+        executor: Executor
+        if backend == "ray":
+            from asyncserve.executor.ray_executor import RayExecutor
+
+            executor = RayExecutor(config, device)
+        else:
+            executor = MultiProcExecutor(config, device)
         try:
             return cls(config, loaded, metrics, executor)
         except BaseException:

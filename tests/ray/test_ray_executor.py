@@ -1,0 +1,123 @@
+"""The Ray executor on a simulated two-node cluster (gloo on CPU): tensor parallelism over
+Ray actors equals one device token for token, on one node and across both; a cluster too
+small is a one-line error before any load; a killed actor ends the engine with a clear
+error and frees its placement group.
+
+The model is a small Llama checkpoint with random weights: SmolLM2-135M's 9 attention heads
+cannot be split in two."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+from safetensors.torch import save_file
+
+from asyncserve import LLM, RequestOutput, SamplingParams
+from asyncserve.executor.ray_cluster import check_capacity
+from asyncserve.executor.ray_executor import RayExecutor
+from tests.engine.test_tensor_parallel import ENGINE_ARGS, _generate
+from tests.models.test_loader import random_state, write_config
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = write_config(tmp_path_factory.mktemp("ray") / "llama")
+    save_file(random_state(seed=3), str(root / "model.safetensors"))
+    return root
+
+
+@pytest.fixture(scope="module")
+def expected(checkpoint: Path) -> list[list[int]]:
+    llm = LLM(str(checkpoint), **ENGINE_ARGS)  # type: ignore[arg-type]
+    try:
+        return _generate(llm)
+    finally:
+        llm.close()
+
+
+def _ray_llm(checkpoint: Path, strategy: str) -> LLM:
+    return LLM(
+        str(checkpoint),
+        tensor_parallel_size=2,
+        distributed_executor_backend="ray",
+        ray_placement_strategy=strategy,
+        **ENGINE_ARGS,  # type: ignore[arg-type]
+    )
+
+
+@pytest.fixture(scope="module")
+def spread_llm(ray_cluster: Any, checkpoint: Path) -> Iterator[LLM]:
+    llm = _ray_llm(checkpoint, "SPREAD")
+    yield llm
+    llm.close()
+
+
+def test_tp2_across_two_nodes_equals_one_device(spread_llm: LLM, expected: list[list[int]]) -> None:
+    executor = spread_llm.engine.executor
+    assert isinstance(executor, RayExecutor)
+    assert len(set(executor.nodes)) == 2  # one rank on each simulated node
+    assert _generate(spread_llm) == expected
+    assert spread_llm.engine.scheduler.num_preemptions_total > 0
+    assert spread_llm.engine.num_free_blocks == spread_llm.engine.num_blocks
+
+
+def test_tp2_on_one_node_equals_one_device(
+    ray_cluster: Any, checkpoint: Path, expected: list[list[int]]
+) -> None:
+    llm = _ray_llm(checkpoint, "STRICT_PACK")
+    try:
+        executor = llm.engine.executor
+        assert isinstance(executor, RayExecutor)
+        assert len(set(executor.nodes)) == 1
+        assert _generate(llm) == expected
+        group = executor._group
+    finally:
+        llm.close()
+    # The engine gave its placement group back.
+    assert ray.util.placement_group_table(group)["state"] == "REMOVED"
+
+
+def test_cluster_without_enough_devices_fails_before_loading(
+    ray_cluster: Any, checkpoint: Path
+) -> None:
+    with pytest.raises(
+        ValueError, match=r"cannot place 4 CPU bundles \(STRICT_PACK\): the largest node has 3 CPUs"
+    ):
+        LLM(
+            str(checkpoint),
+            tensor_parallel_size=4,
+            distributed_executor_backend="ray",
+            **ENGINE_ARGS,  # type: ignore[arg-type]
+        )
+    nodes = [{"Alive": True, "Resources": {"GPU": 1.0}}] * 2
+    with pytest.raises(ValueError, match="4 GPU bundles .*has 2 GPUs in all on 2 nodes"):
+        check_capacity(4, "GPU", "SPREAD", nodes)
+    check_capacity(2, "GPU", "SPREAD", nodes)
+
+
+def test_killed_actor_ends_the_engine(spread_llm: LLM) -> None:
+    executor = spread_llm.engine.executor
+    assert isinstance(executor, RayExecutor)
+    engine = spread_llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+
+    async def run() -> RequestOutput:
+        last = None
+        async for out in engine.generate([5, 6, 7], params, "killed"):
+            if last is None:
+                ray.kill(executor.workers[1])
+            last = out
+        assert last is not None
+        return last
+
+    out = spread_llm._loop.run_until_complete(run())
+    assert out.error is not None and "worker 1" in out.error and "died" in out.error
+    assert len(out.outputs[0].token_ids) < 50
+    assert "died" in (engine._dead_reason or "")
+    group = executor._group
+    spread_llm.close()
+    assert ray.util.placement_group_table(group)["state"] == "REMOVED"
