@@ -8,11 +8,15 @@ ranks fit on one node (STRICT_PACK) or spread over both (SPREAD)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import ray
 from ray.cluster_utils import Cluster
+from safetensors.torch import save_file
+
+from tests.models.test_loader import random_state, write_config
 
 # Small object stores: the tests move prompts and token ids, not tensors.
 _NODE_ARGS = {"num_cpus": 3, "object_store_memory": 80 << 20}
@@ -30,3 +34,12 @@ def ray_cluster() -> Iterator[Any]:
     yield cluster
     ray.shutdown()
     cluster.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small Llama checkpoint (random weights, byte-level placeholder tokenizer): quick to
+    load in every actor, and its 4 heads split over 2 ranks."""
+    root = write_config(tmp_path_factory.mktemp("ray") / "llama")
+    save_file(random_state(seed=3), str(root / "model.safetensors"))
+    return root

@@ -14,20 +14,16 @@ from typing import Any
 
 import pytest
 import ray
-from safetensors.torch import save_file
 
 from asyncserve import LLM, RequestOutput, SamplingParams
 from asyncserve.executor.ray_cluster import check_capacity
 from asyncserve.executor.ray_executor import RayExecutor
 from tests.engine.test_tensor_parallel import ENGINE_ARGS, _generate
-from tests.models.test_loader import random_state, write_config
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = write_config(tmp_path_factory.mktemp("ray") / "llama")
-    save_file(random_state(seed=3), str(root / "model.safetensors"))
-    return root
+def checkpoint(tiny_llama: Path) -> Path:
+    return tiny_llama
 
 
 @pytest.fixture(scope="module")
