@@ -8,6 +8,7 @@ cannot be split in two."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,14 @@ def test_tp2_on_one_node_equals_one_device(
         assert len(set(executor.nodes)) == 1
         assert _generate(llm) == expected
         group = executor._group
+        # An actor that dies while the engine is idle is reported without a step.
+        ray.kill(executor.workers[0])
+        deadline = time.monotonic() + 15
+        while executor._failure is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert executor._failure is not None and "worker 0" in executor._failure
+        with pytest.raises(RuntimeError, match="worker 0 .* died"):
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)
     finally:
         llm.close()
     # The engine gave its placement group back.
