@@ -9,14 +9,16 @@ job is three lines:
     processor = build_llm_processor(config, sampling_params=SamplingParams(max_tokens=64))
     ds = processor(ray.data.read_text("prompts.txt"))
 
-Each row's prompt is its "prompt" column (else "text", what ray.data.read_text makes); a
-row may carry its own "sampling_params" (a dict of SamplingParams fields). Output rows keep
-their columns and gain "generated_text", "generated_tokens", "num_input_tokens" and
-"num_generated_tokens", as ray.data.llm's do.
+Each row's prompt is its "prompt_token_ids" column, else "prompt", else "text" (what
+ray.data.read_text makes); a row may carry its own "sampling_params" (a dict of
+SamplingParams fields). Output rows keep
+their columns and gain "generated_text", "generated_tokens", "num_input_tokens", "num_generated_tokens" and
+"time_taken_llm" (seconds of the batch's generate call), as ray.data.llm's do.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,22 +64,29 @@ class LLMPredictor:
         self.sampling_params = sampling_params or self.llm.get_default_sampling_params()
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list[Any]]:
-        column = next((c for c in PROMPT_COLUMNS if c in batch), None)
-        if column is None:
-            raise ValueError(
-                f"rows need a 'prompt' or 'text' column, got {sorted(batch)} "
-                "(map them with preprocess=...)"
-            )
-        prompts = [str(p) for p in batch[column]]
+        prompts: list[Any]
+        if "prompt_token_ids" in batch:
+            prompts = [{"prompt_token_ids": [int(t) for t in p]} for p in batch["prompt_token_ids"]]
+        else:
+            column = next((c for c in PROMPT_COLUMNS if c in batch), None)
+            if column is None:
+                raise ValueError(
+                    "rows need a 'prompt', 'text' or 'prompt_token_ids' column, got "
+                    f"{sorted(batch)} (map them with preprocess=...)"
+                )
+            prompts = [str(p) for p in batch[column]]
         params: SamplingParams | list[SamplingParams] = self.sampling_params
         if "sampling_params" in batch:
             params = [_row_params(self.sampling_params, row) for row in batch["sampling_params"]]
+        start = time.perf_counter()
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
         out: dict[str, list[Any]] = {name: list(values) for name, values in batch.items()}
         out["generated_text"] = []
         out["generated_tokens"] = []
         out["num_input_tokens"] = []
         out["num_generated_tokens"] = []
+        out["time_taken_llm"] = [elapsed] * len(outputs)
         for output in outputs:
             if output.error is not None:
                 raise ValueError(f"prompt {output.prompt!r}: {output.error}")

@@ -93,7 +93,10 @@ def test_predictor_columns_and_row_params(smollm2_llm: LLM) -> None:
     assert out["num_generated_tokens"] == [8, 3]
     assert out["generated_tokens"][1] == out["generated_tokens"][0][:3]
     assert all(n > 0 for n in out["num_input_tokens"])
-    with pytest.raises(ValueError, match="'prompt' or 'text' column"):
+    ids = smollm2_llm.get_tokenizer().encode(PLAIN_PROMPTS[0])
+    by_ids = predictor({"prompt_token_ids": np.array([ids])})
+    assert by_ids["generated_tokens"] == out["generated_tokens"][:1]
+    with pytest.raises(ValueError, match="'prompt', 'text' or 'prompt_token_ids' column"):
         predictor({"question": np.array(["?"])})
 
 
