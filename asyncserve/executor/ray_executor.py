@@ -3,26 +3,32 @@
 `distributed_executor_backend="ray"`: the engine (scheduler, detokenizer, server) stays in
 this process; each rank is a RayWorker actor in a placement group of one bundle per device
 (executor/ray_cluster.py), joined by a torch.distributed group (gloo on CPU, NCCL on CUDA)
-as MultiProcExecutor's processes are. Every step reaches every actor as method calls:
+as MultiProcExecutor's processes are.
 
-  launch_forward   worker.forward(plan)     each actor applies the plan and runs the forward
-  launch_sampling  worker.sample(bitmask)   rank 0 samples and the others take its ids
-  collect                                   the sample calls' results: rank 0's StepResult
+Ray places the actors and reports their deaths; the steps go over one authenticated
+connection per actor (opened by the actor back to this process), as the same messages a
+MultiProcExecutor worker reads from its pipe:
 
-An actor runs its calls in the order they were made, so the stages keep the Executor
-futures contract. An actor (or its node) that dies fails the stage waiting on it, and every
-later one, with an error naming the rank and its node; a watcher reports a death while the
-engine is idle. shutdown kills the actors and frees the placement group.
+  launch_forward   ("forward", plan)     every rank applies the plan and runs the forward
+  launch_sampling  ("sample", bitmask)   rank 0 samples and the others take its ids
+  collect                                one reply per rank: rank 0's is the StepResult
+
+The stages run in submission order on one thread here. An actor (or its node) that dies
+fails the stage waiting on it, and every later one, with an error naming the rank and its
+node; a watcher reports a death while the engine is idle. shutdown stops the actors, kills
+what is left and frees the placement group.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from multiprocessing.connection import Connection, Listener, wait
 from typing import Any
 
 import torch
@@ -32,14 +38,19 @@ from asyncserve.core.step import StepPlan, StepResult
 from asyncserve.executor.abstract import Executor, MasksFuture
 from asyncserve.executor.multiproc import WorkerDied
 from asyncserve.executor.ray_cluster import connect, reserve
-from asyncserve.executor.ray_worker import RayWorker
+from asyncserve.executor.ray_worker import RayWorker, no_delay
 
 logger = logging.getLogger(__name__)
 
-# How often the idle watcher asks the cluster whether every actor is alive.
-_WATCH_INTERVAL_S = 1.0
-# Seconds a failed rank's peers get to show up as dead (its error is then theirs).
-_CAUSE_GRACE_S = 2.0
+# How often a wait for replies looks at the watcher's verdict (a node that vanishes
+# without closing its connections is known only to Ray).
+_POLL_S = 1.0
+# Seconds a failed rank's peers get to show up as dead (its error is then theirs), and the
+# actors get to stop on their own at shutdown.
+_GRACE_S = 2.0
+_EXIT_GRACE_S = 5.0
+# Seconds the actors get to connect back and load the model.
+_START_TIMEOUT_S = 600.0
 
 
 class RayExecutor(Executor):
@@ -49,6 +60,10 @@ class RayExecutor(Executor):
         self._failure: str | None = None
         self._closing = False
         self._failure_callbacks: list[Callable[[str], None]] = []
+        self._conns: list[Connection] = []
+        self._runs: list[Any] = []
+        self.nodes: list[str] = []
+        self.pids: list[int] = []
         self._ray = ray = connect()
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -66,26 +81,65 @@ class RayExecutor(Executor):
             ).remote()
             for rank in range(size)
         ]
-        self.nodes: list[str] = []
-        self.pids: list[int] = []
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncserve-step")
+        authkey = secrets.token_bytes(32)
+        self._listener = Listener((ray.util.get_node_ip_address(), 0), authkey=authkey)
         try:
-            address = ray.get(self.workers[0].address.remote())
-            started = [
-                w.start.remote(config, device.type, rank, size, address)
+            placed = ray.get([w.where.remote() for w in self.workers])
+            self.nodes = [node for node, _ in placed]
+            self.pids = [pid for _, pid in placed]
+            init_method = ray.get(self.workers[0].address.remote())
+            self._runs = [
+                w.run.remote(
+                    config, device.type, rank, size, init_method, self._listener.address, authkey
+                )
                 for rank, w in enumerate(self.workers)
             ]
-            self._replies(started, raw=True)
-            placed = ray.get([w.where.remote() for w in self.workers])
+            self._accept()
+            self._replies()  # every rank reports once its model is loaded
         except BaseException:
             self.shutdown()
             raise
-        self.nodes = [node for node, _ in placed]
-        self.pids = [pid for _, pid in placed]
         logger.info(
             "%d tensor-parallel Ray workers ready on %d node(s)", size, len(set(self.nodes))
         )
         threading.Thread(target=self._watch, name="asyncserve-ray-watch", daemon=True).start()
+
+    def _accept(self) -> None:
+        """One connection per actor, put in rank order; an actor that fails before it
+        connects ends the wait with its error."""
+        ray = self._ray
+        conns: dict[int, Connection] = {}
+        accepted: list[Connection] = []
+
+        def accept() -> None:
+            for _ in range(self.size):
+                accepted.append(self._listener.accept())
+
+        acceptor = threading.Thread(target=accept, name="asyncserve-ray-accept", daemon=True)
+        acceptor.start()
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while acceptor.is_alive():
+            done, _ = ray.wait(self._runs, num_returns=1, timeout=0.2)
+            if done:
+                self._check_run(done[0])
+            if time.monotonic() > deadline:
+                raise WorkerDied(f"the Ray workers did not connect within {_START_TIMEOUT_S} s")
+            acceptor.join(0.05)
+        for conn in accepted:
+            no_delay(conn)
+            conns[int(conn.recv())] = conn
+        self._conns = [conns[rank] for rank in range(self.size)]
+
+    def _check_run(self, ref: Any) -> None:
+        """Raise WorkerDied for a finished run call: the actor died, or stopped early."""
+        ray = self._ray
+        rank = self._runs.index(ref)
+        try:
+            ray.get(ref)
+        except Exception as exc:
+            raise self._fail(f"{self._describe(rank)} died: {_first_line(exc)}") from exc
+        raise self._fail(f"{self._describe(rank)} stopped")
 
     def on_failure(self, callback: Callable[[str], None]) -> None:
         self._failure_callbacks.append(callback)
@@ -98,15 +152,16 @@ class RayExecutor(Executor):
             where = f" (node {self.nodes[rank][:12]}, pid {self.pids[rank]})"
         return f"tensor-parallel worker {rank}{where}"
 
-    def _dead_worker(self) -> str | None:
-        """The first rank whose actor the cluster reports dead, if any."""
-        from ray._private.state import actors as actor_table
-
-        for rank, worker in enumerate(self.workers):
-            with contextlib.suppress(Exception):
-                info = actor_table(worker._actor_id.hex())
-                if info.get("State") == "DEAD":
-                    return f"{self._describe(rank)} died: the Ray actor is dead"
+    def _dead_worker(self, timeout: float = 0.0) -> str | None:
+        """The first rank whose actor has ended, if any (within `timeout` seconds)."""
+        ray = self._ray
+        done, _ = ray.wait(self._runs, num_returns=1, timeout=timeout)
+        if not done:
+            return None
+        try:
+            self._check_run(done[0])
+        except WorkerDied as exc:
+            return str(exc)
         return None
 
     def _fail(self, reason: str) -> WorkerDied:
@@ -114,52 +169,58 @@ class RayExecutor(Executor):
         return WorkerDied(self._failure)
 
     def _watch(self) -> None:
-        """Report the first actor that dies while nobody waits on it (an idle engine would
+        """Report the first actor that ends while nobody waits on it (an idle engine would
         otherwise learn of it only at its next step)."""
-        while not self._closing and self._failure is None:
-            time.sleep(_WATCH_INTERVAL_S)
-            if self._closing:
-                return
-            reason = self._dead_worker()
-            if reason is not None and not self._closing:
-                self._failure = self._failure or reason
-                for callback in self._failure_callbacks:
-                    callback(self._failure)
-                return
-
-    def _replies(self, refs: list[Any], raw: bool = False) -> list[Any]:
-        """Every rank's result, in rank order; raises WorkerDied once any rank failed.
-
-        Results are ("ok", value) / ("err", message) pairs unless `raw`. A rank blocked in a
-        collective with a dead peer never answers, so the refs are awaited all at once."""
         ray = self._ray
-        from ray.exceptions import RayActorError, RayTaskError
+        with contextlib.suppress(Exception):
+            ray.wait(self._runs, num_returns=1)
+        if self._closing:
+            return
+        reason = self._dead_worker()
+        if reason is None:
+            return
+        self._failure = self._failure or reason
+        for callback in self._failure_callbacks:
+            callback(self._failure)
 
-        out: list[Any] = [None] * len(refs)
-        rank_of = {ref: rank for rank, ref in enumerate(refs)}
-        pending = list(refs)
+    # ---- messages ------------------------------------------------------------------------
+
+    def _send(self, messages: list[tuple[Any, ...]]) -> None:
+        if self._failure is not None:
+            raise WorkerDied(self._failure)
+        for rank, (conn, message) in enumerate(zip(self._conns, messages, strict=True)):
+            try:
+                conn.send(message)
+            except OSError as e:
+                reason = (
+                    self._dead_worker(_GRACE_S) or f"{self._describe(rank)} is unreachable: {e}"
+                )
+                raise self._fail(reason) from e
+
+    def _replies(self) -> list[Any]:
+        """One reply from every rank, in rank order; raises once any rank has failed. A rank
+        blocked in a collective with a dead peer never answers: all are watched at once."""
+        out: list[Any] = [None] * self.size
+        pending = dict(enumerate(self._conns))
         while pending:
             if self._failure is not None:
                 raise WorkerDied(self._failure)
-            ready, pending = ray.wait(pending, num_returns=1, timeout=_WATCH_INTERVAL_S)
-            for ref in ready:
-                rank = rank_of[ref]
+            for conn in wait(list(pending.values()), timeout=_POLL_S):
+                rank = self._conns.index(conn)  # type: ignore[arg-type]
                 try:
-                    value = ray.get(ref)
-                except RayActorError as exc:
-                    raise self._fail(f"{self._describe(rank)} died: {_first_line(exc)}") from exc
-                except RayTaskError as exc:
-                    value = ("err", _first_line(exc.cause or exc))
-                if raw:
-                    value = ("ok", value)
-                status, result = value
+                    status, value = conn.recv()  # type: ignore[union-attr]
+                except (EOFError, OSError) as e:
+                    reason = (
+                        self._dead_worker(_GRACE_S)
+                        or f"{self._describe(rank)} closed its connection"
+                    )
+                    raise self._fail(reason) from e
                 if status != "ok":
                     # A rank whose peer died fails its collective: name the dead one.
-                    deadline = time.monotonic() + _CAUSE_GRACE_S
-                    while (dead := self._dead_worker()) is None and time.monotonic() < deadline:
-                        time.sleep(0.1)
-                    raise self._fail(dead or f"{self._describe(rank)} failed: {result}")
-                out[rank] = result
+                    dead = self._dead_worker(_GRACE_S)
+                    raise self._fail(dead or f"{self._describe(rank)} failed: {value}")
+                out[rank] = value
+                del pending[rank]
         return out
 
     # ---- Executor ------------------------------------------------------------------------
@@ -168,41 +229,30 @@ class RayExecutor(Executor):
         return self._thread.submit(self._rpc, method, args).result()
 
     def _rpc(self, method: str, args: tuple[Any, ...]) -> list[Any]:
-        self._check()
-        return self._replies([w.rpc.remote(method, args) for w in self.workers])
-
-    def _check(self) -> None:
-        if self._failure is not None:
-            raise WorkerDied(self._failure)
+        self._send([("rpc", method, args)] * self.size)
+        return self._replies()
 
     def launch_forward(self, plan: StepPlan, on_launched: Callable[[], None]) -> Future[Any]:
-        job = self._thread.submit(self._forward, plan)
-        # The forward is under way once every actor has the plan (or the stage failed).
+        job = self._thread.submit(self._send, [("forward", plan)] * self.size)
+        # The forward is under way once every rank has the plan (or the stage failed).
         job.add_done_callback(lambda _: on_launched())
         return job
-
-    def _forward(self, plan: StepPlan) -> None:
-        self._check()
-        for worker in self.workers:
-            worker.forward.remote(plan)
 
     def launch_sampling(self, forwarded: Future[Any], masks: MasksFuture | None) -> Future[Any]:
         return self._thread.submit(self._sample, forwarded, masks)
 
-    def _sample(self, forwarded: Future[Any], masks: MasksFuture | None) -> list[Any]:
+    def _sample(self, forwarded: Future[Any], masks: MasksFuture | None) -> None:
         forwarded.result()  # ran before on this thread: raises if it failed
-        self._check()
         bitmask = masks.result() if masks is not None else None
         # Only rank 0 samples, so only it needs the masks.
-        return [
-            w.sample.remote(bitmask if rank == 0 else None) for rank, w in enumerate(self.workers)
-        ]
+        self._send([("sample", bitmask)] + [("sample", None)] * (self.size - 1))
 
     def collect(self, launched: Future[Any]) -> Future[StepResult]:
         return self._thread.submit(self._collect, launched)
 
     def _collect(self, launched: Future[Any]) -> StepResult:
-        result = self._replies(launched.result())[0]
+        launched.result()
+        result = self._replies()[0]
         assert isinstance(result, StepResult)
         return result
 
@@ -210,14 +260,19 @@ class RayExecutor(Executor):
         self._closing = True
         self._thread.shutdown(wait=False, cancel_futures=True)
         ray = self._ray
-        if self._failure is None:
-            # A clean exit leaves the process group; after a failure a rank may be blocked
-            # in a collective and would never answer.
-            with contextlib.suppress(Exception):
-                ray.get([w.stop.remote() for w in self.workers], timeout=5.0)
+        for conn in self._conns:
+            with contextlib.suppress(OSError):
+                conn.send(("stop",))
+        if self._runs and self._failure is None:
+            # A clean stop leaves the process group; after a failure a rank may be blocked
+            # in a collective and would never read "stop".
+            ray.wait(self._runs, num_returns=len(self._runs), timeout=_EXIT_GRACE_S)
         for worker in self.workers:
             with contextlib.suppress(Exception):
                 ray.kill(worker)
+        for conn in self._conns:
+            conn.close()
+        self._listener.close()
         if self._owns_group:
             with contextlib.suppress(Exception):
                 ray.util.remove_placement_group(self._group)

@@ -1,14 +1,15 @@
 """One tensor-parallel rank as a Ray actor (started by RayExecutor).
 
-The actor is single-threaded, so its methods run in the order the engine called them, as
-the messages of a MultiProcExecutor worker do over its pipe:
+Ray places the actor and watches its life; the steps do not go through Ray's task calls
+(a few hundred microseconds each, several per step) but over one authenticated connection
+back to the engine process, answered by the same message loop a MultiProcExecutor worker
+runs over its pipe (executor/tp_worker.py). The actor's calls:
 
-  address()    rank 0: where the process group meets (this node's IP, a free port)
-  start(...)   join the group, load this rank's slice of the model
-  forward      apply a plan and run its forward pass (an error is kept for `sample`)
-  sample       sample the oldest forwarded step and collect it: ("ok", StepResult on
-               rank 0, None elsewhere) or ("err", message)
-  rpc          any ModelRunner method (KV pool sizing and allocation)
+  address()  rank 0: where the process group meets (this node's IP, a free port)
+  where()    (Ray node id, pid) of this rank
+  run(...)   connect to the engine, join the group, load this rank's slice of the model,
+             then answer the engine's messages until "stop" or until the engine goes away;
+             the call returns only then, so a Ray error on it means the actor died
 
 Ray gives each actor its own device (CUDA_VISIBLE_DEVICES holds one GPU), so every rank
 runs on cuda:0 of its own view.
@@ -19,28 +20,19 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-from collections import deque
-from typing import Any
+from multiprocessing.connection import Client, Connection
 
 import torch
 import torch.distributed as dist
 
 from asyncserve.config import EngineConfig
-from asyncserve.core.step import GrammarBitmask, StepPlan
-from asyncserve.executor.tp_worker import _error
-from asyncserve.executor.tp_worker import _sample as sample_forwarded
+from asyncserve.executor.tp_worker import _error, _serve
 from asyncserve.models.loader import load_model
 from asyncserve.models.parallel import TensorParallel
-from asyncserve.worker.model_runner import ForwardedStep, ModelRunner
+from asyncserve.worker.model_runner import ModelRunner
 
 
 class RayWorker:
-    def __init__(self) -> None:
-        self.runner: ModelRunner | None = None
-        self.rank = 0
-        # Forwarded steps waiting for their `sample` call (two with async scheduling).
-        self.forwarded: deque[ForwardedStep | BaseException] = deque()
-
     def address(self) -> str:
         """A tcp:// address on this node for the process group's rendezvous."""
         import ray
@@ -52,46 +44,57 @@ class RayWorker:
         return f"tcp://{host}:{port}"
 
     def where(self) -> tuple[str, int]:
-        """(Ray node id, pid) of this rank."""
         import ray
 
         return ray.get_runtime_context().get_node_id(), os.getpid()
 
-    def start(
-        self, config: EngineConfig, device_type: str, rank: int, size: int, init_method: str
+    def run(
+        self,
+        config: EngineConfig,
+        device_type: str,
+        rank: int,
+        size: int,
+        init_method: str,
+        engine_address: tuple[str, int],
+        authkey: bytes,
     ) -> None:
-        self.rank = rank
-        if device_type == "cuda":
-            device = torch.device("cuda", 0)
-            torch.cuda.set_device(device)
-            backend = "nccl"
-        else:
-            device = torch.device("cpu")
-            backend = "gloo"
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
-        torch.manual_seed(config.model.seed)
-        tp = TensorParallel(rank, size)
-        loaded = load_model(config.model, device, tp)
-        self.runner = ModelRunner(loaded, config, device, tp)
-
-    def forward(self, plan: StepPlan) -> None:
-        assert self.runner is not None
+        conn = Client(engine_address, authkey=authkey)
+        no_delay(conn)
         try:
-            self.forwarded.append(self.runner.launch_forward(plan))
-        except Exception as exc:  # reported when the step is sampled
-            self.forwarded.append(exc)
+            conn.send(rank)  # the engine accepts the ranks in any order
+            try:
+                runner = _start(config, device_type, rank, size, init_method)
+            except Exception as exc:
+                conn.send(_error(exc))
+                return
+            conn.send(("ok", None))
+            _serve(runner, rank, conn)
+        finally:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+            conn.close()
 
-    def sample(self, bitmask: GrammarBitmask | None) -> tuple[str, Any]:
-        assert self.runner is not None
-        return sample_forwarded(self.runner, self.rank, self.forwarded.popleft(), bitmask)
 
-    def rpc(self, method: str, args: tuple[Any, ...]) -> tuple[str, Any]:
-        assert self.runner is not None
-        try:
-            return "ok", getattr(self.runner, method)(*args)
-        except Exception as exc:
-            return _error(exc)
+def no_delay(conn: Connection) -> None:
+    """Send small messages at once: a step is a few small messages each way, which Nagle's
+    algorithm (with the peer's delayed ACKs) would hold for up to 40 ms."""
+    with socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-    def stop(self) -> None:
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+
+def _start(
+    config: EngineConfig, device_type: str, rank: int, size: int, init_method: str
+) -> ModelRunner:
+    if device_type == "cuda":
+        device = torch.device("cuda", 0)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        # Ray sets this actor's threads to its CPU share (OMP_NUM_THREADS).
+        device = torch.device("cpu")
+        backend = "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
+    torch.manual_seed(config.model.seed)
+    tp = TensorParallel(rank, size)
+    loaded = load_model(config.model, device, tp)
+    return ModelRunner(loaded, config, device, tp)
