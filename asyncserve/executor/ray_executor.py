@@ -205,10 +205,12 @@ class RayExecutor(Executor):
         while pending:
             if self._failure is not None:
                 raise WorkerDied(self._failure)
-            for conn in wait(list(pending.values()), timeout=_POLL_S):
-                rank = self._conns.index(conn)  # type: ignore[arg-type]
+            rank_of = {id(conn): rank for rank, conn in pending.items()}
+            for ready in wait(list(pending.values()), timeout=_POLL_S):
+                rank = rank_of[id(ready)]
+                conn = self._conns[rank]
                 try:
-                    status, value = conn.recv()  # type: ignore[union-attr]
+                    status, value = conn.recv()
                 except (EOFError, OSError) as e:
                     reason = (
                         self._dead_worker(_GRACE_S)
