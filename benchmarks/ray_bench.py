@@ -11,7 +11,8 @@
     python benchmarks/ray_bench.py data --model benchmarks/configs/llama3-8b --out $OUT/ray_data.json
     python benchmarks/ray_bench.py executor --model benchmarks/configs/llama3-8b --out $OUT/ray_exec.json
 
-Weights are dummy (random), as in the other W1b / W2 runs.
+Weights are dummy (random), as in the other W1b / W2 runs. Both need two GPUs. The GPU
+machine has no Ray: benchmarks/ray_wheels.sh packs it in two parts for two calls.
 """
 
 from __future__ import annotations
