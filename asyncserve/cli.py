@@ -126,6 +126,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="devices (one worker process each) the model is split over",
     )
     group.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=_positive_int,
+        default=1,
+        help="stages the model's layers are split into, tensor-parallel-size devices each "
+        "(with --distributed-executor-backend ray)",
+    )
+    group.add_argument(
         "--distributed-executor-backend",
         choices=["mp", "ray", "uni"],
         default=None,
@@ -170,6 +178,7 @@ def engine_config_from_args(args: argparse.Namespace, env: Environment) -> Engin
         async_scheduling=args.async_scheduling,
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
         ray_placement_strategy=args.ray_placement_strategy,
         stream_interval=args.stream_interval,

@@ -91,14 +91,26 @@ class ParallelConfig:
     workers run: processes of this host ("mp") or Ray actors across a cluster ("ray")."""
 
     tensor_parallel_size: int = 1
+    # Stages the layers are split into (tensor_parallel_size workers each); Ray only.
+    pipeline_parallel_size: int = 1
     # None: "mp" when there are several workers; "uni" runs the model in this process.
     distributed_executor_backend: DistributedExecutorBackend | None = None
     # How the Ray placement group spreads the workers' devices over nodes.
     ray_placement_strategy: str = "STRICT_PACK"
 
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(
+                f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}"
+            )
+        if self.pipeline_parallel_size > 1 and self.distributed_executor_backend != "ray":
+            raise ValueError("pipeline_parallel_size > 1 needs distributed_executor_backend='ray'")
         if self.distributed_executor_backend not in (None, "mp", "ray", "uni"):
             raise ValueError(
                 "distributed_executor_backend must be 'mp', 'ray' or 'uni', got "
@@ -149,6 +161,7 @@ class EngineConfig:
         enforce_eager: bool = False,
         stream_interval: int = 1,
         tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
         distributed_executor_backend: str | None = None,
         ray_placement_strategy: str = "STRICT_PACK",
     ) -> EngineConfig:
@@ -179,6 +192,7 @@ class EngineConfig:
             ),
             parallel=ParallelConfig(
                 tensor_parallel_size=tensor_parallel_size,
+                pipeline_parallel_size=pipeline_parallel_size,
                 distributed_executor_backend=distributed_executor_backend,  # type: ignore[arg-type]
                 ray_placement_strategy=ray_placement_strategy,
             ),

@@ -45,6 +45,7 @@ class LLM:
         async_scheduling: bool | None = None,
         enforce_eager: bool = False,
         tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
         distributed_executor_backend: str | None = None,
         ray_placement_strategy: str = "STRICT_PACK",
         max_logprobs: int = 20,
@@ -70,6 +71,7 @@ class LLM:
             async_scheduling=async_scheduling,
             enforce_eager=enforce_eager,
             tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
             distributed_executor_backend=distributed_executor_backend,
             ray_placement_strategy=ray_placement_strategy,
         )

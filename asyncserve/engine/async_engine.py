@@ -23,6 +23,7 @@ from asyncserve.executor.uniproc import UniProcExecutor
 from asyncserve.metrics import EngineMetrics
 from asyncserve.models.loader import LoadedModel, load_model
 from asyncserve.models.parallel import TensorParallel
+from asyncserve.models.pipeline import split_layers
 from asyncserve.output.output_processor import OutputProcessor, ParentState
 from asyncserve.output.request_stream import RequestStream
 from asyncserve.outputs import RequestOutput
@@ -110,10 +111,12 @@ class AsyncEngine:
         torch.manual_seed(config.model.seed)
         size = config.parallel.tensor_parallel_size
         backend = config.parallel.distributed_executor_backend
-        if backend == "uni" or (size == 1 and backend is None):
+        if backend == "uni" or (config.parallel.world_size == 1 and backend is None):
             return cls(config, load_model(config.model, device), metrics)
         # Config, tokenizer and shape checks here; the weights load in the workers.
         loaded = load_model(config.model, device, TensorParallel(0, size), weights=False)
+        # More stages than layers is an error before any worker starts.
+        split_layers(loaded.arch.num_hidden_layers, config.parallel.pipeline_parallel_size)
         executor: Executor
         if backend == "ray":
             from asyncserve.executor.ray_executor import RayExecutor

@@ -55,8 +55,12 @@ _START_TIMEOUT_S = 600.0
 
 class RayExecutor(Executor):
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
-        size = config.parallel.tensor_parallel_size
+        size = config.parallel.world_size
         self.size = size
+        # The rank that samples: the first of the last pipeline stage.
+        self.driver = (config.parallel.pipeline_parallel_size - 1) * (
+            config.parallel.tensor_parallel_size
+        )
         self._failure: str | None = None
         self._closing = False
         self._failure_callbacks: list[Callable[[str], None]] = []
@@ -100,9 +104,7 @@ class RayExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
-        logger.info(
-            "%d tensor-parallel Ray workers ready on %d node(s)", size, len(set(self.nodes))
-        )
+        logger.info("%d Ray workers ready on %d node(s)", size, len(set(self.nodes)))
         threading.Thread(target=self._watch, name="asyncserve-ray-watch", daemon=True).start()
 
     def _accept(self) -> None:
@@ -246,15 +248,15 @@ class RayExecutor(Executor):
     def _sample(self, forwarded: Future[Any], masks: MasksFuture | None) -> None:
         forwarded.result()  # ran before on this thread: raises if it failed
         bitmask = masks.result() if masks is not None else None
-        # Only rank 0 samples, so only it needs the masks.
-        self._send([("sample", bitmask)] + [("sample", None)] * (self.size - 1))
+        # Only the driver samples, so only it needs the masks.
+        self._send([("sample", bitmask if r == self.driver else None) for r in range(self.size)])
 
     def collect(self, launched: Future[Any]) -> Future[StepResult]:
         return self._thread.submit(self._collect, launched)
 
     def _collect(self, launched: Future[Any]) -> StepResult:
         launched.result()
-        result = self._replies()[0]
+        result = self._replies()[self.driver]
         assert isinstance(result, StepResult)
         return result
 

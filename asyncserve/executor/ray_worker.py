@@ -29,6 +29,7 @@ from asyncserve.config import EngineConfig
 from asyncserve.executor.tp_worker import _error, _serve
 from asyncserve.models.loader import load_model
 from asyncserve.models.parallel import TensorParallel
+from asyncserve.models.pipeline import PipelineStage
 from asyncserve.worker.model_runner import ModelRunner
 
 
@@ -68,7 +69,10 @@ class RayWorker:
                 conn.send(_error(exc))
                 return
             conn.send(("ok", None))
-            _serve(runner, rank, conn)
+            # The loop returns the StepResult from its "rank 0": the sampling rank, the
+            # first of the last pipeline stage.
+            driver = (config.parallel.pipeline_parallel_size - 1) * tp_size(config)
+            _serve(runner, 0 if rank == driver else rank + 1, conn)
         finally:
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
@@ -95,6 +99,22 @@ def _start(
         backend = "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
     torch.manual_seed(config.model.seed)
-    tp = TensorParallel(rank, size)
-    loaded = load_model(config.model, device, tp)
-    return ModelRunner(loaded, config, device, tp)
+    tp_ranks = tp_size(config)
+    num_stages = config.parallel.pipeline_parallel_size
+    if num_stages == 1:
+        tp = TensorParallel(rank, tp_ranks)
+        loaded = load_model(config.model, device, tp)
+        return ModelRunner(loaded, config, device, tp)
+    # Every rank creates every stage's group, in the same order.
+    groups = [
+        dist.new_group(list(range(s * tp_ranks, (s + 1) * tp_ranks))) for s in range(num_stages)
+    ]
+    tp = TensorParallel(rank % tp_ranks, tp_ranks, group=groups[rank // tp_ranks])
+    shape = load_model(config.model, torch.device("cpu"), tp, weights=False)
+    stage = PipelineStage.of(rank, tp_ranks, num_stages, shape.arch.num_hidden_layers)
+    loaded = load_model(config.model, device, tp, pp=stage)
+    return ModelRunner(loaded, config, device, tp, stage)
+
+
+def tp_size(config: EngineConfig) -> int:
+    return config.parallel.tensor_parallel_size

@@ -126,3 +126,31 @@ def test_killed_actor_ends_the_engine(spread_llm: LLM) -> None:
     group = executor._group
     spread_llm.close()
     assert ray.util.placement_group_table(group)["state"] == "REMOVED"
+
+
+@pytest.mark.parametrize(("tp", "async_scheduling"), [(1, True), (2, False)])
+def test_pipeline_parallel_equals_one_device(
+    ray_cluster: Any,
+    checkpoint: Path,
+    expected: list[list[int]],
+    tp: int,
+    async_scheduling: bool,
+) -> None:
+    # Two stages of one layer each (of tp ranks each), spread over the two nodes.
+    llm = LLM(
+        str(checkpoint),
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=2,
+        distributed_executor_backend="ray",
+        ray_placement_strategy="SPREAD",
+        async_scheduling=async_scheduling,
+        **ENGINE_ARGS,  # type: ignore[arg-type]
+    )
+    try:
+        assert _generate(llm) == expected
+        assert llm.engine.scheduler.num_preemptions_total > 0
+        if tp == 1:
+            with pytest.raises(ValueError, match=r"pipeline_parallel_size \(3\) exceeds"):
+                LLM(str(checkpoint), pipeline_parallel_size=3, distributed_executor_backend="ray")
+    finally:
+        llm.close()
