@@ -19,16 +19,16 @@ from safetensors.torch import save_file
 from tests.models.test_loader import random_state, write_config
 
 # Small object stores: the tests move prompts and token ids, not tensors.
-_NODE_ARGS = {"num_cpus": 3, "object_store_memory": 80 << 20}
+NODE_ARGS = {"num_cpus": 3, "object_store_memory": 80 << 20}
 
 
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[Any]:
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={**_NODE_ARGS, "include_dashboard": False},
+        head_node_args={**NODE_ARGS, "include_dashboard": False},
     )
-    cluster.add_node(**_NODE_ARGS)
+    cluster.add_node(**NODE_ARGS)
     ray.init(address=cluster.address, log_to_driver=False)
     cluster.wait_for_nodes()
     yield cluster

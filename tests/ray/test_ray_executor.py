@@ -1,7 +1,8 @@
 """The Ray executor on a simulated two-node cluster (gloo on CPU): tensor parallelism over
-Ray actors equals one device token for token, on one node and across both; a cluster too
-small is a one-line error before any load; a killed actor ends the engine with a clear
-error and frees its placement group.
+Ray actors equals one device token for token, on one node and across both, and so does
+pipeline parallelism (2 stages x 2 ranks); a cluster too small is a one-line error before
+any load; a killed actor (busy or idle) or a lost node ends the engine with a clear error
+and frees its placement group.
 
 The model is a small Llama checkpoint with random weights: SmolLM2-135M's 9 attention heads
 cannot be split in two."""
@@ -20,6 +21,7 @@ from asyncserve import LLM, RequestOutput, SamplingParams
 from asyncserve.executor.ray_cluster import check_capacity
 from asyncserve.executor.ray_executor import RayExecutor
 from tests.engine.test_tensor_parallel import ENGINE_ARGS, _generate
+from tests.ray.conftest import NODE_ARGS
 
 
 @pytest.fixture(scope="module")
@@ -128,29 +130,54 @@ def test_killed_actor_ends_the_engine(spread_llm: LLM) -> None:
     assert ray.util.placement_group_table(group)["state"] == "REMOVED"
 
 
-@pytest.mark.parametrize(("tp", "async_scheduling"), [(1, True), (2, False)])
 def test_pipeline_parallel_equals_one_device(
-    ray_cluster: Any,
-    checkpoint: Path,
-    expected: list[list[int]],
-    tp: int,
-    async_scheduling: bool,
+    ray_cluster: Any, checkpoint: Path, expected: list[list[int]]
 ) -> None:
-    # Two stages of one layer each (of tp ranks each), spread over the two nodes.
+    # Two stages of one layer each, two tensor-parallel ranks per stage, over both nodes;
+    # async scheduling puts a second step behind the first in every stage.
     llm = LLM(
         str(checkpoint),
-        tensor_parallel_size=tp,
+        tensor_parallel_size=2,
         pipeline_parallel_size=2,
         distributed_executor_backend="ray",
         ray_placement_strategy="SPREAD",
-        async_scheduling=async_scheduling,
+        async_scheduling=True,
         **ENGINE_ARGS,  # type: ignore[arg-type]
     )
     try:
         assert _generate(llm) == expected
         assert llm.engine.scheduler.num_preemptions_total > 0
-        if tp == 1:
-            with pytest.raises(ValueError, match=r"pipeline_parallel_size \(3\) exceeds"):
-                LLM(str(checkpoint), pipeline_parallel_size=3, distributed_executor_backend="ray")
     finally:
         llm.close()
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size \(3\) exceeds the number"):
+        LLM(str(checkpoint), pipeline_parallel_size=3, distributed_executor_backend="ray")
+
+
+def test_lost_node_ends_the_engine(ray_cluster: Any, checkpoint: Path) -> None:
+    # The second simulated node goes away mid-request, taking its rank with it.
+    llm = _ray_llm(checkpoint, "SPREAD")
+    worker_node = next(n for n in ray_cluster.list_all_nodes() if n is not ray_cluster.head_node)
+    executor = llm.engine.executor
+    assert isinstance(executor, RayExecutor)
+    lost_rank = executor.nodes.index(worker_node.node_id)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+
+    async def run() -> RequestOutput:
+        last = None
+        async for out in engine.generate([5, 6, 7], params, "lost"):
+            if last is None:
+                ray_cluster.remove_node(worker_node)
+            last = out
+        assert last is not None
+        return last
+
+    try:
+        out = llm._loop.run_until_complete(run())
+        assert out.error is not None and f"worker {lost_rank} " in out.error
+        assert "died" in out.error
+        assert len(out.outputs[0].token_ids) < 50
+    finally:
+        llm.close()
+        ray_cluster.add_node(**NODE_ARGS)
+        ray_cluster.wait_for_nodes()
