@@ -31,7 +31,7 @@ def expected(smollm2_llm: LLM) -> dict[str, str]:
 # The seed's example (vLLM offline_inference/distributed.py) with asyncserve's names.
 class SeedPredictor:
     def __init__(self) -> None:
-        self.llm = LLM(device="cpu", max_model_len=256)
+        self.llm = LLM(device="cpu", max_model_len=256, kv_cache_memory=32 << 20)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
         outputs = self.llm.generate(batch["text"], PARAMS)
