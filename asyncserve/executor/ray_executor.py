@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, Listener, wait
 from typing import Any
 
@@ -115,8 +116,13 @@ class RayExecutor(Executor):
         accepted: list[Connection] = []
 
         def accept() -> None:
-            for _ in range(self.size):
-                accepted.append(self._listener.accept())
+            while len(accepted) < self.size:
+                try:
+                    accepted.append(self._listener.accept())
+                except AuthenticationError:
+                    continue  # not one of ours (no key): keep listening
+                except OSError:
+                    return  # closed: the start failed
 
         acceptor = threading.Thread(target=accept, name="asyncserve-ray-accept", daemon=True)
         acceptor.start()
@@ -128,6 +134,8 @@ class RayExecutor(Executor):
             if time.monotonic() > deadline:
                 raise WorkerDied(f"the Ray workers did not connect within {_START_TIMEOUT_S} s")
             acceptor.join(0.05)
+        if len(accepted) < self.size:
+            raise WorkerDied("the engine stopped listening before every Ray worker connected")
         for conn in accepted:
             no_delay(conn)
             conns[int(conn.recv())] = conn
