@@ -185,6 +185,28 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "slicing every expert",
     )
     group.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=_positive_int,
+        default=1,
+        help="stages the model's layers are split into, tensor-parallel-size devices each "
+        "(with --distributed-executor-backend ray)",
+    )
+    group.add_argument(
+        "--distributed-executor-backend",
+        choices=["mp", "ray", "uni"],
+        default=None,
+        help="where the tensor-parallel workers run: mp (processes of this host, the default "
+        "with several workers), ray (actors of a Ray cluster, across nodes), uni (this process)",
+    )
+    group.add_argument(
+        "--ray-placement-strategy",
+        choices=["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"],
+        default="STRICT_PACK",
+        help="with --distributed-executor-backend ray: STRICT_PACK keeps every worker on one "
+        "node; SPREAD places them across nodes",
+    )
+    group.add_argument(
         "--enforce-eager", action="store_true", help="no CUDA graphs (GPU only; always on CPU)"
     )
     group.add_argument(
@@ -251,6 +273,9 @@ def engine_config_from_args(args: argparse.Namespace, env: Environment) -> Engin
         tensor_parallel_size=args.tensor_parallel_size,
         data_parallel_size=getattr(args, "data_parallel_size", 1),
         enable_expert_parallel=args.enable_expert_parallel,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
+        ray_placement_strategy=args.ray_placement_strategy,
         stream_interval=args.stream_interval,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         kv_transfer_config=args.kv_transfer_config,

@@ -100,21 +100,57 @@ class SchedulerConfig:
             raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {self.policy!r}")
 
 
+DistributedExecutorBackend = Literal["mp", "ray", "uni"]
+RAY_PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How many devices one engine spreads the model over (one worker process each), and
-    how many engine replicas (each on its own tensor_parallel_size devices) serve requests."""
+    """How many devices one engine spreads the model over (one worker each), where the
+    workers run (processes of this host, "mp", or Ray actors across a cluster, "ray"), and
+    how many engine replicas (each on its own devices) serve requests."""
 
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     # MoE layers place whole experts on ranks instead of slicing every expert.
     enable_expert_parallel: bool = False
+    # Stages the layers are split into (tensor_parallel_size workers each); Ray only.
+    pipeline_parallel_size: int = 1
+    # None: "mp" when there are several workers; "uni" runs the model in this process.
+    distributed_executor_backend: DistributedExecutorBackend | None = None
+    # How the Ray placement group spreads the workers' devices over nodes.
+    ray_placement_strategy: str = "STRICT_PACK"
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(
+                f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}"
+            )
+        if self.pipeline_parallel_size > 1 and self.distributed_executor_backend != "ray":
+            raise ValueError("pipeline_parallel_size > 1 needs distributed_executor_backend='ray'")
+        if self.distributed_executor_backend not in (None, "mp", "ray", "uni"):
+            raise ValueError(
+                "distributed_executor_backend must be 'mp', 'ray' or 'uni', got "
+                f"{self.distributed_executor_backend!r}"
+            )
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "distributed_executor_backend='uni' runs one worker: it needs "
+                f"tensor_parallel_size 1, got {self.tensor_parallel_size}"
+            )
+        if self.ray_placement_strategy not in RAY_PLACEMENT_STRATEGIES:
+            raise ValueError(
+                f"ray_placement_strategy must be one of {', '.join(RAY_PLACEMENT_STRATEGIES)}, "
+                f"got {self.ray_placement_strategy!r}"
+            )
 
 
 KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
@@ -284,6 +320,9 @@ class EngineConfig:
         decode_latency_target_ms: float = DEFAULT_DECODE_LATENCY_TARGET_MS,
         enable_expert_parallel: bool = False,
         speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None,
+        pipeline_parallel_size: int = 1,
+        distributed_executor_backend: str | None = None,
+        ray_placement_strategy: str = "STRICT_PACK",
     ) -> EngineConfig:
         """The engine's configuration from vLLM's engine argument names (LLM(...) and the
         serve flags both come here)."""
@@ -316,6 +355,9 @@ class EngineConfig:
                 tensor_parallel_size=tensor_parallel_size,
                 data_parallel_size=data_parallel_size,
                 enable_expert_parallel=enable_expert_parallel,
+                pipeline_parallel_size=pipeline_parallel_size,
+                distributed_executor_backend=distributed_executor_backend,  # type: ignore[arg-type]
+                ray_placement_strategy=ray_placement_strategy,
             ),
             observability=ObservabilityConfig(
                 otlp_traces_endpoint=otlp_traces_endpoint,

@@ -63,6 +63,9 @@ class LLM:
         collect_detailed_traces: str | None = None,
         data_parallel_size: int = 1,
         enable_expert_parallel: bool = False,
+        pipeline_parallel_size: int = 1,
+        distributed_executor_backend: str | None = None,
+        ray_placement_strategy: str = "STRICT_PACK",
         max_logprobs: int = 20,
         enable_lora: bool = False,
         max_loras: int = 1,
@@ -108,6 +111,9 @@ class LLM:
             decode_latency_target_ms=decode_latency_target_ms,
             enable_expert_parallel=enable_expert_parallel,
             speculative_config=speculative_config,
+            pipeline_parallel_size=pipeline_parallel_size,
+            distributed_executor_backend=distributed_executor_backend,
+            ray_placement_strategy=ray_placement_strategy,
         )
         place = Environment.read().dp_rank
         self._dp_group: DataParallelGroup | None = None

@@ -34,6 +34,7 @@ from asyncserve.lora.request import LoRARequest
 from asyncserve.metrics import EngineMetrics
 from asyncserve.models.loader import LoadedModel, load_model
 from asyncserve.models.parallel import TensorParallel
+from asyncserve.models.pipeline import split_layers
 from asyncserve.output.output_processor import OutputProcessor, ParentState
 from asyncserve.output.request_stream import RequestStream
 from asyncserve.outputs import RequestOutput
@@ -149,13 +150,22 @@ class AsyncEngine:
         torch.manual_seed(config.model.seed)
         size = config.parallel.tensor_parallel_size
         expert_parallel = config.parallel.enable_expert_parallel
-        if size == 1:
+        backend = config.parallel.distributed_executor_backend
+        if backend == "uni" or (config.parallel.world_size == 1 and backend is None):
             tp = TensorParallel(expert_parallel=expert_parallel)
             return cls(config, load_model(config.model, device, tp), metrics)
         # Config, tokenizer and shape checks here; the weights load in the workers.
         tp = TensorParallel(0, size, expert_parallel)
         loaded = load_model(config.model, device, tp, weights=False)
-        executor = MultiProcExecutor(config, device)
+        # More stages than layers is an error before any worker starts.
+        split_layers(loaded.arch.num_hidden_layers, config.parallel.pipeline_parallel_size)
+        executor: Executor
+        if backend == "ray":
+            from asyncserve.executor.ray_executor import RayExecutor
+
+            executor = RayExecutor(config, device)
+        else:
+            executor = MultiProcExecutor(config, device)
         try:
             return cls(config, loaded, metrics, executor)
         except BaseException:

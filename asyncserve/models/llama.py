@@ -33,6 +33,7 @@ from asyncserve.models.parallel import (
     TensorParallel,
     VocabParallelEmbedding,
 )
+from asyncserve.models.pipeline import MissingLayer, PipelineStage
 from asyncserve.models.weights import Target, load_checkpoint
 
 # HF name fragment -> (fused parameter fragment, shard index within the fused rows).
@@ -153,8 +154,9 @@ class LlamaModel(nn.Module):
         self,
         config: ArchConfig,
         ops: KernelOps,
-        mlps: list[nn.Module],
+        mlps: list[nn.Module | None],
         tp: TensorParallel = SINGLE,
+        pp: PipelineStage | None = None,
     ) -> None:
         super().__init__()
         self.embed_tokens: VocabEmbedding | VocabParallelEmbedding
@@ -170,10 +172,15 @@ class LlamaModel(nn.Module):
             config.rope_scaling,
             ops,
         )
+        # A pipeline stage builds only its layers; the others hold no parameters.
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, rotary, ops, mlp, tp) for i, mlp in enumerate(mlps)
+            MissingLayer() if mlp is None else LlamaDecoderLayer(config, i, rotary, ops, mlp, tp)
+            for i, mlp in enumerate(mlps)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.pp = pp
+        start, end = (0, len(mlps)) if pp is None else (pp.start, pp.end)
+        self.local_layers = [self.layers[i] for i in range(start, end)]
 
     def forward(
         self,
@@ -182,12 +189,22 @@ class LlamaModel(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        if self.embedding_multiplier != 1.0:
-            hidden = hidden * self.embedding_multiplier
+        pp = self.pp
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        if pp is None or pp.is_first:
+            hidden = self.embed_tokens(input_ids)
+            if self.embedding_multiplier != 1.0:
+                hidden = hidden * self.embedding_multiplier
+        else:
+            like = self.norm.weight.new_empty(input_ids.shape[0], self.norm.weight.shape[0])
+            hidden, residual = pp.recv(like)
+        # The KV caches are this stage's layers' only.
+        for layer, kv_cache in zip(self.local_layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        if pp is not None and not pp.is_last:
+            assert residual is not None
+            pp.send(hidden, residual)
+            return hidden  # not final: only the last stage's output is read
         if residual is None:
             return self.norm(hidden)
         hidden, _ = self.norm(hidden, residual)
@@ -204,14 +221,19 @@ class LlamaForCausalLM(CausalLM):
         ops: KernelOps,
         placement: ExpertPlacement | None = None,
         tp: TensorParallel = SINGLE,
+        pp: PipelineStage | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.placement = placement
         # Set before make_mlp, which reads it.
         self.tp = tp
-        mlps = [self.make_mlp(config, ops, i) for i in range(config.num_hidden_layers)]
-        self.model = LlamaModel(config, ops, mlps, tp)
+        self.pp = pp
+        mlps: list[nn.Module | None] = [
+            self.make_mlp(config, ops, i) if pp is None or pp.holds(i) else None
+            for i in range(config.num_hidden_layers)
+        ]
+        self.model = LlamaModel(config, ops, mlps, tp, pp)
         # A tied head is the embedding module itself, so the tie survives .to() and to_empty().
         self.lm_head: LMHead | VocabEmbedding | VocabParallelEmbedding
         if config.tie_word_embeddings:
@@ -231,7 +253,8 @@ class LlamaForCausalLM(CausalLM):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """input_ids, positions [T] int64 -> final-normed hidden states [T, hidden]."""
-        self.check_caches(kv_caches)
+        if self.pp is None:
+            self.check_caches(kv_caches)
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -250,6 +273,8 @@ class LlamaForCausalLM(CausalLM):
 
     def route(self, hf_name: str) -> Target | None:
         """Where one HF checkpoint tensor goes; None to skip it."""
+        if self.pp is not None and not self.pp.holds_tensor(hf_name):
+            return None  # another pipeline stage's layer
         return fused_target(self.config, hf_name, self.tp)
 
     def checkpoint_slice(self, hf_name: str) -> tuple[int, int, int] | None:

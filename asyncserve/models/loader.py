@@ -26,6 +26,7 @@ from asyncserve.models.arch_config import ArchConfig
 from asyncserve.models.base import CausalLM
 from asyncserve.models.gguf_loader import GGUFFile, gguf_hf_config, iter_gguf_weights, open_gguf
 from asyncserve.models.parallel import SINGLE, TensorParallel, check_tensor_parallel
+from asyncserve.models.pipeline import PipelineStage
 from asyncserve.models.registry import resolve_model_class
 from asyncserve.sampling_params import MODEL_SAMPLING_DEFAULTS
 from asyncserve.tokenizer import Tokenizer
@@ -126,12 +127,18 @@ def _find_source(path: Path) -> tuple[str, Path]:
 
 
 def _build_model(
-    arch: ArchConfig, device: torch.device, dtype: torch.dtype, tp: TensorParallel
+    arch: ArchConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    tp: TensorParallel,
+    pp: PipelineStage | None = None,
 ) -> CausalLM:
     cls = resolve_model_class(arch.architecture)
     # Parameters are torch.empty: created on the device in the dtype, never initialised here.
     with torch.device(device), _default_dtype(dtype):
-        if tp.size == 1:
+        if pp is not None:
+            model = cls(arch, select_ops(device), tp=tp, pp=pp)  # type: ignore[call-arg]
+        elif tp.size == 1:
             model = cls(arch, select_ops(device))
         else:
             model = cls(arch, select_ops(device), tp=tp)  # type: ignore[call-arg]
@@ -238,10 +245,12 @@ def load_model(
     device: torch.device,
     tp: TensorParallel = SINGLE,
     weights: bool = True,
+    pp: PipelineStage | None = None,
 ) -> LoadedModel:
     """Load config.model (or the default model) onto `device`; each phase is logged.
 
-    `tp`: this rank's slice of a tensor-parallel model. weights=False builds the model on
+    `tp`: this rank's slice of a tensor-parallel model; `pp`: its pipeline stage (only that
+    stage's layers are built and read). weights=False builds the model on
     the meta device and reads no weights (the engine process of a multi-process executor
     needs only the config, tokenizer and generation config)."""
     start = time.monotonic()
@@ -267,7 +276,7 @@ def load_model(
     tokenizer = _load_tokenizer(config, root, gguf_file, arch)
     logger.info("tokenizer ready (%.1f s); building %s in %s", time.monotonic() - start,
                 arch.architecture, dtype)  # fmt: skip
-    model = _build_model(arch, device if weights else torch.device("meta"), dtype, tp)
+    model = _build_model(arch, device if weights else torch.device("meta"), dtype, tp, pp)
     logger.info("reading %s weights (%.1f s)", config.load_format, time.monotonic() - start)
     if not weights:
         pass  # a shape-only model on the meta device

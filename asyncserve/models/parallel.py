@@ -9,7 +9,8 @@ replicated when there are fewer KV heads than ranks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,9 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     expert_parallel: bool = False
+    # The ranks' process group; None: the default (world) group. Pipeline parallelism gives
+    # each stage its own.
+    group: Any = field(default=None, compare=False, repr=False)
 
     def split(self, total: int) -> tuple[int, int]:
         """(start, size) of this rank's equal share of `total`."""
@@ -61,7 +65,7 @@ class TensorParallel:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
-            dist.all_reduce(x)
+            dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
@@ -70,13 +74,14 @@ class TensorParallel:
             return x
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x)
+        dist.all_gather(parts, x, group=self.group)
         return torch.cat(parts, dim=-1)
 
     def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's `x` on every rank, in place (the sampled ids: only rank 0 samples)."""
         if self.size > 1:
-            dist.broadcast(x, src=0)
+            first = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+            dist.broadcast(x, src=first, group=self.group)
         return x
 
 

@@ -27,6 +27,7 @@ from asyncserve.core.step import GrammarBitmask, StepPlan, StepResult
 from asyncserve.lora.slots import LoRASlots
 from asyncserve.models.loader import LoadedModel, load_safetensors_weights
 from asyncserve.models.parallel import SINGLE, TensorParallel
+from asyncserve.models.pipeline import PipelineStage
 from asyncserve.spec_decode.config import can_speculate
 from asyncserve.spec_decode.draft_proposer import DraftProposer
 from asyncserve.spec_decode.ngram_proposer import NgramProposer
@@ -92,16 +93,26 @@ class ModelRunner:
         config: EngineConfig,
         device: torch.device,
         tp: TensorParallel = SINGLE,
+        pp: PipelineStage | None = None,
     ) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.arch = loaded.arch
         # Only rank 0 samples; the other ranks take its sampled ids (see _sample).
         self.tp = tp
-        # The KV pool holds this rank's KV heads only.
+        # Under pipeline parallelism only the last stage computes logits and samples.
+        self.pp = pp
+        # The KV pool holds this rank's KV heads (and this stage's layers) only.
         self.kv_arch = dataclasses.replace(
             loaded.arch, num_key_value_heads=tp.kv_heads(loaded.arch.num_key_value_heads)[1]
         )
+        if pp is not None:
+            layer_types = loaded.arch.layer_types
+            self.kv_arch = dataclasses.replace(
+                self.kv_arch,
+                num_hidden_layers=pp.end - pp.start,
+                layer_types=layer_types[pp.start : pp.end] if layer_types else layer_types,
+            )
         self.config = config
         self.device = device
         self.dtype = loaded.dtype
@@ -166,7 +177,8 @@ class ModelRunner:
         self.max_model_len = max_model_len
         if isinstance(self.proposer, DraftProposer):
             self.proposer.allocate_kv_cache(num_blocks)
-        if self.device.type == "cuda" and self.config.enable_cuda_graphs:
+        # A graph cannot hold the stages' sends and receives.
+        if self.device.type == "cuda" and self.config.enable_cuda_graphs and self.pp is None:
             self.decode_graphs = DecodeGraphs(
                 self.model,
                 self.kv_caches,
@@ -266,7 +278,8 @@ class ModelRunner:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
             launched()
             forwarded.hidden = hidden
-            self._prompt_logprobs(inputs, hidden, forwarded.step.result)
+            if self.pp is None or self.pp.is_last:
+                self._prompt_logprobs(inputs, hidden, forwarded.step.result)
         return forwarded
 
     @torch.inference_mode()
@@ -285,7 +298,11 @@ class ModelRunner:
         if inputs is None:
             return step
         sampler_out: SamplerOutput | None = None
-        if inputs.sample_request_ids:
+        if inputs.sample_request_ids and self.pp is not None and not self.pp.is_last:
+            # An earlier stage has no logits: it takes the last stage's sampled ids.
+            ids = torch.empty(len(inputs.sample_request_ids), dtype=torch.int64, device=self.device)
+            sampler_out = SamplerOutput(self.pp.broadcast_sampled(ids))
+        elif inputs.sample_request_ids:
             if forwarded.logits is not None:
                 logits = forwarded.logits
             else:
@@ -333,7 +350,10 @@ class ModelRunner:
         else:
             shape = [len(request_ids)] + ([] if spec is None else [max(map(len, spec)) + 1])
             out = SamplerOutput(torch.empty(shape, dtype=torch.int64, device=self.device))
-        self.tp.broadcast_from_first(out.sampled_token_ids)
+        if self.pp is not None:
+            self.pp.broadcast_sampled(out.sampled_token_ids)
+        else:
+            self.tp.broadcast_from_first(out.sampled_token_ids)
         return out
 
     def _fill_placeholders(self, inputs: StepInputs) -> None:
