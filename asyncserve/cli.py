@@ -71,6 +71,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="where the model runs; auto: cuda when available",
     )
     group.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        help="weight quantization: fp8 quantizes an unquantized checkpoint at load; "
+        "default: the checkpoint's quantization_config (fp8, compressed-tensors)",
+    )
+    group.add_argument(
         "--block-size", type=_positive_int, default=16, help="tokens per KV cache block"
     )
     group.add_argument(
@@ -145,6 +152,7 @@ def engine_config_from_args(args: argparse.Namespace, env: Environment) -> Engin
         max_model_len=args.max_model_len,
         seed=args.seed,
         device=args.device,
+        quantization=args.quantization,
         block_size=args.block_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory=args.kv_cache_memory,

@@ -25,6 +25,9 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
+    # A scheme applied at load ("fp8"), or the checkpoint's quant_method; None: the
+    # checkpoint's quantization_config, if any (asyncserve/quantization).
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "float", "bfloat16", "float16", "half"):
@@ -113,6 +116,7 @@ class EngineConfig:
         max_model_len: int | None = None,
         seed: int = 0,
         device: str = "auto",
+        quantization: str | None = None,
         block_size: int = 16,
         gpu_memory_utilization: float = 0.9,
         kv_cache_memory: int | None = None,
@@ -137,6 +141,7 @@ class EngineConfig:
                 max_model_len=max_model_len,
                 seed=seed,
                 device=device,
+                quantization=quantization,
             ),
             cache=CacheConfig(
                 block_size=block_size,

@@ -312,3 +312,64 @@ def fused_moe(
         y = F.linear(silu_and_mul(x), w2[expert])
         out.index_add_(0, tokens, y.float() * topk_weights.reshape(-1)[picks, None].float())
     return out.to(hidden.dtype)
+
+
+# --- FP8 (e4m3) quantized matmuls: the references of kernels/fp8_gemm.py and the CPU path.
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
+# A floor for scales, so an all-zero row or group quantizes to zeros instead of NaN.
+FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+
+
+def per_token_group_quant_fp8(
+    x: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] -> (e4m3 [M, K], fp32 scales [M, ceil(K / group_size)]): each token's run of
+    `group_size` columns gets scale amax / 448 (group_size = K: per-token quantization)."""
+    m, k = x.shape
+    groups = -(-k // group_size)
+    padded = F.pad(x.float(), (0, groups * group_size - k)).view(m, groups, group_size)
+    scale = (padded.abs().amax(dim=-1) / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+    q = (padded / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.view(m, groups * group_size)[:, :k], scale
+
+
+def fp8_rowwise_matmul(
+    x_q: torch.Tensor,
+    w_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(x_q * x_scale) @ (w_q * w_scale)^T + bias, in fp32: x_q [M, K] e4m3 with x_scale
+    [M, 1], w_q [N, K] e4m3 with w_scale [N, 1] (what torch._scaled_mm computes on Hopper)."""
+    out = (x_q.float() * x_scale) @ (w_q.float() * w_scale).t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+def dequant_fp8_blocks(
+    w_q: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int]
+) -> torch.Tensor:
+    """fp32 weight from e4m3 [N, K] and one scale per [block_n, block_k] tile."""
+    n, k = w_q.shape
+    scale = w_scale.float().repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)
+    return w_q.float() * scale[:, :k]
+
+
+def w8a8_block_fp8_matmul(
+    x_q: torch.Tensor,
+    w_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    block: tuple[int, int],
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Block-scaled FP8 GEMM (DeepSeek-V3 style): x_q [M, K] e4m3 with x_scale [M, K / bk]
+    (one per token and group of bk columns), w_q [N, K] e4m3 with w_scale [N / bn, K / bk].
+    Returns [M, N] in out_dtype."""
+    k = x_q.shape[1]
+    x = x_q.float() * x_scale.float().repeat_interleave(block[1], 1)[:, :k]
+    return (x @ dequant_fp8_blocks(w_q, w_scale, block).t()).to(out_dtype)
