@@ -228,3 +228,15 @@ def test_quantization_flag_errors() -> None:
         load_model(ModelConfig(model=bf16, quantization="int3"), CPU)
     with pytest.raises(ValueError, match="does not match the checkpoint's quant_method"):
         load_model(ModelConfig(model=str(FIXTURES / "llama-fp8-dynamic"), quantization="fp8"), CPU)
+
+
+def test_quantization_flag_reaches_the_model_config() -> None:
+    from asyncserve.cli import build_parser, engine_config_from_args
+    from asyncserve.config import Environment
+
+    env = Environment(api_key=None, default_model=None, log_level="INFO")
+    for argv in (["serve", "--quantization", "fp8"], ["serve", "-q", "fp8"]):
+        args = build_parser().parse_args(argv)
+        assert engine_config_from_args(args, env).model.quantization == "fp8"
+    args = build_parser().parse_args(["bench", "latency", "--quantization", "fp8"])
+    assert args.quantization == "fp8"
