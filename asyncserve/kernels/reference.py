@@ -373,3 +373,53 @@ def w8a8_block_fp8_matmul(
     k = x_q.shape[1]
     x = x_q.float() * x_scale.float().repeat_interleave(block[1], 1)[:, :k]
     return (x @ dequant_fp8_blocks(w_q, w_scale, block).t()).to(out_dtype)
+
+
+# --- 4-bit weight-only (W4A16): the references of kernels/int4_gemm.py and the CPU path.
+# One layout for every checkpoint format (quantization/int4.py converts to it): qweight
+# int32 [N, K / 8], nibble i of word j = the unsigned 4-bit value of column 8j + i;
+# scales and zeros [N, groups] (w = (q - zero) * scale); g_idx [K] int32, the group of each
+# input column (act-order checkpoints), or None for k // group_size.
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [R, C / 8] -> uint8-valued int32 [R, C], nibble i of word j -> column 8j + i."""
+    shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
+    return ((packed[..., None] >> shifts) & 0xF).reshape(*packed.shape[:-1], -1)
+
+
+def pack_int4(values: torch.Tensor) -> torch.Tensor:
+    """The inverse of unpack_int4: [R, C] values in 0..15 -> int32 [R, C / 8]."""
+    v = values.to(torch.int64).reshape(*values.shape[:-1], -1, 8)
+    words = torch.zeros(v.shape[:-1], dtype=torch.int64, device=values.device)
+    for i in range(8):
+        words |= v[..., i] << (4 * i)
+    # The top nibble lands in the sign bit: wrap to int32's two's complement.
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def dequant_int4(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    g_idx: torch.Tensor | None,
+    group_size: int,
+) -> torch.Tensor:
+    """fp32 [N, K] weight from the int4 layout above."""
+    q = unpack_int4(qweight).float()
+    k = q.shape[1]
+    groups = g_idx.long() if g_idx is not None else torch.arange(k, device=q.device) // group_size
+    return (q - zeros.float()[:, groups]) * scales.float()[:, groups]
+
+
+def int4_matmul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    g_idx: torch.Tensor | None,
+    group_size: int,
+) -> torch.Tensor:
+    """x [M, K] @ dequant_int4(...)^T in fp32, returned in x's dtype."""
+    w = dequant_int4(qweight, scales, zeros, g_idx, group_size)
+    return (x.float() @ w.t()).to(x.dtype)

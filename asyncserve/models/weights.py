@@ -35,6 +35,8 @@ def _rows_view(
     Quantized parameters may run along another dim or hold several rows per entry (block
     scales, packed int4): see quantization.base.set_weight_attrs."""
     dim = getattr(param, "quant_out_dim", 0)
+    if dim < 0:
+        return view  # not along the outputs: every part of the fused layer fills all of it
     per = getattr(param, "quant_rows_per_entry", 1)
     entries = -(-size // per)
     if start % per or (size % per and start // per + entries != view.shape[dim]):

@@ -43,7 +43,7 @@ def set_weight_attrs(
     """How the checkpoint loader maps a fused projection's row range onto this parameter.
 
     out_dim: the dim that runs along the output features (1 for GPTQ/AWQ's transposed
-    layouts); rows_per_entry: output features per entry along it (a block scale's block,
+    layouts; -1: none, each part of a fused layer fills the whole tensor); rows_per_entry: output features per entry along it (a block scale's block,
     eight for int4 packed along the outputs); broadcast: a checkpoint scalar (a per-tensor
     scale) fills the whole range (the shards of a fused layer keep their own scales)."""
     param.quant_out_dim = out_dim  # type: ignore[attr-defined]
@@ -78,6 +78,10 @@ class QuantConfig:
     ) -> LinearMethod | None:
         """The method for the linear layer named `prefix`; None leaves it unquantized."""
         raise NotImplementedError
+
+    def uses_fp8(self) -> bool:
+        """Whether the scheme needs FP8 matmuls (compute capability >= 8.9 on CUDA)."""
+        return False
 
     def skip_checkpoint_tensor(self, name: str) -> bool:
         """Checkpoint tensors the scheme reads nothing from (e.g. static input scales)."""

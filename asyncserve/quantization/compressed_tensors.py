@@ -3,7 +3,8 @@ saves them): config groups of weight / input-activation quantization args, each 
 targeting "Linear" or regexes over layer names, plus an ignore list.
 
 Supported: float-quantized FP8 weights (strategy tensor, channel or block) with dynamic FP8
-activations (per token, or per group for block weights).
+activations (per token, or per group for block weights); pack-quantized int4 weights,
+symmetric, per group, without activation quantization (W4A16).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 from asyncserve.quantization.base import LinearMethod, QuantConfig, matches_ignored
 from asyncserve.quantization.fp8 import Fp8BlockLinearMethod, Fp8ChannelLinearMethod
 from asyncserve.quantization.fp8_config import parse_block
+from asyncserve.quantization.int4 import PackQuantizedLinearMethod
 
 
 @dataclass(frozen=True)
@@ -75,10 +77,13 @@ class CompressedTensorsConfig(QuantConfig):
                 return _method_for(group)
         return None
 
+    def uses_fp8(self) -> bool:
+        return any(g.weights.get("type") == "float" for g in self.groups)
+
     def skip_checkpoint_tensor(self, name: str) -> bool:
         # weight_shape records the unpacked shape (the layer knows it); static input scales
         # are not read (activations are quantized dynamically).
-        return name.endswith((".weight_shape", ".input_scale", ".weight_g_idx"))
+        return name.endswith((".weight_shape", ".input_scale"))
 
 
 def _fused_parts(prefix: str) -> list[str]:
@@ -105,4 +110,25 @@ def _method_for(group: _Group) -> LinearMethod:
         if strategy == "block":
             block = parse_block(w.get("block_structure"), "block_structure")
             return Fp8BlockLinearMethod(block, "weight_scale")
+    if w.get("type") == "int" and w.get("num_bits") == 4 and a is None:
+        return _w4a16_method(w)
     raise ValueError(f"compressed-tensors scheme not supported: {_describe(w, a)}")
+
+
+def _w4a16_method(w: dict[str, Any]) -> LinearMethod:
+    """pack-quantized int4 weights, symmetric, per group (or per channel)."""
+    if not w.get("symmetric", True):
+        raise ValueError("compressed-tensors W4A16 with asymmetric weights is not supported")
+    if w.get("actorder") not in (None, "weight"):
+        raise ValueError(
+            f"compressed-tensors W4A16 actorder {w.get('actorder')!r} is not supported"
+        )
+    strategy = w.get("strategy")
+    if strategy == "group":
+        group = w.get("group_size")
+        if not isinstance(group, int) or group < 8 or group % 8:
+            raise ValueError(
+                f"compressed-tensors group_size must be a multiple of 8, got {group!r}"
+            )
+        return PackQuantizedLinearMethod(group)
+    raise ValueError(f"compressed-tensors W4A16 strategy {strategy!r} is not supported")

@@ -11,9 +11,10 @@ from asyncserve.quantization.base import QuantConfig
 from asyncserve.quantization.compressed_tensors import CompressedTensorsConfig
 from asyncserve.quantization.fp8 import check_fp8_device
 from asyncserve.quantization.fp8_config import Fp8Config
+from asyncserve.quantization.int4_config import AWQConfig, GPTQConfig
 
 # `--quantization` values: the checkpoint's quant_method names, as vLLM accepts them.
-QUANTIZATION_METHODS = ("fp8", "compressed-tensors")
+QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "gptq", "awq")
 
 
 def resolve_quant_config(
@@ -51,10 +52,15 @@ def resolve_quant_config(
             config = Fp8Config.from_hf(qc)
         elif method == "compressed-tensors":
             config = CompressedTensorsConfig.from_hf(qc)
+        elif method == "gptq":
+            config = GPTQConfig.from_hf(qc)
+        elif method == "awq":
+            config = AWQConfig.from_hf(qc)
         else:
             raise ValueError(
                 f"checkpoint quant_method {method!r} is not supported "
                 f"(supported: {', '.join(QUANTIZATION_METHODS)})"
             )
-    check_fp8_device(device)
+    if config.uses_fp8():
+        check_fp8_device(device)
     return config

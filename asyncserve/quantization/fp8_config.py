@@ -64,6 +64,9 @@ class Fp8Config(QuantConfig):
             return Fp8OnlineLinearMethod()
         return Fp8ChannelLinearMethod(per_tensor=True)
 
+    def uses_fp8(self) -> bool:
+        return True
+
     def skip_checkpoint_tensor(self, name: str) -> bool:
         # Static input scales: activations are quantized per token at run time instead
         # (at least as accurate as one calibrated scale per tensor).
