@@ -202,13 +202,19 @@ def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
         if name.endswith("norm.weight"):
             param.fill_(1.0)
             continue
-        if name.endswith(("_scale", "_scale_inv")):
+        if name.endswith(("_scale", "_scale_inv", ".scales")):
             param.fill_(_DUMMY_STD / _DUMMY_FP8_STD)  # quantization scales
             continue
         gen = generators.get(param.device)
         if gen is None:
             gen = generators[param.device] = torch.Generator(device=param.device)
             gen.manual_seed(seed)
+        if name.endswith("g_idx"):
+            param.zero_()  # every input column in group 0: a valid act order
+            continue
+        if not param.is_floating_point():  # packed int4 weights: random nibbles
+            param.random_(generator=gen)
+            continue
         if param.element_size() == 1:  # fp8 weights: no normal_ kernel for the type
             tmp = torch.empty(param.shape, device=param.device, dtype=torch.float32)
             param.copy_(tmp.normal_(0.0, _DUMMY_FP8_STD, generator=gen))

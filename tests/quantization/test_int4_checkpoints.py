@@ -166,3 +166,11 @@ def test_awq(tmp_path: Path) -> None:
         "version": "gemm",
     }
     check(write_checkpoint(tmp_path / "awq", tensors, qc), dequantized, group)
+
+
+@pytest.mark.parametrize("fixture", ["llama-w4a16", "llama-fp8-block", "llama-fp8-dynamic"])
+def test_dummy_weights_for_quantized_configs(fixture: str) -> None:
+    """load_format="dummy" on a quantized config (the benchmarks' dummy Llama-3-8B)."""
+    config = ModelConfig(model=str(FIXTURES / fixture), load_format="dummy", dtype="float32")
+    logits = full_forward(load_model(config, CPU).model, IDS)
+    assert logits.isfinite().all() and logits.abs().max() > 0
