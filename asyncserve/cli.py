@@ -103,6 +103,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="reuse KV blocks of identical prompt prefixes across requests",
     )
     group.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8", "fp8_e4m3"],
+        help="KV cache dtype; fp8: e4m3 with a per-layer scale (half the bytes of bf16)",
+    )
+    group.add_argument(
         "--max-num-seqs", type=_positive_int, default=256, help="most sequences in one step"
     )
     group.add_argument(
@@ -158,6 +164,7 @@ def engine_config_from_args(args: argparse.Namespace, env: Environment) -> Engin
         kv_cache_memory=args.kv_cache_memory,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         enable_prefix_caching=args.enable_prefix_caching,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         scheduling_policy=args.scheduling_policy,

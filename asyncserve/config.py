@@ -50,8 +50,14 @@ class CacheConfig:
     kv_cache_memory: int | None = None
     num_blocks_override: int | None = None
     enable_prefix_caching: bool = True
+    # "auto": the model's dtype; "fp8" / "fp8_e4m3": e4m3 with a per-tensor scale per layer.
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
+            raise ValueError(
+                f"kv_cache_dtype must be auto, fp8 or fp8_e4m3, got {self.cache_dtype!r}"
+            )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -122,6 +128,7 @@ class EngineConfig:
         kv_cache_memory: int | None = None,
         num_gpu_blocks_override: int | None = None,
         enable_prefix_caching: bool = True,
+        kv_cache_dtype: str = "auto",
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
         scheduling_policy: str = "fcfs",
@@ -149,6 +156,7 @@ class EngineConfig:
                 kv_cache_memory=kv_cache_memory,
                 num_blocks_override=num_gpu_blocks_override,
                 enable_prefix_caching=enable_prefix_caching,
+                cache_dtype=kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,

@@ -238,5 +238,7 @@ def test_quantization_flag_reaches_the_model_config() -> None:
     for argv in (["serve", "--quantization", "fp8"], ["serve", "-q", "fp8"]):
         args = build_parser().parse_args(argv)
         assert engine_config_from_args(args, env).model.quantization == "fp8"
+    args = build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8"])
+    assert engine_config_from_args(args, env).cache.cache_dtype == "fp8"
     args = build_parser().parse_args(["bench", "latency", "--quantization", "fp8"])
     assert args.quantization == "fp8"

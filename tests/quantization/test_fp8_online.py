@@ -10,11 +10,10 @@ import torch
 
 from asyncserve.kernels.reference import FP8_DTYPE
 from asyncserve.llm import LLM
+from asyncserve.outputs import RequestOutput
 from asyncserve.quantization.fp8 import quantize_fp8_per_channel
-from asyncserve.sampling_params import SamplingParams
-from tests.conftest import PLAIN_PROMPTS
+from tests.quantization.conftest import greedy_agreement
 
-PROMPTS = [*PLAIN_PROMPTS, "The largest planet in the solar system is", "To make a cup of tea,"]
 # Measured: 227 of 256 positions (88.7%) on SmolLM2-135M in fp32, of which weight
 # quantization alone costs 8.6 points (91.4% with unquantized activations); this 135M model
 # has many near-tied top tokens. The bound leaves room for float summation order.
@@ -50,24 +49,11 @@ def test_linear_layers_hold_fp8(fp8_llm: LLM) -> None:
     assert params["model.embed_tokens.weight"].dtype == torch.float32  # embeddings stay
 
 
-def test_greedy_agreement_with_unquantized(smollm2_llm: LLM, fp8_llm: LLM) -> None:
+def test_greedy_agreement_with_unquantized(
+    fp8_llm: LLM, greedy_reference: list[RequestOutput]
+) -> None:
     """8 prompts x 32 greedy tokens of the unquantized model; at each position, the fp8
-    model given the same prefix ranks the same token first (its prompt logprobs)."""
-    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    outputs = smollm2_llm.generate(PROMPTS, params, use_tqdm=False)
-    sequences = [[*out.prompt_token_ids, *out.outputs[0].token_ids] for out in outputs]
-    scored = fp8_llm.generate(
-        [{"prompt_token_ids": ids} for ids in sequences],
-        SamplingParams(max_tokens=1, prompt_logprobs=0),
-        use_tqdm=False,
-    )
-    agree = total = 0
-    for out, fp8 in zip(outputs, scored, strict=True):
-        assert fp8.prompt_logprobs is not None
-        generated = out.outputs[0].token_ids
-        for token, entry in zip(generated, fp8.prompt_logprobs[-len(generated) :], strict=True):
-            assert entry is not None
-            agree += entry[token].rank == 1
-            total += 1
+    model given the same prefix ranks the same token first."""
+    agree, total = greedy_agreement(fp8_llm, greedy_reference)
     assert total == 8 * 32
     assert agree / total >= MIN_AGREEMENT, f"{agree}/{total} positions agree"
