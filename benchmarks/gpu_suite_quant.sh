@@ -4,9 +4,11 @@
 #   part 2: W2 (batch-1 ms per output token) and W1b (throughput), bf16 vs FP8 (quantized at
 #           load, per-channel, torch._scaled_mm) vs FP8-block (128 x 128, Triton GEMM) vs
 #           W4A16 (compressed-tensors int4, group 128: Triton GEMV / dequant-GEMM).
+#   part 4: W3 at 16 req/s (server + `bench serve`), bf16 KV vs `--kv-cache-dtype fp8`
+#           (TPOT within 5%, twice the KV blocks: see "KV blocks" in the server logs).
 #   part 3 (vLLM 0.26.0 in /tmp/site_v, as in gpu_suite_h.sh): the same W2 / W1b with
 #           `--quantization fp8`, in the same call.
-# Usage: OUT=/tmp/out bash benchmarks/gpu_suite_quant.sh [1|2|3|all]
+# Usage: OUT=/tmp/out bash benchmarks/gpu_suite_quant.sh [1|2|3|4|all]
 set -u
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton-quant
 OUT=${OUT:-/tmp/out}
@@ -38,4 +40,17 @@ if [ "$part" = 3 ] || [ "$part" = all ]; then
   step vllm_w2_fp8 200 $V latency --model $L3 --quantization fp8 --load-format dummy --skip-tokenizer-init --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 --num-iters-warmup 1 --max-model-len 2048 --output-json $OUT/vllm_w2_fp8.json
   step vllm_w2_w4a16 200 $V latency --model $L3W4 --load-format dummy --skip-tokenizer-init --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 --num-iters-warmup 1 --max-model-len 2048 --output-json $OUT/vllm_w2_w4a16.json
   step vllm_w1b_fp8 300 $V throughput --model $L3 --quantization fp8 --load-format dummy --skip-tokenizer-init --num-prompts 1000 --input-len 256 --output-len 256 --max-model-len 2048 --output-json $OUT/vllm_w1b_fp8.json
+fi
+if [ "$part" = 4 ] || [ "$part" = all ]; then
+  wait_up() { for i in $(seq 1 400); do curl -s localhost:$1/health >/dev/null && return 0; sleep 0.5; done; return 1; }
+  BENCH="python3 -m asyncserve bench serve --num-prompts 500 --input-len 512 --output-len 128 --vocab-size 128256"
+  for kv in auto fp8; do
+    python3 -m asyncserve serve --model $L3 --load-format dummy --max-model-len 2048 --kv-cache-dtype $kv --port 8702 --disable-uvicorn-access-log > $OUT/w3_server_$kv.log 2>&1 &
+    pid=$!; wait_up 8702 || tail -20 $OUT/w3_server_$kv.log
+    step w3_warmup_$kv 150 $BENCH --base-url http://127.0.0.1:8702 --request-rate 16 --num-prompts 100
+    step w3_kv_$kv 150 $BENCH --base-url http://127.0.0.1:8702 --request-rate 16 --output-json $OUT/w3_kv_$kv.json
+    kill $pid; wait $pid
+    grep -i -E "blocks|KV budget" $OUT/w3_server_$kv.log | head -3
+  done
+  # vLLM: the same server flags with --kv-cache-dtype fp8 (as in gpu_suite_h.sh part 2).
 fi

@@ -28,6 +28,7 @@ from asyncserve.models.gguf_loader import GGUFFile, gguf_hf_config, iter_gguf_we
 from asyncserve.models.parallel import SINGLE, TensorParallel, check_tensor_parallel
 from asyncserve.models.registry import resolve_model_class
 from asyncserve.quantization import QuantConfig, quantized_build, resolve_quant_config
+from asyncserve.quantization.kv_scales import KVScales
 from asyncserve.sampling_params import MODEL_SAMPLING_DEFAULTS
 from asyncserve.tokenizer import Tokenizer
 
@@ -301,8 +302,11 @@ def load_model(
     elif gguf_file is not None:
         model.load_weights(iter_gguf_weights(gguf_file, arch))
     elif root is not None:
-        tensors = _iter_safetensors(_safetensors_files(root), device, model)
+        kv_scales = KVScales()
+        tensors = kv_scales.filter(_iter_safetensors(_safetensors_files(root), device, model))
         model.load_weights(quant.filter_weights(tensors) if quant is not None else tensors)
+        if kv_scales.apply(model):
+            logger.info("KV cache scales from the checkpoint (used with --kv-cache-dtype fp8)")
     if weights and quant is not None:
         from asyncserve.quantization.model import process_weights_after_loading
 
