@@ -2,7 +2,7 @@
 FP8 GEMM of "FP8-block" checkpoints (DeepSeek-V3 style: one weight scale per 128 x 128 tile,
 one activation scale per token and 128 columns).
 
-References: kernels/reference.py (per_token_group_quant_fp8, w8a8_block_fp8_matmul), which
+References: kernels/quant_reference.py (per_token_group_quant_fp8, w8a8_block_fp8_matmul), which
 take the same arguments and return the same results.
 """
 
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from asyncserve.kernels.reference import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
+from asyncserve.kernels.quant_reference import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
 
 # The interpreter (CPU tests) has no fp8 dot: it widens the tiles to fp32 first, which gives
 # the same sums (every e4m3 value is exact in fp32).

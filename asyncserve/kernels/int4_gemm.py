@@ -1,11 +1,11 @@
 """Triton 4-bit weight-only matmuls (W4A16): x [M, K] @ W^T with W in the int4 layout of
-kernels/reference.py (qweight int32 [N, K / 8], scales / zeros [N, groups], optional g_idx).
+kernels/quant_reference.py (qweight int32 [N, K / 8], scales / zeros [N, groups], optional g_idx).
 
 Two kernels: a dequant-GEMM for prefill (tiles of W dequantized in registers and fed to
 tl.dot), and a GEMV for small batches (decode), where the step reads every weight once and
 the time is the bytes read: one program per output block and token, the packed words read
 along K (contiguous), products summed in fp32.
-References: reference.int4_matmul.
+References: quant_reference.int4_matmul.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Three layouts, one per kind of checkpoint:
   tensors "channel" and "tensor" strategies, and HF fp8 per-tensor checkpoints (a per-tensor
   scale is a per-channel scale with equal rows, which keeps a fused q/k/v layer's three
   scales apart). CUDA: torch._scaled_mm with row-wise scales; CPU: the dequantizing
-  reference (kernels/reference.py).
+  reference (kernels/quant_reference.py).
 - block: one scale per [bn, bk] weight tile, activations per token and bk columns
   ("FP8-block" checkpoints: HF `weight_block_size`, compressed-tensors "block").
   CUDA: the Triton block GEMM (kernels/fp8_gemm.py); CPU: the reference.
@@ -19,8 +19,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from asyncserve.kernels import reference
-from asyncserve.kernels.reference import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
+from asyncserve.kernels import quant_reference as reference
+from asyncserve.kernels.quant_reference import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
 from asyncserve.quantization.base import LinearMethod, set_weight_attrs
 
 
@@ -73,7 +73,7 @@ def _cpu_fp8_linear(
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
     """Activations quantized per token group (as on the GPU) and dequantized, times the
-    dequantized weight: the same numbers as kernels/reference.py's FP8 matmuls. The fp32
+    dequantized weight: the same numbers as kernels/quant_reference.py's FP8 matmuls. The fp32
     weight is made once (converting fp8 on the CPU every step costs more than the matmul):
     the CPU path emulates the numerics, it does not save memory."""
     x_q, x_s = reference.per_token_group_quant_fp8(x, group)

@@ -1,7 +1,7 @@
 """4-bit weight-only quantization (W4A16): compressed-tensors pack-quantized, GPTQ and AWQ.
 
 Each format's tensors load under their checkpoint names and layouts, then are converted
-once to one layout (kernels/reference.py): qweight int32 [N, K / 8] with unsigned nibbles
+once to one layout (kernels/quant_reference.py): qweight int32 [N, K / 8] with unsigned nibbles
 along K, scales and zeros [N, groups] with w = (q - zero) * scale, and g_idx [K] for
 act-order checkpoints. The published layouts:
 - compressed-tensors: weight_packed int32 [N, K / 8], nibble i = column 8j + i, values
@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from asyncserve.kernels import reference
-from asyncserve.kernels.reference import pack_int4, unpack_int4
+from asyncserve.kernels import quant_reference as reference
+from asyncserve.kernels.quant_reference import pack_int4, unpack_int4
 from asyncserve.quantization.base import LinearMethod, set_weight_attrs
 
 # AWQ's order of the eight outputs packed in a word: nibble i holds output AWQ_ORDER[i].

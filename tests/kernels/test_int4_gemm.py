@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncserve.kernels import reference
+from asyncserve.kernels import quant_reference as reference
 
 pytest.importorskip("triton", reason="triton is not installed")
 

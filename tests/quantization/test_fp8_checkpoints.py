@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from asyncserve.config import ModelConfig
-from asyncserve.kernels.reference import (
+from asyncserve.kernels.quant_reference import (
     FP8_DTYPE,
     dequant_fp8_blocks,
     per_token_group_quant_fp8,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncserve.kernels.reference import FP8_DTYPE
+from asyncserve.kernels.quant_reference import FP8_DTYPE
 from asyncserve.llm import LLM
 from asyncserve.outputs import RequestOutput
 from asyncserve.quantization.fp8 import quantize_fp8_per_channel
