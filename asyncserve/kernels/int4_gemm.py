@@ -127,28 +127,34 @@ def _int4_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    # Each packed word is read once: [BLOCK_N, BLOCK_K / 8] words unpacked in registers to
+    # [BLOCK_N, BLOCK_K] (nibble i of word j -> column 8j + i, a row-major reshape).
     pid_n = tl.program_id(0)
     row = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < n
+    offs_w = tl.arange(0, BLOCK_K // 8)
+    shifts = tl.arange(0, 8) * 4
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, k, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         mask_k = ks < k
         x = tl.load(x_ptr + row * stride_xm + ks, mask=mask_k, other=0.0).to(tl.float32)
-        w = _dequant_tile(
-            qw_ptr,
-            s_ptr,
-            z_ptr,
-            gidx_ptr,
-            offs_n[:, None],
-            ks[None, :],
-            mask_n[:, None] & mask_k[None, :],
-            stride_qn,
-            stride_sn,
-            GROUP,
-            HAS_GIDX,
-        )  # [BLOCK_N, BLOCK_K]
+        words = tl.load(
+            qw_ptr + offs_n[:, None] * stride_qn + (k0 // 8 + offs_w)[None, :],
+            mask=mask_n[:, None] & ((k0 + offs_w * 8) < k)[None, :],
+            other=0,
+        )  # [BLOCK_N, BLOCK_K / 8]
+        q = (words[:, :, None] >> shifts[None, None, :]) & 0xF
+        q = tl.reshape(q, [BLOCK_N, BLOCK_K]).to(tl.float32)
+        if HAS_GIDX:
+            group = tl.load(gidx_ptr + ks, mask=mask_k, other=0)[None, :]
+        else:
+            group = (ks // GROUP)[None, :]
+        mask = mask_n[:, None] & mask_k[None, :]
+        scale = tl.load(s_ptr + offs_n[:, None] * stride_sn + group, mask=mask, other=0.0)
+        zero = tl.load(z_ptr + offs_n[:, None] * stride_sn + group, mask=mask, other=0.0)
+        w = (q - zero.to(tl.float32)) * scale.to(tl.float32)
         acc += tl.sum(w * x[None, :], axis=1)
     tl.store(out_ptr + row * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
 
@@ -174,7 +180,8 @@ def int4_matmul(
     gidx = g_idx if g_idx is not None else scales  # unused when HAS_GIDX is False
     common = (qweight, scales, zeros, gidx, out)
     if m <= GEMV_MAX_TOKENS:
-        _int4_gemv_kernel[(triton.cdiv(n, 64), m)](
+        # Narrow output blocks: a decode step's layers need enough programs to fill the SMs.
+        _int4_gemv_kernel[(triton.cdiv(n, 32), m)](
             x,
             *common,
             n,
@@ -185,8 +192,8 @@ def int4_matmul(
             out.stride(0),
             GROUP=group_size,
             HAS_GIDX=g_idx is not None,
-            BLOCK_N=64,
-            BLOCK_K=128,
+            BLOCK_N=32,
+            BLOCK_K=256,
         )
         return out
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
