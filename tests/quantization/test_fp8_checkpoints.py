@@ -242,3 +242,21 @@ def test_quantization_flag_reaches_the_model_config() -> None:
     assert engine_config_from_args(args, env).cache.cache_dtype == "fp8"
     args = build_parser().parse_args(["bench", "latency", "--quantization", "fp8"])
     assert args.quantization == "fp8"
+
+
+def test_block_scales_of_a_fused_part_must_fill_whole_blocks() -> None:
+    """A fused layer's part that starts inside a 128-row scale block cannot keep its own
+    scales: a clear error instead of mixing two parts' scales."""
+    from asyncserve.models.layers import Linear
+    from asyncserve.models.weights import Target, load_checkpoint
+    from asyncserve.quantization.fp8 import Fp8BlockLinearMethod
+
+    layer = Linear(128, 256)
+    del layer.weight
+    Fp8BlockLinearMethod((128, 128), "weight_scale_inv").create_weights(
+        layer, 128, 256, torch.float32
+    )
+    model = torch.nn.Sequential(layer)
+    tensors = [("0.weight_scale_inv", torch.ones(1, 1))]
+    with pytest.raises(ValueError, match="do not line up with its 128-row quantization blocks"):
+        load_checkpoint(model, tensors, lambda name: Target(name, rows=(64, 64)))
