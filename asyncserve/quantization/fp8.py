@@ -55,6 +55,9 @@ def _rowwise_scaled_mm(
     from asyncserve.kernels.fp8_gemm import per_token_group_quant_fp8
 
     x_q, x_s = per_token_group_quant_fp8(x, x.shape[1])
+    if weight.shape[0] % 16 or weight.shape[1] % 16:
+        # torch._scaled_mm needs both dims divisible by 16: the reference product instead.
+        return reference.fp8_rowwise_matmul(x_q, weight, x_s, scale, x.dtype, bias)
     # Row-wise scaling gives bf16 out; other dtypes convert after.
     fused_bias = bias if bias is not None and x.dtype == torch.bfloat16 else None
     out = torch._scaled_mm(
