@@ -31,23 +31,38 @@ def _dequant_tile(
     z_ptr,
     gidx_ptr,
     offs_n,
-    ks,
-    mask,
+    mask_n,
+    k0,
+    k,
     stride_qn,
     stride_sn,
     GROUP: tl.constexpr,
     HAS_GIDX: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
-    # offs_n and ks broadcast to the tile's shape; returns fp32 (q - zero) * scale.
-    words = tl.load(qw_ptr + offs_n * stride_qn + ks // 8, mask=mask, other=0)
-    q = ((words >> ((ks % 8) * 4)) & 0xF).to(tl.float32)
+    """fp32 (q - zero) * scale of outputs offs_n x inputs k0..k0+BLOCK_K: [BLOCK_N, BLOCK_K].
+    Each packed word is read once, [BLOCK_N, BLOCK_K / 8] of them, and unpacked in registers
+    (nibble i of word j -> column 8j + i: a row-major reshape)."""
+    offs_w = tl.arange(0, BLOCK_K // 8)
+    words = tl.load(
+        qw_ptr + offs_n[:, None] * stride_qn + (k0 // 8 + offs_w)[None, :],
+        mask=mask_n[:, None] & ((k0 + offs_w * 8) < k)[None, :],
+        other=0,
+    )
+    shifts = tl.arange(0, 8) * 4
+    q = (words[:, :, None] >> shifts[None, None, :]) & 0xF
+    q = tl.reshape(q, [BLOCK_N, BLOCK_K]).to(tl.float32)
+    ks = k0 + tl.arange(0, BLOCK_K)
+    mask_k = ks < k
     if HAS_GIDX:
-        group = tl.load(gidx_ptr + ks, mask=mask, other=0)
+        group = tl.load(gidx_ptr + ks, mask=mask_k, other=0)[None, :]
     else:
-        group = ks // GROUP
-    scale = tl.load(s_ptr + offs_n * stride_sn + group, mask=mask, other=0.0).to(tl.float32)
-    zero = tl.load(z_ptr + offs_n * stride_sn + group, mask=mask, other=0.0).to(tl.float32)
-    return (q - zero) * scale
+        group = (ks // GROUP)[None, :]
+    mask = mask_n[:, None] & mask_k[None, :]
+    scale = tl.load(s_ptr + offs_n[:, None] * stride_sn + group, mask=mask, other=0.0)
+    zero = tl.load(z_ptr + offs_n[:, None] * stride_sn + group, mask=mask, other=0.0)
+    return (q - zero.to(tl.float32)) * scale.to(tl.float32)
 
 
 @triton.jit
@@ -81,24 +96,28 @@ def _int4_gemm_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, k, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        mask_k = ks < k
         x = tl.load(
             x_ptr + offs_m[:, None] * stride_xm + ks[None, :],
-            mask=mask_m[:, None] & mask_k[None, :],
+            mask=mask_m[:, None] & (ks < k)[None, :],
             other=0.0,
         )
-        w = _dequant_tile(
-            qw_ptr,
-            s_ptr,
-            z_ptr,
-            gidx_ptr,
-            offs_n[None, :],
-            ks[:, None],
-            mask_k[:, None] & mask_n[None, :],
-            stride_qn,
-            stride_sn,
-            GROUP,
-            HAS_GIDX,
+        w = tl.trans(
+            _dequant_tile(
+                qw_ptr,
+                s_ptr,
+                z_ptr,
+                gidx_ptr,
+                offs_n,
+                mask_n,
+                k0,
+                k,
+                stride_qn,
+                stride_sn,
+                GROUP,
+                HAS_GIDX,
+                BLOCK_N,
+                BLOCK_K,
+            )
         )  # [BLOCK_K, BLOCK_N]
         if IEEE_DOT:
             acc = tl.dot(x.to(tl.float32), w, acc, input_precision="ieee")
@@ -127,34 +146,30 @@ def _int4_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    # Each packed word is read once: [BLOCK_N, BLOCK_K / 8] words unpacked in registers to
-    # [BLOCK_N, BLOCK_K] (nibble i of word j -> column 8j + i, a row-major reshape).
     pid_n = tl.program_id(0)
     row = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < n
-    offs_w = tl.arange(0, BLOCK_K // 8)
-    shifts = tl.arange(0, 8) * 4
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, k, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        mask_k = ks < k
-        x = tl.load(x_ptr + row * stride_xm + ks, mask=mask_k, other=0.0).to(tl.float32)
-        words = tl.load(
-            qw_ptr + offs_n[:, None] * stride_qn + (k0 // 8 + offs_w)[None, :],
-            mask=mask_n[:, None] & ((k0 + offs_w * 8) < k)[None, :],
-            other=0,
-        )  # [BLOCK_N, BLOCK_K / 8]
-        q = (words[:, :, None] >> shifts[None, None, :]) & 0xF
-        q = tl.reshape(q, [BLOCK_N, BLOCK_K]).to(tl.float32)
-        if HAS_GIDX:
-            group = tl.load(gidx_ptr + ks, mask=mask_k, other=0)[None, :]
-        else:
-            group = (ks // GROUP)[None, :]
-        mask = mask_n[:, None] & mask_k[None, :]
-        scale = tl.load(s_ptr + offs_n[:, None] * stride_sn + group, mask=mask, other=0.0)
-        zero = tl.load(z_ptr + offs_n[:, None] * stride_sn + group, mask=mask, other=0.0)
-        w = (q - zero.to(tl.float32)) * scale.to(tl.float32)
+        x = tl.load(x_ptr + row * stride_xm + ks, mask=ks < k, other=0.0).to(tl.float32)
+        w = _dequant_tile(
+            qw_ptr,
+            s_ptr,
+            z_ptr,
+            gidx_ptr,
+            offs_n,
+            mask_n,
+            k0,
+            k,
+            stride_qn,
+            stride_sn,
+            GROUP,
+            HAS_GIDX,
+            BLOCK_N,
+            BLOCK_K,
+        )  # [BLOCK_N, BLOCK_K]
         acc += tl.sum(w * x[None, :], axis=1)
     tl.store(out_ptr + row * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
 

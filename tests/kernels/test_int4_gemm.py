@@ -27,7 +27,8 @@ def _weight(n: int, k: int, group: int, act_order: bool, device: torch.device): 
 
 @pytest.mark.parametrize("m", [1, GEMV_MAX_TOKENS, 20])
 @pytest.mark.parametrize(
-    ("n", "k", "group", "act_order"), [(96, 256, 128, False), (64, 192, 64, True)]
+    ("n", "k", "group", "act_order"),
+    [(96, 256, 128, False), (64, 192, 64, True), (48, 96, 32, True)],  # ragged K tiles
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int4_matmul_matches_reference(
