@@ -4,10 +4,10 @@
 #   part 2: W2 (batch-1 ms per output token) and W1b (throughput), bf16 vs FP8 (quantized at
 #           load, per-channel, torch._scaled_mm) vs FP8-block (128 x 128, Triton GEMM) vs
 #           W4A16 (compressed-tensors int4, group 128: Triton GEMV / dequant-GEMM).
+#   part 3 (vLLM 0.26.0 in /tmp/site_v, as in gpu_suite_h.sh): the same W2 / W1b with
+#           `--quantization fp8` (and W2 on the W4A16 config), in the same call.
 #   part 4: W3 at 16 req/s (server + `bench serve`), bf16 KV vs `--kv-cache-dtype fp8`
 #           (TPOT within 5%, twice the KV blocks: see "KV blocks" in the server logs).
-#   part 3 (vLLM 0.26.0 in /tmp/site_v, as in gpu_suite_h.sh): the same W2 / W1b with
-#           `--quantization fp8`, in the same call.
 # Usage: OUT=/tmp/out bash benchmarks/gpu_suite_quant.sh [1|2|3|4|all]
 set -u
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton-quant
@@ -21,7 +21,7 @@ W2="python3 -m asyncserve bench latency --load-format dummy --batch-size 1 --inp
 W1B="python3 -m asyncserve bench throughput --load-format dummy --num-prompts 1000 --input-len 256 --output-len 256 --max-model-len 2048"
 part=${1:-all}
 if [ "$part" = 1 ] || [ "$part" = all ]; then
-  TAIL=6 step gpu_tests 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_gemm.py tests/kernels/test_int4_gemm.py tests/quantization -rs
+  TAIL=6 step gpu_tests 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_gemm.py tests/kernels/test_int4_gemm.py tests/kernels/test_fp8_kv.py tests/kernels/test_attention.py tests/kernels/test_kv_store.py tests/quantization -rs
 fi
 if [ "$part" = 2 ] || [ "$part" = all ]; then
   step w2_bf16 150 $W2 --model $L3 --output-json $OUT/w2_bf16.json
