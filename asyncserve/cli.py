@@ -93,6 +93,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="where the model runs; auto: cuda when available",
     )
     group.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        help="weight quantization: fp8 quantizes an unquantized checkpoint at load; "
+        "default: the checkpoint's quantization_config (fp8, compressed-tensors)",
+    )
+    group.add_argument(
         "--block-size", type=_positive_int, default=16, help="tokens per KV cache block"
     )
     group.add_argument(
@@ -116,6 +123,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="reuse KV blocks of identical prompt prefixes across requests",
+    )
+    group.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8", "fp8_e4m3"],
+        help="KV cache dtype; fp8: e4m3 with a per-layer scale (half the bytes of bf16)",
     )
     group.add_argument(
         "--max-num-seqs", type=_positive_int, default=256, help="most sequences in one step"
@@ -259,11 +272,13 @@ def engine_config_from_args(args: argparse.Namespace, env: Environment) -> Engin
         seed=args.seed,
         device=args.device,
         runner=args.runner,
+        quantization=args.quantization,
         block_size=args.block_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory=args.kv_cache_memory,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         enable_prefix_caching=args.enable_prefix_caching,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         scheduling_policy=args.scheduling_policy,

@@ -30,6 +30,9 @@ class ModelConfig:
     # generate | pooling (embeddings and scores) | auto: pooling for encoders, decoder bodies
     # and sentence-transformers checkpoints (asyncserve/pooling/config.py).
     runner: str = "auto"
+    # A scheme applied at load ("fp8"), or the checkpoint's quant_method; None: the
+    # checkpoint's quantization_config, if any (asyncserve/quantization).
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "float", "bfloat16", "float16", "half"):
@@ -54,8 +57,14 @@ class CacheConfig:
     kv_cache_memory: int | None = None
     num_blocks_override: int | None = None
     enable_prefix_caching: bool = True
+    # "auto": the model's dtype; "fp8" / "fp8_e4m3": e4m3 with a per-tensor scale per layer.
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
+            raise ValueError(
+                f"kv_cache_dtype must be auto, fp8 or fp8_e4m3, got {self.cache_dtype!r}"
+            )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -296,11 +305,13 @@ class EngineConfig:
         seed: int = 0,
         device: str = "auto",
         runner: str = "auto",
+        quantization: str | None = None,
         block_size: int = 16,
         gpu_memory_utilization: float = 0.9,
         kv_cache_memory: int | None = None,
         num_gpu_blocks_override: int | None = None,
         enable_prefix_caching: bool = True,
+        kv_cache_dtype: str = "auto",
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
         scheduling_policy: str = "fcfs",
@@ -336,6 +347,7 @@ class EngineConfig:
                 seed=seed,
                 device=device,
                 runner=runner,
+                quantization=quantization,
             ),
             cache=CacheConfig(
                 block_size=block_size,
@@ -343,6 +355,7 @@ class EngineConfig:
                 kv_cache_memory=kv_cache_memory,
                 num_blocks_override=num_gpu_blocks_override,
                 enable_prefix_caching=enable_prefix_caching,
+                cache_dtype=kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,

@@ -15,6 +15,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", "-q", default=None, help="e.g. fp8 (as in serve)")
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=256)
@@ -54,6 +55,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model=args.model,
         load_format=args.load_format,
         dtype=args.dtype,
+        quantization=args.quantization,
         max_model_len=args.max_model_len,
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,

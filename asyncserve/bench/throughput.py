@@ -21,6 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model path or config dir (dummy weights)")
     parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", "-q", default=None, help="e.g. fp8 (as in serve)")
     parser.add_argument("--num-prompts", type=int, default=1000)
     parser.add_argument("--input-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=128)
@@ -55,6 +56,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model=args.model,
         load_format=args.load_format,
         dtype=args.dtype,
+        quantization=args.quantization,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

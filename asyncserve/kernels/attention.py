@@ -100,6 +100,8 @@ def _unified_attention_kernel(
     SOFTCAP: tl.constexpr,  # scores are soft-capped
     IEEE_DOT: tl.constexpr,  # fp32 inputs: exact fp32 dots instead of tf32
     UPCAST: tl.constexpr,  # Triton's CPU interpreter: dot operands in fp32 (numpy has no bf16)
+    v_scale,  # fp8 caches: V's per-tensor scale (K's is folded into qk_scale)
+    FP8_KV: tl.constexpr,  # the caches are e4m3: tiles widen to the query's dtype
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -168,6 +170,8 @@ def _unified_attention_kernel(
             mask=k_valid[None, :] & d_valid[:, None],
             other=0.0,
         )  # [HEAD_DIM_PAD, TILE_N]
+        if FP8_KV:
+            k = k.to(query_ptr.dtype.element_ty)
         if UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, k, input_precision="ieee") if IEEE_DOT else tl.dot(q, k)
@@ -193,7 +197,11 @@ def _unified_attention_kernel(
             mask=k_valid[:, None] & d_valid[None, :],
             other=0.0,
         )  # [TILE_N, HEAD_DIM_PAD]
-        p_dot = p.to(value_cache_ptr.dtype.element_ty)  # rounded like the compiled kernel
+        if FP8_KV:
+            v = v.to(query_ptr.dtype.element_ty)
+            p_dot = p.to(query_ptr.dtype.element_ty)
+        else:
+            p_dot = p.to(value_cache_ptr.dtype.element_ty)  # rounded like the compiled kernel
         if UPCAST:
             v = v.to(tl.float32)
             p_dot = p_dot.to(tl.float32)
@@ -201,6 +209,8 @@ def _unified_attention_kernel(
         acc = tl.dot(p_dot, v, acc, input_precision="ieee") if IEEE_DOT else tl.dot(p_dot, v, acc)
         m_i = m_new
 
+    if FP8_KV:
+        acc = acc * v_scale
     if NUM_SPLITS == 1:
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         o = acc / l_safe[:, None]
@@ -266,8 +276,13 @@ def paged_attention(
     num_splits: int,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """unified_attention with explicit tiles and split-KV factor (tests and benchmarks)."""
+    fp8_kv = key_cache.dtype == torch.float8_e4m3fn
+    if not fp8_kv:
+        k_scale = v_scale = 1.0
     num_tokens, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, cache_head_dim = key_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -316,7 +331,7 @@ def paged_attention(
         cu_seqlens_q,  # [B + 1] int32
         seq_lens,  # [B] int32
         block_tables,  # [B, max_blocks_per_seq] int32
-        scale * _LOG2E,  # qk_scale
+        scale * k_scale * _LOG2E,  # qk_scale (an fp8 cache's K scale folded in)
         sliding_window or 0,  # W
         softcap or 0.0,  # c
         num_seqs,  # B
@@ -344,6 +359,8 @@ def paged_attention(
         SOFTCAP=softcap is not None,
         IEEE_DOT=query.dtype == torch.float32,  # exact fp32 dots for fp32 inputs
         UPCAST=query.device.type != "cuda",  # interpreter on CPU tensors
+        v_scale=v_scale,
+        FP8_KV=fp8_kv,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -376,6 +393,8 @@ def unified_attention(
     max_seqlen_k: int | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal paged attention over a batch mixing prefill chunks and decodes.
 
@@ -413,4 +432,6 @@ def unified_attention(
         num_splits,
         sliding_window,
         softcap,
+        k_scale,
+        v_scale,
     )

@@ -29,6 +29,9 @@ def _store_kv_kernel(
     BLOCK_H: tl.constexpr,  # pow2 >= NUM_KV_HEADS
     BLOCK_D: tl.constexpr,  # pow2 >= HEAD_DIM
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    k_scale,  # fp8 caches: the stored value is k / k_scale
+    v_scale,
+    FP8: tl.constexpr,  # the caches are e4m3
 ):
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
@@ -48,6 +51,9 @@ def _store_kv_kernel(
         value_ptr + tok * stride_v_tok + heads[:, None] * stride_v_head + dims[None, :],
         mask=mask,
     )
+    if FP8:
+        k = tl.clamp(k.to(tl.float32) / k_scale, -448.0, 448.0)
+        v = tl.clamp(v.to(tl.float32) / v_scale, -448.0, 448.0)
     k_dst = block_id * stride_kc_block + offset * stride_kc_slot
     v_dst = block_id * stride_vc_block + offset * stride_vc_slot
     tl.store(
@@ -68,8 +74,11 @@ def store_kv(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Write each token's K/V into its slot of the paged cache (slot -1: skip the token)."""
+    """Write each token's K/V into its slot of the paged cache (slot -1: skip the token);
+    an fp8 cache stores value / scale."""
     num_tokens, num_kv_heads, head_dim = key.shape
     _, block_size, cache_heads, cache_dim = key_cache.shape
     if (cache_heads, cache_dim) != (num_kv_heads, head_dim) or value.shape != key.shape:
@@ -112,5 +121,8 @@ def store_kv(
         BLOCK_H=block_h,  # pow2 >= Hkv
         BLOCK_D=block_d,  # pow2 >= D
         BLOCK_SIZE=block_size,  # tokens per cache block
+        k_scale=k_scale,
+        v_scale=v_scale,
+        FP8=key_cache.dtype == torch.float8_e4m3fn,
         num_warps=4 if block_h * block_d >= 1024 else 1,
     )

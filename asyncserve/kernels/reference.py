@@ -31,15 +31,36 @@ def store_kv(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Write each token's K/V into its slot of the paged cache."""
+    """Write each token's K/V into its slot of the paged cache. An fp8 cache stores
+    value / scale (saturated to the e4m3 range); k_scale / v_scale are ignored otherwise."""
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     flat_k = key_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
     flat_v = value_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
-    flat_k.index_copy_(0, slots, key[valid].to(key_cache.dtype))
-    flat_v.index_copy_(0, slots, value[valid].to(value_cache.dtype))
+    k = _to_cache(key[valid], key_cache.dtype, k_scale)
+    v = _to_cache(value[valid], value_cache.dtype, v_scale)
+    if key_cache.dtype == torch.float8_e4m3fn:  # no index_copy_ for fp8 on the CPU: bytes
+        flat_k, flat_v = flat_k.view(torch.uint8), flat_v.view(torch.uint8)
+        k, v = k.view(torch.uint8), v.view(torch.uint8)
+    flat_k.index_copy_(0, slots, k)
+    flat_v.index_copy_(0, slots, v)
+
+
+def _to_cache(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    if dtype != torch.float8_e4m3fn:
+        return x.to(dtype)
+    return (x.float() / scale).clamp(-448.0, 448.0).to(dtype)
+
+
+def _from_cache(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """Cached K or V as fp32 (an fp8 cache times its scale)."""
+    if x.dtype != torch.float8_e4m3fn:
+        return x.float()
+    return x.float() * scale
 
 
 def unified_attention(
@@ -54,8 +75,11 @@ def unified_attention(
     max_seqlen_k: int | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Causal attention of a batch mixing prefill chunks and decodes over the paged cache.
+    """Causal attention of a batch mixing prefill chunks and decodes over the paged cache
+    (an fp8 cache is read times k_scale / v_scale).
 
     Query token i of sequence b sits at position seq_lens[b] - q_len_b + i and attends to
     every cached key at positions <= its own (and inside the sliding window, if any). The K/V
@@ -63,7 +87,7 @@ def unified_attention(
     reference ignores them.
     """
     del max_seqlen_q, max_seqlen_k
-    options = AttentionOptions(sliding_window, softcap)
+    options = AttentionOptions(sliding_window, softcap, k_scale, v_scale)
     out = torch.empty_like(query)
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
@@ -81,6 +105,7 @@ def unified_attention(
             continue
         q_start, q_end = cu[b], cu[b + 1]
         k, v = _gather_context(key_cache, value_cache, block_tables[b], ctx_len)
+        k, v = _from_cache(k, k_scale), _from_cache(v, v_scale)
         out[q_start:q_end] = _attend(query[q_start:q_end], k, v, ctx_len, scale, options)
     return out
 
@@ -99,6 +124,8 @@ def _gather_context(
 class AttentionOptions(NamedTuple):
     sliding_window: int | None
     softcap: float | None
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
 
 def _attend(
@@ -197,8 +224,8 @@ def _decode_attention(
     flat = blocks.reshape(-1)
     k = key_cache.index_select(0, flat).view(n, -1, num_kv_heads, head_dim)[:, :max_ctx]
     v = value_cache.index_select(0, flat).view(n, -1, num_kv_heads, head_dim)[:, :max_ctx]
-    k = k.masked_fill(pad, 0)
-    v = v.masked_fill(pad, 0)
+    k = _from_cache(k, options.k_scale).masked_fill(pad, 0)
+    v = _from_cache(v, options.v_scale).masked_fill(pad, 0)
     o = _sdpa(
         query[rows].float()[:, :, None, :],  # [n, H, 1, D]
         k.transpose(1, 2).float(),  # [n, Hkv, ctx, D]

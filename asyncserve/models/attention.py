@@ -58,6 +58,9 @@ class Attention(nn.Module):
         self.ops = ops
         self.sliding_window = sliding_window
         self.softcap = softcap
+        # Per-tensor scales of an fp8 KV cache (stored = value / scale); unused otherwise.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(
         self,
@@ -69,7 +72,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """q [T, H, D], k and v [T, Hkv, D] -> [T, H * D]."""
         key_cache, value_cache = kv_cache
-        self.ops.store_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+        self.ops.store_kv(
+            k, v, key_cache, value_cache, meta.slot_mapping, self.k_scale, self.v_scale
+        )
         out = self.ops.unified_attention(
             q,
             key_cache,
@@ -82,5 +87,7 @@ class Attention(nn.Module):
             meta.max_seqlen_k,
             sliding_window=self.sliding_window,
             softcap=self.softcap,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
         )
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

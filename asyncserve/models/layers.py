@@ -17,19 +17,30 @@ from torch import nn
 
 from asyncserve.kernels.ops import KernelOps
 from asyncserve.models.parallel import SINGLE, RowParallelLinear, TensorParallel
+from asyncserve.quantization.base import LinearMethod, in_quantized_build
 
 
 class Linear(nn.Module):
-    """y = x @ W^T + b with W stored [out_features, in_features], as HF checkpoints store it."""
+    """y = x @ W^T + b with W stored [out_features, in_features], as HF checkpoints store it.
+
+    A quantized model's layers get a `quant_method` (asyncserve/quantization), which owns
+    the weight's parameters and computes the product; until then, under a quantized build,
+    the weight is only a shape on the meta device."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        device = torch.device("meta") if in_quantized_build() else None
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, device=device), requires_grad=False
+        )
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.quant_method: LinearMethod | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 

@@ -28,6 +28,8 @@ from asyncserve.models.gguf_loader import GGUFFile, gguf_hf_config, iter_gguf_we
 from asyncserve.models.parallel import SINGLE, TensorParallel, check_tensor_parallel
 from asyncserve.models.pipeline import PipelineStage
 from asyncserve.models.registry import resolve_model_class
+from asyncserve.quantization import QuantConfig, quantized_build, resolve_quant_config
+from asyncserve.quantization.kv_scales import KVScales
 from asyncserve.sampling_params import MODEL_SAMPLING_DEFAULTS
 from asyncserve.tokenizer import Tokenizer
 
@@ -43,6 +45,7 @@ _DTYPES = {
 }
 # generation_config.json keys worth passing on as sampling defaults.
 _DUMMY_STD = 0.02
+_DUMMY_FP8_STD = 16.0  # fp8 dummy weights times their scales are N(0, _DUMMY_STD)
 
 
 @dataclass
@@ -132,16 +135,26 @@ def _build_model(
     dtype: torch.dtype,
     tp: TensorParallel,
     pp: PipelineStage | None = None,
+    quant: QuantConfig | None = None,
 ) -> CausalLM:
     cls = resolve_model_class(arch.architecture)
     # Parameters are torch.empty: created on the device in the dtype, never initialised here.
-    with torch.device(device), _default_dtype(dtype):
+    with (
+        torch.device(device),
+        _default_dtype(dtype),
+        quantized_build() if quant is not None else contextlib.nullcontext(),
+    ):
         if pp is not None:
             model = cls(arch, select_ops(device), tp=tp, pp=pp)  # type: ignore[call-arg]
         elif tp.size == 1:
             model = cls(arch, select_ops(device))
         else:
             model = cls(arch, select_ops(device), tp=tp)  # type: ignore[call-arg]
+    if quant is not None:
+        from asyncserve.quantization.model import attach_linear_methods
+
+        count = attach_linear_methods(model, quant, device, dtype)
+        logger.info("%s quantization: %d linear layers quantized", quant.name, count)
     return model.eval()
 
 
@@ -202,10 +215,23 @@ def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
         if name.endswith("norm.weight"):
             param.fill_(1.0)
             continue
+        if name.endswith(("_scale", "_scale_inv", ".scales")):
+            param.fill_(_DUMMY_STD / _DUMMY_FP8_STD)  # quantization scales
+            continue
         gen = generators.get(param.device)
         if gen is None:
             gen = generators[param.device] = torch.Generator(device=param.device)
             gen.manual_seed(seed)
+        if name.endswith("g_idx"):
+            param.zero_()  # every input column in group 0: a valid act order
+            continue
+        if not param.is_floating_point():  # packed int4 weights: random nibbles
+            param.random_(generator=gen)
+            continue
+        if param.element_size() == 1:  # fp8 weights: no normal_ kernel for the type
+            tmp = torch.empty(param.shape, device=param.device, dtype=torch.float32)
+            param.copy_(tmp.normal_(0.0, _DUMMY_FP8_STD, generator=gen))
+            continue
         param.normal_(0.0, _DUMMY_STD, generator=gen)
 
 
@@ -259,13 +285,15 @@ def load_model(
     logger.info("loading %s (%s) onto %s", source, kind, device)
     gguf_file: GGUFFile | None = None
     root: Path | None
+    hf_config: dict[str, Any] = {}
     if kind == "gguf":
         gguf_file = open_gguf(source)
         arch = ArchConfig.from_hf_dict(gguf_hf_config(gguf_file))
         root = None
     else:
         root = source
-        arch = ArchConfig.from_hf_dict(_read_json(source / "config.json"))
+        hf_config = _read_json(source / "config.json")
+        arch = ArchConfig.from_hf_dict(hf_config)
     if config.max_model_len is not None and config.max_model_len > arch.max_position_embeddings:
         raise ValueError(
             f"max_model_len ({config.max_model_len}) exceeds the model's "
@@ -273,10 +301,13 @@ def load_model(
         )
     check_tensor_parallel(arch, tp.size, tp.expert_parallel)
     dtype = resolve_dtype(config.dtype, arch.torch_dtype, device)
+    quant = resolve_quant_config(config.quantization, hf_config, device)
+    if quant is not None and tp.size > 1:
+        raise ValueError("quantization with tensor_parallel_size > 1 is not supported yet")
     tokenizer = _load_tokenizer(config, root, gguf_file, arch)
     logger.info("tokenizer ready (%.1f s); building %s in %s", time.monotonic() - start,
                 arch.architecture, dtype)  # fmt: skip
-    model = _build_model(arch, device if weights else torch.device("meta"), dtype, tp, pp)
+    model = _build_model(arch, device if weights else torch.device("meta"), dtype, tp, pp, quant)
     logger.info("reading %s weights (%.1f s)", config.load_format, time.monotonic() - start)
     if not weights:
         pass  # a shape-only model on the meta device
@@ -285,7 +316,15 @@ def load_model(
     elif gguf_file is not None:
         model.load_weights(iter_gguf_weights(gguf_file, arch))
     elif root is not None:
-        model.load_weights(_iter_safetensors(_safetensors_files(root), device, model))
+        kv_scales = KVScales()
+        tensors = kv_scales.filter(_iter_safetensors(_safetensors_files(root), device, model))
+        model.load_weights(quant.filter_weights(tensors) if quant is not None else tensors)
+        if kv_scales.apply(model):
+            logger.info("KV cache scales from the checkpoint (used with --kv-cache-dtype fp8)")
+    if weights and quant is not None:
+        from asyncserve.quantization.model import process_weights_after_loading
+
+        process_weights_after_loading(model)
     logger.info(
         "loaded %s (%s, %s) from %s in %.1f s",
         arch.architecture,

@@ -28,6 +28,25 @@ class Target:
 Router = Callable[[str], Target | None]
 
 
+def _rows_view(
+    param: torch.Tensor, view: torch.Tensor, hf_name: str, start: int, size: int
+) -> torch.Tensor:
+    """The part of `view` holding output rows start..start+size of a fused projection.
+    Quantized parameters may run along another dim or hold several rows per entry (block
+    scales, packed int4): see quantization.base.set_weight_attrs."""
+    dim = getattr(param, "quant_out_dim", 0)
+    if dim < 0:
+        return view  # not along the outputs: every part of the fused layer fills all of it
+    per = getattr(param, "quant_rows_per_entry", 1)
+    entries = -(-size // per)
+    if start % per or (size % per and start // per + entries != view.shape[dim]):
+        raise ValueError(
+            f"checkpoint tensor {hf_name!r} fills rows {start}..{start + size} of a fused "
+            f"layer, which do not line up with its {per}-row quantization blocks"
+        )
+    return view.narrow(dim, start // per, entries)
+
+
 @torch.no_grad()
 def load_checkpoint(
     model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], route: Router
@@ -48,8 +67,7 @@ def load_checkpoint(
         if target.expert is not None:
             view = view[target.expert]
         if target.rows is not None:
-            start, size = target.rows
-            view = view[start : start + size]
+            view = _rows_view(param, view, hf_name, *target.rows)
         if target.source is not None:
             dim, start, size = target.source
             # Readers that slice on read (safetensors) hand over the slice already.
@@ -57,6 +75,8 @@ def load_checkpoint(
                 tensor = tensor.narrow(dim, start, size)
         if target.source_experts is not None:
             tensor = tensor[target.source_experts]
+        if getattr(param, "quant_broadcast", False) and tensor.numel() == 1:
+            tensor = tensor.reshape(()).expand(view.shape)  # a per-tensor quantization scale
         if tuple(view.shape) != tuple(tensor.shape):
             raise ValueError(
                 f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "

@@ -22,6 +22,17 @@ DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
+def kv_cache_dtype(cache_dtype: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The pool's dtype: the model's, or e4m3 for --kv-cache-dtype fp8 (one byte a value;
+    each layer's K and V carry a per-tensor scale, see models/attention.py)."""
+    if cache_dtype == "auto":
+        return model_dtype
+    from asyncserve.quantization.fp8 import check_fp8_device
+
+    check_fp8_device(device)
+    return torch.float8_e4m3fn
+
+
 def kv_block_bytes(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
     element = torch.tensor([], dtype=dtype).element_size()
     per_layer = 2 * block_size * arch.num_key_value_heads * arch.head_dim * element

@@ -42,7 +42,12 @@ from asyncserve.worker.input_batch import (
     StepInputs,
     build_step_inputs,
 )
-from asyncserve.worker.kv_pool import allocate_kv_caches, determine_num_blocks, kv_block_bytes
+from asyncserve.worker.kv_pool import (
+    allocate_kv_caches,
+    determine_num_blocks,
+    kv_block_bytes,
+    kv_cache_dtype,
+)
 from asyncserve.worker.logprobs import gather_logprobs, row_entry
 from asyncserve.worker.sampler import Sampler, SamplerOutput
 from asyncserve.worker.sampling_metadata import SamplingMetadata, SamplingRow
@@ -116,6 +121,7 @@ class ModelRunner:
         self.config = config
         self.device = device
         self.dtype = loaded.dtype
+        self.kv_cache_dtype = kv_cache_dtype(config.cache.cache_dtype, self.dtype, device)
         self.block_size = config.cache.block_size
         self.vocab_size = loaded.arch.vocab_size
         self.sampler = Sampler()
@@ -159,19 +165,20 @@ class ModelRunner:
     def determine_num_blocks(self, max_model_len: int) -> int:
         """How many KV blocks this device holds (see worker/kv_pool.py); a draft model's
         pool takes its share of the budget (the same number of blocks)."""
-        num_blocks = determine_num_blocks(self.model, self.kv_arch, self.config, self.dtype,
-                                          self.device, max_model_len)  # fmt: skip
+        num_blocks = determine_num_blocks(self.model, self.kv_arch, self.config,
+                                          self.kv_cache_dtype, self.device,
+                                          max_model_len)  # fmt: skip
         if (
             isinstance(self.proposer, DraftProposer)
             and self.config.cache.num_blocks_override is None
         ):
-            own = kv_block_bytes(self.kv_arch, self.block_size, self.dtype)
+            own = kv_block_bytes(self.kv_arch, self.block_size, self.kv_cache_dtype)
             num_blocks = max(num_blocks * own // (own + self.proposer.block_bytes()), 1)
         return num_blocks
 
     def allocate_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
         self.kv_caches = allocate_kv_caches(
-            self.kv_arch, num_blocks, self.block_size, self.dtype, self.device
+            self.kv_arch, num_blocks, self.block_size, self.kv_cache_dtype, self.device
         )
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len

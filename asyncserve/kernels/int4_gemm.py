@@ -1,0 +1,232 @@
+"""Triton 4-bit weight-only matmuls (W4A16): x [M, K] @ W^T with W in the int4 layout of
+kernels/quant_reference.py (qweight int32 [N, K / 8], scales / zeros [N, groups], optional g_idx).
+
+Two kernels: a dequant-GEMM for prefill (tiles of W dequantized in registers and fed to
+tl.dot), and a GEMV for small batches (decode), where the step reads every weight once and
+the time is the bytes read: one program per output block and token, the packed words read
+along K (contiguous), products summed in fp32.
+References: quant_reference.int4_matmul.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# The interpreter (CPU tests) mis-converts a computed fp32 tile to bf16 before a dot; there
+# the tiles are multiplied in fp32 instead (x widened), which the reference also does.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Up to this many tokens the GEMV path runs (each token reads the packed weight again, but
+# from L2 after the first).
+GEMV_MAX_TOKENS = 4
+
+
+@triton.jit
+def _dequant_tile(
+    qw_ptr,
+    s_ptr,
+    z_ptr,
+    gidx_ptr,
+    offs_n,
+    mask_n,
+    k0,
+    k,
+    stride_qn,
+    stride_sn,
+    GROUP: tl.constexpr,
+    HAS_GIDX: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """fp32 (q - zero) * scale of outputs offs_n x inputs k0..k0+BLOCK_K: [BLOCK_N, BLOCK_K].
+    Each packed word is read once, [BLOCK_N, BLOCK_K / 8] of them, and unpacked in registers
+    (nibble i of word j -> column 8j + i: a row-major reshape)."""
+    offs_w = tl.arange(0, BLOCK_K // 8)
+    words = tl.load(
+        qw_ptr + offs_n[:, None] * stride_qn + (k0 // 8 + offs_w)[None, :],
+        mask=mask_n[:, None] & ((k0 + offs_w * 8) < k)[None, :],
+        other=0,
+    )
+    shifts = tl.arange(0, 8) * 4
+    q = (words[:, :, None] >> shifts[None, None, :]) & 0xF
+    q = tl.reshape(q, [BLOCK_N, BLOCK_K]).to(tl.float32)
+    ks = k0 + tl.arange(0, BLOCK_K)
+    mask_k = ks < k
+    if HAS_GIDX:
+        group = tl.load(gidx_ptr + ks, mask=mask_k, other=0)[None, :]
+    else:
+        group = (ks // GROUP)[None, :]
+    mask = mask_n[:, None] & mask_k[None, :]
+    scale = tl.load(s_ptr + offs_n[:, None] * stride_sn + group, mask=mask, other=0.0)
+    zero = tl.load(z_ptr + offs_n[:, None] * stride_sn + group, mask=mask, other=0.0)
+    return (q - zero.to(tl.float32)) * scale.to(tl.float32)
+
+
+@triton.jit
+def _int4_gemm_kernel(
+    x_ptr,
+    qw_ptr,
+    s_ptr,
+    z_ptr,
+    gidx_ptr,
+    out_ptr,
+    m,
+    n,
+    k,
+    stride_xm,
+    stride_qn,
+    stride_sn,
+    stride_om,
+    GROUP: tl.constexpr,
+    HAS_GIDX: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < m
+    mask_n = offs_n < n
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + ks[None, :],
+            mask=mask_m[:, None] & (ks < k)[None, :],
+            other=0.0,
+        )
+        w = tl.trans(
+            _dequant_tile(
+                qw_ptr,
+                s_ptr,
+                z_ptr,
+                gidx_ptr,
+                offs_n,
+                mask_n,
+                k0,
+                k,
+                stride_qn,
+                stride_sn,
+                GROUP,
+                HAS_GIDX,
+                BLOCK_N,
+                BLOCK_K,
+            )
+        )  # [BLOCK_K, BLOCK_N]
+        if IEEE_DOT:
+            acc = tl.dot(x.to(tl.float32), w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w.to(x.dtype), acc)
+    out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _int4_gemv_kernel(
+    x_ptr,
+    qw_ptr,
+    s_ptr,
+    z_ptr,
+    gidx_ptr,
+    out_ptr,
+    n,
+    k,
+    stride_xm,
+    stride_qn,
+    stride_sn,
+    stride_om,
+    GROUP: tl.constexpr,
+    HAS_GIDX: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    row = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < n
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + row * stride_xm + ks, mask=ks < k, other=0.0).to(tl.float32)
+        w = _dequant_tile(
+            qw_ptr,
+            s_ptr,
+            z_ptr,
+            gidx_ptr,
+            offs_n,
+            mask_n,
+            k0,
+            k,
+            stride_qn,
+            stride_sn,
+            GROUP,
+            HAS_GIDX,
+            BLOCK_N,
+            BLOCK_K,
+        )  # [BLOCK_N, BLOCK_K]
+        acc += tl.sum(w * x[None, :], axis=1)
+    tl.store(out_ptr + row * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
+def int4_matmul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    g_idx: torch.Tensor | None,
+    group_size: int,
+) -> torch.Tensor:
+    """x [M, K] @ dequant(W)^T -> [M, N] in x's dtype; the GEMV for M <= GEMV_MAX_TOKENS."""
+    m, k = x.shape
+    n = qweight.shape[0]
+    if qweight.shape[1] * 8 != k or x.stride(1) != 1:
+        raise ValueError(f"x {tuple(x.shape)} does not match an int4 weight of {n} x {k}")
+    if scales.stride() != zeros.stride() or scales.stride(1) != 1:
+        raise ValueError("int4 scales and zeros must be contiguous [N, groups] matrices")
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    gidx = g_idx if g_idx is not None else scales  # unused when HAS_GIDX is False
+    common = (qweight, scales, zeros, gidx, out)
+    if m <= GEMV_MAX_TOKENS:
+        # Narrow output blocks: a decode step's layers need enough programs to fill the SMs.
+        _int4_gemv_kernel[(triton.cdiv(n, 32), m)](
+            x,
+            *common,
+            n,
+            k,
+            x.stride(0),
+            qweight.stride(0),
+            scales.stride(0),
+            out.stride(0),
+            GROUP=group_size,
+            HAS_GIDX=g_idx is not None,
+            BLOCK_N=32,
+            BLOCK_K=256,
+        )
+        return out
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    _int4_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, 64))](
+        x,
+        *common,
+        m,
+        n,
+        k,
+        x.stride(0),
+        qweight.stride(0),
+        scales.stride(0),
+        out.stride(0),
+        GROUP=group_size,
+        HAS_GIDX=g_idx is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=64,
+        BLOCK_K=64,
+        IEEE_DOT=x.dtype == torch.float32 or _INTERPRET,
+    )
+    return out

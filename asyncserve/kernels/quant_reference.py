@@ -1,0 +1,118 @@
+"""Pure-torch references of the quantized-matmul kernels (kernels/fp8_gemm.py,
+kernels/int4_gemm.py); also the CPU path of the quantized linear layers. Each Triton kernel
+takes exactly these arguments and returns these results."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# --- FP8 (e4m3) quantized matmuls: the references of kernels/fp8_gemm.py and the CPU path.
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
+# A floor for scales, so an all-zero row or group quantizes to zeros instead of NaN.
+FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+
+
+def per_token_group_quant_fp8(
+    x: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] -> (e4m3 [M, K], fp32 scales [M, ceil(K / group_size)]): each token's run of
+    `group_size` columns gets scale amax / 448 (group_size = K: per-token quantization)."""
+    m, k = x.shape
+    groups = -(-k // group_size)
+    padded = F.pad(x.float(), (0, groups * group_size - k)).view(m, groups, group_size)
+    scale = (padded.abs().amax(dim=-1) / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+    q = (padded / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.view(m, groups * group_size)[:, :k], scale
+
+
+def fp8_rowwise_matmul(
+    x_q: torch.Tensor,
+    w_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(x_q * x_scale) @ (w_q * w_scale)^T + bias, in fp32: x_q [M, K] e4m3 with x_scale
+    [M, 1], w_q [N, K] e4m3 with w_scale [N, 1] (what torch._scaled_mm computes on Hopper)."""
+    out = (x_q.float() * x_scale) @ (w_q.float() * w_scale).t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+def dequant_fp8_blocks(
+    w_q: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int]
+) -> torch.Tensor:
+    """fp32 weight from e4m3 [N, K] and one scale per [block_n, block_k] tile."""
+    n, k = w_q.shape
+    scale = w_scale.float().repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)
+    return w_q.float() * scale[:, :k]
+
+
+def w8a8_block_fp8_matmul(
+    x_q: torch.Tensor,
+    w_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    block: tuple[int, int],
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Block-scaled FP8 GEMM (DeepSeek-V3 style): x_q [M, K] e4m3 with x_scale [M, K / bk]
+    (one per token and group of bk columns), w_q [N, K] e4m3 with w_scale [N / bn, K / bk].
+    Returns [M, N] in out_dtype."""
+    k = x_q.shape[1]
+    x = x_q.float() * x_scale.float().repeat_interleave(block[1], 1)[:, :k]
+    return (x @ dequant_fp8_blocks(w_q, w_scale, block).t()).to(out_dtype)
+
+
+# --- 4-bit weight-only (W4A16): the references of kernels/int4_gemm.py and the CPU path.
+# One layout for every checkpoint format (quantization/int4.py converts to it): qweight
+# int32 [N, K / 8], nibble i of word j = the unsigned 4-bit value of column 8j + i;
+# scales and zeros [N, groups] (w = (q - zero) * scale); g_idx [K] int32, the group of each
+# input column (act-order checkpoints), or None for k // group_size.
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [R, C / 8] -> uint8-valued int32 [R, C], nibble i of word j -> column 8j + i."""
+    shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
+    return ((packed[..., None] >> shifts) & 0xF).reshape(*packed.shape[:-1], -1)
+
+
+def pack_int4(values: torch.Tensor) -> torch.Tensor:
+    """The inverse of unpack_int4: [R, C] values in 0..15 -> int32 [R, C / 8]."""
+    v = values.to(torch.int64).reshape(*values.shape[:-1], -1, 8)
+    words = torch.zeros(v.shape[:-1], dtype=torch.int64, device=values.device)
+    for i in range(8):
+        words |= v[..., i] << (4 * i)
+    # The top nibble lands in the sign bit: wrap to int32's two's complement.
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def dequant_int4(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    g_idx: torch.Tensor | None,
+    group_size: int,
+) -> torch.Tensor:
+    """fp32 [N, K] weight from the int4 layout above."""
+    q = unpack_int4(qweight).float()
+    k = q.shape[1]
+    groups = g_idx.long() if g_idx is not None else torch.arange(k, device=q.device) // group_size
+    return (q - zeros.float()[:, groups]) * scales.float()[:, groups]
+
+
+def int4_matmul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    g_idx: torch.Tensor | None,
+    group_size: int,
+) -> torch.Tensor:
+    """x [M, K] @ dequant_int4(...)^T in fp32, returned in x's dtype."""
+    w = dequant_int4(qweight, scales, zeros, g_idx, group_size)
+    return (x.float() @ w.t()).to(x.dtype)

@@ -1,0 +1,170 @@
+"""4-bit weight-only quantization (W4A16): compressed-tensors pack-quantized, GPTQ and AWQ.
+
+Each format's tensors load under their checkpoint names and layouts, then are converted
+once to one layout (kernels/quant_reference.py): qweight int32 [N, K / 8] with unsigned nibbles
+along K, scales and zeros [N, groups] with w = (q - zero) * scale, and g_idx [K] for
+act-order checkpoints. The published layouts:
+- compressed-tensors: weight_packed int32 [N, K / 8], nibble i = column 8j + i, values
+  offset by 8 (symmetric: zero 8); weight_scale [N, groups].
+- GPTQ: qweight int32 [K / 8, N] (nibble i of row j = input 8j + i); qzeros int32
+  [groups, N / 8] (nibble i = output 8j + i), stored minus one in the original ("gptq",
+  v1) format; scales [groups, N]; g_idx [K] (act order: the group of each input column).
+- AWQ (GEMM version): qweight int32 [K, N / 8] and qzeros [groups, N / 8] with outputs in
+  the order 0 2 4 6 1 3 5 7 within a word; scales [groups, N]; zero points as stored.
+CUDA: Triton dequant-GEMM (prefill) and GEMV (small batches) in kernels/int4_gemm.py; CPU:
+the reference on a dequantized copy.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from asyncserve.kernels import quant_reference as reference
+from asyncserve.kernels.quant_reference import pack_int4, unpack_int4
+from asyncserve.quantization.base import LinearMethod, set_weight_attrs
+
+# AWQ's order of the eight outputs packed in a word: nibble i holds output AWQ_ORDER[i].
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def _param(layer: nn.Module, name: str) -> torch.Tensor:
+    tensor: torch.Tensor = getattr(layer, name)
+    return tensor
+
+
+def _new(
+    shape: tuple[int, ...], dtype: torch.dtype, out_dim: int = 0, rows_per_entry: int = 1
+) -> nn.Parameter:
+    param = nn.Parameter(torch.empty(shape, dtype=dtype), False)
+    return set_weight_attrs(param, out_dim=out_dim, rows_per_entry=rows_per_entry)
+
+
+class Int4LinearMethod(LinearMethod):
+    """Shared by the formats: the converted layout and the matmul."""
+
+    def __init__(self, group_size: int) -> None:
+        self.group_size = group_size
+
+    def groups(self, in_features: int) -> int:
+        if in_features % self.group_size or in_features % 8:
+            raise ValueError(
+                f"a 4-bit layer's {in_features} inputs must be a multiple of the group size "
+                f"({self.group_size}) and of 8"
+            )
+        return in_features // self.group_size
+
+    def set_layout(
+        self,
+        layer: nn.Module,
+        values: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        g_idx: torch.Tensor | None,
+        drop: tuple[str, ...],
+    ) -> None:
+        """values [N, K] (0..15), scales / zeros [N, groups]: the layout apply() reads."""
+        for name in drop:
+            delattr(layer, name)
+        dtype = scales.dtype
+        layer.w4_qweight = nn.Parameter(pack_int4(values).contiguous(), False)
+        layer.w4_scales = nn.Parameter(scales.contiguous(), False)
+        layer.w4_zeros = nn.Parameter(zeros.to(dtype).contiguous(), False)
+        layer.register_parameter(
+            "w4_g_idx", None if g_idx is None else nn.Parameter(g_idx.to(torch.int32), False)
+        )
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        qweight, scales = _param(layer, "w4_qweight"), _param(layer, "w4_scales")
+        zeros = _param(layer, "w4_zeros")
+        g_idx: torch.Tensor | None = getattr(layer, "w4_g_idx", None)
+        if x.is_cuda:
+            from asyncserve.kernels.int4_gemm import int4_matmul
+
+            out = int4_matmul(x2, qweight, scales, zeros, g_idx, self.group_size)
+        else:
+            # The CPU reference multiplies a dequantized copy, made once.
+            w: torch.Tensor | None = getattr(layer, "_dequantized", None)
+            if w is None:
+                w = reference.dequant_int4(qweight, scales, zeros, g_idx, self.group_size)
+                layer._dequantized = w
+            out = (x2.float() @ w.t()).to(x.dtype)
+        if bias is not None:
+            out = out + bias
+        return out.view(*shape[:-1], out.shape[-1])
+
+
+class PackQuantizedLinearMethod(Int4LinearMethod):
+    """compressed-tensors W4A16, symmetric (pack-quantized)."""
+
+    def create_weights(
+        self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype
+    ) -> None:
+        groups = self.groups(in_features)
+        layer.weight_packed = _new((out_features, in_features // 8), torch.int32)
+        layer.weight_scale = _new((out_features, groups), dtype)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        scales = _param(layer, "weight_scale")
+        values = unpack_int4(_param(layer, "weight_packed"))
+        zeros = torch.full_like(scales, 8.0)
+        self.set_layout(layer, values, scales, zeros, None, ("weight_packed", "weight_scale"))
+
+
+class GPTQLinearMethod(Int4LinearMethod):
+    def __init__(self, group_size: int, desc_act: bool, zeros_minus_one: bool) -> None:
+        super().__init__(group_size)
+        self.desc_act = desc_act
+        self.zeros_minus_one = zeros_minus_one
+
+    def create_weights(
+        self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype
+    ) -> None:
+        groups = self.groups(in_features)
+        if out_features % 8:
+            raise ValueError(f"a GPTQ layer's outputs ({out_features}) must be a multiple of 8")
+        layer.qweight = _new((in_features // 8, out_features), torch.int32, out_dim=1)
+        layer.qzeros = _new((groups, out_features // 8), torch.int32, out_dim=1, rows_per_entry=8)
+        layer.scales = _new((groups, out_features), dtype, out_dim=1)
+        # One g_idx per layer: q/k/v (gate/up) see the same inputs, so share their order.
+        layer.g_idx = _new((in_features,), torch.int32, out_dim=-1)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        values = unpack_int4(_param(layer, "qweight").t().contiguous())  # [N, K]
+        zeros = unpack_int4(_param(layer, "qzeros")).t().float()  # [N, groups]
+        if self.zeros_minus_one:
+            zeros = zeros + 1
+        scales = _param(layer, "scales").t()
+        g_idx = _param(layer, "g_idx") if self.desc_act else None
+        self.set_layout(
+            layer, values, scales, zeros, g_idx, ("qweight", "qzeros", "scales", "g_idx")
+        )
+
+
+class AWQLinearMethod(Int4LinearMethod):
+    def create_weights(
+        self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype
+    ) -> None:
+        groups = self.groups(in_features)
+        if out_features % 8:
+            raise ValueError(f"an AWQ layer's outputs ({out_features}) must be a multiple of 8")
+        layer.qweight = _new((in_features, out_features // 8), torch.int32, 1, 8)
+        layer.qzeros = _new((groups, out_features // 8), torch.int32, 1, 8)
+        layer.scales = _new((groups, out_features), dtype, out_dim=1)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        values = _awq_unpack(_param(layer, "qweight")).t()  # [N, K]
+        zeros = _awq_unpack(_param(layer, "qzeros")).t().float()  # [N, groups]
+        scales = _param(layer, "scales").t()
+        self.set_layout(layer, values, scales, zeros, None, ("qweight", "qzeros", "scales"))
+
+
+def _awq_unpack(packed: torch.Tensor) -> torch.Tensor:
+    """[R, C / 8] in AWQ's order -> [R, C] in column order."""
+    nibbles = unpack_int4(packed).view(packed.shape[0], -1, 8)  # [..., word, nibble]
+    order = torch.tensor(AWQ_ORDER, device=packed.device)
+    out = torch.empty_like(nibbles)
+    out[..., order] = nibbles
+    return out.view(packed.shape[0], -1)

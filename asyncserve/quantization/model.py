@@ -1,0 +1,46 @@
+"""Giving a built model's linear layers their quantization methods, and finishing them once
+the weights are in."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from asyncserve.models.layers import Linear
+from asyncserve.models.parallel import RowParallelLinear
+from asyncserve.quantization.base import QuantConfig
+
+
+def attach_linear_methods(
+    model: nn.Module, config: QuantConfig, device: torch.device, dtype: torch.dtype
+) -> int:
+    """Replace each Linear's meta-device weight (see quantized_build) with its method's
+    parameters, or a plain weight where the scheme leaves the layer unquantized. MoE
+    routers stay unquantized, as every checkpoint producer leaves them. Returns the number
+    of quantized layers."""
+    quantized = 0
+    for prefix, module in model.named_modules():
+        if isinstance(module, RowParallelLinear):
+            raise ValueError("quantization with tensor_parallel_size > 1 is not supported yet")
+        if not isinstance(module, Linear):
+            continue
+        method = None
+        if not prefix.endswith(".mlp.gate"):
+            method = config.linear_method(prefix, module.in_features, module.out_features)
+        del module.weight
+        with torch.device(device):
+            if method is None:
+                shape = (module.out_features, module.in_features)
+                module.weight = nn.Parameter(torch.empty(shape, dtype=dtype), False)
+            else:
+                method.create_weights(module, module.in_features, module.out_features, dtype)
+                module.quant_method = method
+                quantized += 1
+    return quantized
+
+
+@torch.no_grad()
+def process_weights_after_loading(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, Linear) and module.quant_method is not None:
+            module.quant_method.process_weights_after_loading(module)

@@ -1,0 +1,53 @@
+"""FP8 linear layers on CUDA (torch._scaled_mm, the Triton block GEMM) against the CPU
+reference path of the same layer. GPU only: the CPU path is what the other tests run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncserve.models.layers import Linear
+from asyncserve.quantization.fp8 import Fp8BlockLinearMethod, Fp8OnlineLinearMethod
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _layer(
+    method: object, n: int, k: int, weight: torch.Tensor, scale: torch.Tensor | None
+) -> Linear:
+    layer = Linear(k, n)
+    del layer.weight
+    method.create_weights(layer, k, n, torch.bfloat16)  # type: ignore[attr-defined]
+    layer.quant_method = method  # type: ignore[assignment]
+    layer.weight.data.copy_(weight)
+    if scale is not None:
+        layer.weight_scale_inv.data.copy_(scale)
+    method.process_weights_after_loading(layer)  # type: ignore[attr-defined]
+    return layer
+
+
+@pytest.mark.parametrize("m", [1, 7, 300])
+def test_online_fp8_cuda_matches_cpu_reference(m: int) -> None:
+    g = torch.Generator().manual_seed(m)
+    w = torch.randn(512, 256, generator=g) * 0.05
+    x = torch.randn(m, 256, generator=g)
+    cpu = _layer(Fp8OnlineLinearMethod(), 512, 256, w, None)
+    gpu = _layer(Fp8OnlineLinearMethod(), 512, 256, w, None).cuda()
+    ref = cpu(x.bfloat16()).float()
+    out = gpu(x.cuda().bfloat16()).float().cpu()
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("m", [1, 33])
+def test_block_fp8_cuda_matches_cpu_reference(m: int) -> None:
+    g = torch.Generator().manual_seed(m)
+    w = (torch.randn(384, 256, generator=g) * 50).to(torch.float8_e4m3fn)
+    s = torch.rand(3, 2, generator=g) * 1e-3
+    x = torch.randn(m, 256, generator=g)
+    method = Fp8BlockLinearMethod((128, 128), "weight_scale_inv")
+    with torch.device("cpu"):
+        cpu = _layer(method, 384, 256, w, s)
+    gpu = _layer(method, 384, 256, w, s).cuda()
+    ref = cpu(x.bfloat16()).float()
+    out = gpu(x.cuda().bfloat16()).float().cpu()
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
