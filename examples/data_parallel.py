@@ -38,6 +38,14 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="accepted as vLLM's example takes it; asyncserve runs no model code from the hub",
     )
+    parser.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="MoE models: whole experts on the tensor-parallel ranks of each replica",
+    )
+    parser.add_argument(
+        "--load-format", default="auto", help="auto, or dummy for a config-only model folder"
+    )
     parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step")
     parser.add_argument("--max-model-len", type=int, default=None, help="context length")
     parser.add_argument("--timeout", type=int, default=300, help="seconds before stragglers die")
@@ -56,6 +64,8 @@ def main(
     max_num_seqs: int,
     max_model_len: int | None,
     cpu_threads: int,
+    enable_expert_parallel: bool = False,
+    load_format: str = "auto",
 ) -> None:
     os.environ["ASYNCSERVE_DP_RANK"] = str(global_dp_rank)
     os.environ["ASYNCSERVE_DP_SIZE"] = str(dp_size)
@@ -98,6 +108,8 @@ def main(
     llm = LLM(
         model=model,
         tensor_parallel_size=gpus_per_dp_rank,
+        enable_expert_parallel=enable_expert_parallel,
+        load_format=load_format,
         enforce_eager=enforce_eager,
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
@@ -162,6 +174,8 @@ if __name__ == "__main__":
                 args.max_num_seqs,
                 args.max_model_len,
                 cpu_threads,
+                args.enable_expert_parallel,
+                args.load_format,
             ),
         )
         proc.start()
