@@ -149,6 +149,9 @@ class BertEncoder(nn.Module):
         """Every tensor is read whole (no tensor parallelism for encoders)."""
         return None
 
+    def checkpoint_skips(self, hf_name: str) -> bool:
+        return False
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters())
         filled: set[str] = set()

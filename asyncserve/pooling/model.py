@@ -61,6 +61,8 @@ class PoolingModel:
         self.device = device
         self.dtype = dtype
         self.is_encoder = isinstance(model, BertEncoder)
+        # A decoder reranker's classification head (`score`, on the last token), if any.
+        self.score_head: torch.nn.Linear | None = None
         self.is_cross_encoder = isinstance(model, BertEncoder) and model.is_classifier
 
     @property
@@ -92,23 +94,41 @@ class PoolingModel:
             )
             return cls(encoder, tokenizer, pooler_config(path, hf, True), bert.hidden_size,
                        max_len, str(path), None, device, dtype)  # fmt: skip
-        # A decoder: the generation model without its LM head (never used for pooling).
-        hf = {**hf, "architectures": [DECODER_BODIES.get(arch_name, arch_name)]}
+        # A decoder: the generation model without its LM head (never used for pooling); a
+        # *ForSequenceClassification checkpoint (a converted reranker such as Qwen3-Reranker)
+        # adds a `score` head read on the last token.
+        classifier = arch_name.endswith("ForSequenceClassification")
+        body = arch_name.replace("ForSequenceClassification", "ForCausalLM")
+        hf = {**hf, "architectures": [DECODER_BODIES.get(body, body)]}
         hf["tie_word_embeddings"] = True
         arch = ArchConfig.from_hf_dict(hf)
         decoder = _build_model(arch, device, dtype, SINGLE)
+        head: torch.nn.Linear | None = None
+        if classifier:
+            labels = hf.get("id2label")
+            num_labels = int(hf.get("num_labels", len(labels) if labels else 2))
+            with torch.device(device):
+                head = torch.nn.Linear(arch.hidden_size, num_labels, bias=False).to(dtype)
         if config.load_format == "dummy":
             init_dummy_weights(decoder, config.seed)
+            if head is not None:
+                init_dummy_weights(head, config.seed)
         else:
-            decoder.load_weights(
-                _decoder_weights(_iter_safetensors(_safetensors_files(path), device, decoder))
-            )
+            weights = _iter_safetensors(_safetensors_files(path), device, decoder)
+            heads_read: list[str] = []
+            decoder.load_weights(_decoder_weights(weights, head, heads_read))
+            if head is not None and not heads_read:
+                raise ValueError(f"{arch_name} checkpoint has no score.weight: {path}")
         tokenizer = _load_tokenizer(config, path, None, arch)
         max_len = min(
             config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings
         )
-        return cls(decoder, tokenizer, pooler_config(path, hf, False), arch.hidden_size,
-                   max_len, str(path), arch, device, dtype)  # fmt: skip
+        pooling = cls(decoder, tokenizer, pooler_config(path, hf, False), arch.hidden_size,
+                      max_len, str(path), arch, device, dtype)  # fmt: skip
+        if head is not None:
+            pooling.score_head = head.eval()
+            pooling.is_cross_encoder = True
+        return pooling
 
     # ---- forward ---------------------------------------------------------------------------
 
@@ -135,7 +155,11 @@ class PoolingModel:
 
     @torch.inference_mode()
     def classify(self, batch: list[list[int]], token_types: list[list[int]]) -> torch.Tensor:
-        """A cross-encoder's logits, [B, num_labels] float32."""
+        """A cross-encoder's logits, [B, num_labels] float32 (a decoder reranker reads its
+        head on each sequence's last token; token types are BERT's only)."""
+        if self.score_head is not None:
+            last = torch.stack([states[-1] for states in self._decode(batch)])
+            return self.score_head(last).float()
         assert isinstance(self.model, BertEncoder) and self.model.is_classifier
         hidden, _ = self._encode(batch, token_types)
         return self.model.classify(hidden).float()
@@ -185,10 +209,23 @@ class PoolingModel:
 
 def _decoder_weights(
     weights: Iterator[tuple[str, torch.Tensor]],
+    head: torch.nn.Linear | None = None,
+    heads_read: list[str] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """A decoder body's tensors under the generation model's names (`model.` prefix); its
-    LM head, if the checkpoint has one, is not needed."""
+    LM head, if the checkpoint has one, is not needed; `score.weight` fills `head`."""
     for name, tensor in weights:
         if name.startswith("lm_head."):
+            continue
+        if name == "score.weight" and head is not None:
+            if tuple(tensor.shape) != tuple(head.weight.shape):
+                raise ValueError(
+                    f"score.weight: checkpoint shape {tuple(tensor.shape)} != "
+                    f"{tuple(head.weight.shape)}"
+                )
+            with torch.no_grad():
+                head.weight.copy_(tensor)
+            if heads_read is not None:
+                heads_read.append(name)
             continue
         yield (name if name.startswith("model.") else "model." + name), tensor

@@ -80,3 +80,23 @@ def qwen3_body_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     Qwen3Model(config).save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def qwen3_reranker_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A decoder reranker as converted Qwen3-Reranker checkpoints are: a sequence
+    classification head (`score`) on a Qwen3 body."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForSequenceClassification
+
+    torch.manual_seed(3)
+    out = tmp_path_factory.mktemp("qwen3-reranker")
+    tokenizer, vocab_size = _tokenizer(out / "tok")
+    config = Qwen3Config(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        num_labels=1, pad_token_id=0,
+    )  # fmt: skip
+    Qwen3ForSequenceClassification(config).save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out

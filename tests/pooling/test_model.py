@@ -66,3 +66,20 @@ def test_generation_checkpoints_keep_the_generate_runner(tmp_path: Path) -> None
     assert resolve_runner("auto", None) == "generate"
     with pytest.raises(ValueError, match="runner must be"):
         resolve_runner("embed", tmp_path)
+
+
+def test_decoder_reranker_equals_transformers(qwen3_reranker_dir: Path) -> None:
+    from transformers import Qwen3ForSequenceClassification
+
+    ours = _load(qwen3_reranker_dir)
+    assert ours.is_cross_encoder and resolve_runner("auto", qwen3_reranker_dir) == "pooling"
+    ref = Qwen3ForSequenceClassification.from_pretrained(
+        qwen3_reranker_dir, torch_dtype=torch.float32
+    ).eval()
+    pairs = [("what is a river", "the sea"), ("paris", "capital of france is paris")]
+    encoded = [ours.tokenizer.backend.encode(a, b) for a, b in pairs]
+    got = ours.classify([e.ids for e in encoded], [e.type_ids for e in encoded])
+    for row, enc in zip(got, encoded, strict=True):
+        with torch.no_grad():
+            want = ref(torch.tensor([enc.ids])).logits[0]
+        torch.testing.assert_close(row, want, atol=1e-5, rtol=1e-4)
