@@ -174,8 +174,9 @@ def test_lost_node_ends_the_engine(ray_cluster: Any, checkpoint: Path) -> None:
 
     try:
         out = llm._loop.run_until_complete(run())
-        assert out.error is not None and f"worker {lost_rank} " in out.error
-        assert "died" in out.error
+        # The lost rank, or its peer whose collective with it failed first, is named.
+        assert out.error is not None and "died" in out.error
+        assert f"worker {lost_rank} " in out.error or f"worker {1 - lost_rank} " in out.error
         assert len(out.outputs[0].token_ids) < 50
     finally:
         llm.close()
