@@ -233,6 +233,15 @@ def test_proposals_equal_an_eagle_reference(repeating_target: Path, tmp_path: Pa
         assert drafts == _eagle_reference(hf_target, layer, tensors["fc.weight"], tokens, 3)
 
 
+def test_eagle_config_holds_lookahead_slots() -> None:
+    from asyncserve.spec_decode.config import SpeculativeConfig
+
+    spec = SpeculativeConfig.from_value(
+        '{"method": "eagle", "model": "/heads/eagle", "num_speculative_tokens": 4}'
+    )
+    assert (spec.method, spec.model, spec.num_lookahead_tokens) == ("eagle", "/heads/eagle", 4)
+
+
 def test_eagle_needs_a_model() -> None:
     with pytest.raises(ValueError, match="method 'eagle' needs a model"):
         LLM(device="cpu", speculative_config={"method": "eagle", "num_speculative_tokens": 2})
