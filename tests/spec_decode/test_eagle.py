@@ -247,6 +247,27 @@ def test_eagle_needs_a_model() -> None:
         LLM(device="cpu", speculative_config={"method": "eagle", "num_speculative_tokens": 2})
 
 
+def test_eagle_needs_one_rank() -> None:
+    from asyncserve.config import EngineConfig
+
+    with pytest.raises(ValueError, match="an EAGLE head needs tensor_parallel_size 1"):
+        EngineConfig.from_engine_args(
+            tensor_parallel_size=2,
+            speculative_config={"method": "eagle", "model": "/h", "num_speculative_tokens": 2},
+        )
+
+
+def test_eagle_needs_a_llama_family_target(tmp_path: Path) -> None:
+    config = transformers.OPTConfig(
+        vocab_size=320, hidden_size=64, ffn_dim=128, num_hidden_layers=1,
+        num_attention_heads=4, max_position_embeddings=256, word_embed_proj_dim=64,
+    )  # fmt: skip
+    transformers.OPTForCausalLM(config).save_pretrained(tmp_path / "opt", safe_serialization=True)
+    head = _save_head(tmp_path / "head")
+    with pytest.raises(ValueError, match="needs a Llama-family target, got OPTForCausalLM"):
+        _llm(tmp_path / "opt", {"method": "eagle", "model": head, "num_speculative_tokens": 2})
+
+
 def test_head_hidden_size_must_match(target: Path, tmp_path: Path) -> None:
     head = _save_head(tmp_path / "head", hidden_size=32, intermediate_size=64)
     with pytest.raises(ValueError, match=r"EAGLE head's hidden_size \(32\) differs"):
