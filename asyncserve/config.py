@@ -290,8 +290,17 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         spec = self.speculative
-        if spec is not None and spec.model is not None and self.parallel.tensor_parallel_size > 1:
-            raise ValueError("speculative_config: a draft model needs tensor_parallel_size 1")
+        parallel = self.parallel
+        if (
+            spec is not None
+            and spec.model is not None
+            and (parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1)
+        ):
+            what = "an EAGLE head" if spec.method == "eagle" else "a draft model"
+            raise ValueError(
+                f"speculative_config: {what} needs tensor_parallel_size 1 and "
+                "pipeline_parallel_size 1"
+            )
 
     @classmethod
     def from_engine_args(

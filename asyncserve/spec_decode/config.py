@@ -12,7 +12,7 @@ from typing import Any
 
 from asyncserve.sampling_params import SamplingParams
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "eagle")
 MAX_SPECULATIVE_TOKENS = 32
 _KEYS = frozenset(
     {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
@@ -26,13 +26,13 @@ class SpeculativeConfig:
     # n-gram: the shortest and longest suffix looked up in the request's own tokens.
     prompt_lookup_min: int = 0
     prompt_lookup_max: int = 0
-    # Draft model: a directory or GGUF file the loader accepts.
+    # Draft model: a directory or GGUF file the loader accepts; EAGLE: the head's directory.
     model: str | None = None
 
     @property
     def num_lookahead_tokens(self) -> int:
         """Slots the scheduler holds past each step for the proposer to write K/V into."""
-        return self.num_speculative_tokens if self.method == "draft_model" else 0
+        return self.num_speculative_tokens if self.method in ("draft_model", "eagle") else 0
 
     @classmethod
     def from_value(cls, value: SpeculativeConfig | dict[str, Any] | str) -> SpeculativeConfig:

@@ -30,6 +30,7 @@ from asyncserve.models.parallel import SINGLE, TensorParallel
 from asyncserve.models.pipeline import PipelineStage
 from asyncserve.spec_decode.config import can_speculate
 from asyncserve.spec_decode.draft_proposer import DraftProposer
+from asyncserve.spec_decode.eagle_proposer import EagleProposer
 from asyncserve.spec_decode.ngram_proposer import NgramProposer
 from asyncserve.spec_decode.verify import expand_request_ids, verify
 from asyncserve.worker import kv_blocks
@@ -145,10 +146,14 @@ class ModelRunner:
             )
         self.max_model_len = 0
         spec = config.speculative
-        self.proposer: NgramProposer | DraftProposer | None = None
+        self.proposer: NgramProposer | DraftProposer | EagleProposer | None = None
         if spec is not None and spec.method == "ngram":
             self.proposer = NgramProposer(
                 spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+            )
+        elif spec is not None and spec.method == "eagle":
+            self.proposer = EagleProposer(
+                spec, self.model, self.dtype, device, config.cache.block_size
             )
         elif spec is not None:
             self.proposer = DraftProposer(
@@ -169,7 +174,7 @@ class ModelRunner:
                                           self.kv_cache_dtype, self.device,
                                           max_model_len)  # fmt: skip
         if (
-            isinstance(self.proposer, DraftProposer)
+            isinstance(self.proposer, DraftProposer | EagleProposer)
             and self.config.cache.num_blocks_override is None
         ):
             own = kv_block_bytes(self.kv_arch, self.block_size, self.kv_cache_dtype)
@@ -182,10 +187,16 @@ class ModelRunner:
         )
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
-        if isinstance(self.proposer, DraftProposer):
+        if isinstance(self.proposer, DraftProposer | EagleProposer):
             self.proposer.allocate_kv_cache(num_blocks)
-        # A graph cannot hold the stages' sends and receives.
-        if self.device.type == "cuda" and self.config.enable_cuda_graphs and self.pp is None:
+        # A graph cannot hold the stages' sends and receives; an EAGLE head reads the
+        # hidden states, which a captured graph does not return.
+        if (
+            self.device.type == "cuda"
+            and self.config.enable_cuda_graphs
+            and self.pp is None
+            and not isinstance(self.proposer, EagleProposer)
+        ):
             self.decode_graphs = DecodeGraphs(
                 self.model,
                 self.kv_caches,
@@ -208,7 +219,7 @@ class ModelRunner:
         for rid in plan.freed_request_ids:
             self.states.pop(rid, None)
             self.generators.pop(rid, None)
-            if isinstance(self.proposer, DraftProposer):
+            if isinstance(self.proposer, DraftProposer | EagleProposer):
                 self.proposer.forget(rid)
         if self.lora is not None and (plan.removed_lora_ids or self.lora.has_unloaded):
             in_use = {s.lora_request.lora_int_id for s in self.states.values() if s.lora_request}
@@ -285,6 +296,10 @@ class ModelRunner:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
             launched()
             forwarded.hidden = hidden
+            if isinstance(self.proposer, EagleProposer):
+                self.proposer.record(
+                    self.states, inputs.request_ids, inputs.starts, inputs.counts, hidden
+                )
             if self.pp is None or self.pp.is_last:
                 self._prompt_logprobs(inputs, hidden, forwarded.step.result)
         return forwarded
@@ -347,7 +362,7 @@ class ModelRunner:
                 out = self.sampler(logits, meta)
             else:
                 draft_probs = None
-                if isinstance(self.proposer, DraftProposer):
+                if isinstance(self.proposer, DraftProposer | EagleProposer):
                     proposer = self.proposer
                     draft_probs = [
                         proposer.draft_probs(rid, len(s))
@@ -423,7 +438,7 @@ class ModelRunner:
             for _, state, _ in step.rows
             if can_speculate(state.sampling_params, len(state.output_token_ids))
         ]
-        if isinstance(proposer, DraftProposer):
+        if isinstance(proposer, DraftProposer | EagleProposer):
             # Its proposals write K/V at the next k - 1 positions, which must exist.
             limit = self.max_model_len - proposer.k
             states = [state for state in states if state.num_tokens <= limit]

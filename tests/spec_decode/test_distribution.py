@@ -62,17 +62,29 @@ def _exact_joint(model: object) -> dict[tuple[int, ...], float]:
     return joint
 
 
-def test_sampled_tokens_follow_the_target_distribution(tiny_llama: tuple[Path, object]) -> None:
+@pytest.mark.parametrize("method", ["ngram", "eagle"])
+def test_sampled_tokens_follow_the_target_distribution(
+    tiny_llama: tuple[Path, object], tmp_path: Path, method: str
+) -> None:
+    """With EAGLE (a random head) the proposals are drawn from the head's own distribution
+    q, which the rejection sampler must correct to the target's."""
     path, model = tiny_llama
+    spec: dict[str, object] = {"method": "ngram", "num_speculative_tokens": 2,
+                               "prompt_lookup_min": 1, "prompt_lookup_max": 2}  # fmt: skip
+    if method == "eagle":
+        from tests.spec_decode.test_eagle import _save_head
+
+        torch.manual_seed(4)
+        head = _save_head(tmp_path / "head", max_position_embeddings=128)
+        spec = {"method": "eagle", "model": head, "num_speculative_tokens": 2}
     llm = LLM(
         str(path),
         device="cpu",
         dtype="float32",
         max_model_len=64,
         kv_cache_memory=16 << 20,
-        speculative_config={"method": "ngram", "num_speculative_tokens": 2,
-                            "prompt_lookup_min": 1, "prompt_lookup_max": 2},
-    )  # fmt: skip
+        speculative_config=spec,
+    )
     try:
         params = [
             SamplingParams(temperature=TEMPERATURE, max_tokens=3, seed=i, ignore_eos=True,

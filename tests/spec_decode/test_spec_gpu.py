@@ -41,11 +41,39 @@ def _prefix_match(a: list[list[int]], b: list[list[int]]) -> float:
     return matched / total
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_gpu_greedy_with_speculation(gguf_path: Path, method: str) -> None:
+def smollm2_eagle_head(gguf_path: Path, path: Path) -> str:
+    """A random EAGLE-1 head with SmolLM2's shapes (no trained head exists for it)."""
+    import json
+
+    import transformers
+    from safetensors.torch import save_file
+
+    from asyncserve.models.gguf_loader import gguf_hf_config, open_gguf
+
+    config = {**gguf_hf_config(open_gguf(gguf_path)), "num_hidden_layers": 1}
+    torch.manual_seed(0)
+    layer = transformers.models.llama.modeling_llama.LlamaDecoderLayer(
+        transformers.LlamaConfig(**config), 0
+    )
+    hidden = config["hidden_size"]
+    tensors = {"fc.weight": torch.randn(hidden, 2 * hidden) / (2 * hidden) ** 0.5}
+    for name, tensor in layer.state_dict().items():
+        if not name.startswith("input_layernorm."):
+            tensors[f"layers.0.{name}"] = tensor.float().contiguous()
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft", "eagle"])
+def test_gpu_greedy_with_speculation(gguf_path: Path, tmp_path: Path, method: str) -> None:
     expected, base = _greedy(gguf_path, None)
     base.close()
     spec = NGRAM if method == "ngram" else {"model": str(gguf_path), "num_speculative_tokens": 3}
+    if method == "eagle":
+        head = smollm2_eagle_head(gguf_path, tmp_path / "head")
+        spec = {"method": "eagle", "model": head, "num_speculative_tokens": 3}
     ours, llm = _greedy(gguf_path, spec)
     try:
         stats = llm.engine.scheduler.spec_stats

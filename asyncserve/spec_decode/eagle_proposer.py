@@ -1,0 +1,219 @@
+"""EAGLE proposer: an EAGLE head proposes k tokens from the target's hidden states.
+
+The head keeps its own one-layer paged KV cache, read through the target's block tables
+(block b of a request holds the same positions in both pools). Head position p is fed the
+token at p + 1 and the target's hidden state at p, so each target forward's hidden states
+are recorded (`record`) until the tokens after them are known. A proposal round catches the
+head up on the positions recorded since its last round (whose last output gives the first
+proposal), then runs k - 1 one-token steps, each fed the proposal before it and the head's
+own output hidden state. Those steps write K/V into the k lookahead slots the scheduler
+holds; the next round overwrites them from the target's hidden states.
+
+Proposals are sampled as the draft model's are (see draft_proposer.py), keeping q for the
+rejection sampler. Positions the target did not compute (a prefix-cache hit) give the head
+no hidden states: it starts at the first computed one, reading whatever K/V the cached
+blocks hold before it, which can only lower acceptance.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from asyncserve.models.attention import AttentionMetadata
+from asyncserve.models.llama import LlamaForCausalLM
+from asyncserve.spec_decode.config import SpeculativeConfig
+from asyncserve.spec_decode.draft_proposer import _block_tables, _choose, _generator
+from asyncserve.spec_decode.eagle_head import load_eagle_head
+from asyncserve.worker.input_batch import CachedRequestState
+from asyncserve.worker.kv_pool import allocate_kv_caches, kv_block_bytes
+from asyncserve.worker.sampling_metadata import SamplingMetadata, SamplingRow
+
+
+class _Pending:
+    """Target hidden states recorded for one request from position `start` on."""
+
+    def __init__(self, state: CachedRequestState, start: int) -> None:
+        self.state = state
+        self.start = start
+        self.rows: list[torch.Tensor] = []
+        self.end = start
+
+    def add(self, start: int, rows: torch.Tensor) -> None:
+        if start < self.end:
+            # Positions computed again (after rejected proposals): keep the new ones.
+            if start > self.start:
+                self.rows = [torch.cat(self.rows)[: start - self.start]]
+            else:
+                self.rows, self.start = [], start
+            self.end = start
+        self.rows.append(rows)
+        self.end += rows.shape[0]
+
+    def take(self, start: int, end: int) -> torch.Tensor:
+        return torch.cat(self.rows)[start - self.start : end - self.start]
+
+
+class EagleProposer:
+    def __init__(
+        self,
+        spec: SpeculativeConfig,
+        target: torch.nn.Module,
+        dtype: torch.dtype,
+        device: torch.device,
+        block_size: int,
+    ) -> None:
+        assert spec.model is not None
+        if not isinstance(target, LlamaForCausalLM):
+            raise ValueError(
+                "speculative_config: method 'eagle' needs a Llama-family target, got "
+                f"{type(target).__name__}"
+            )
+        self.target = target
+        self.head = load_eagle_head(spec.model, target.config, dtype, device)
+        self.arch = self.head.arch
+        self.dtype = dtype
+        self.device = device
+        self.block_size = block_size
+        self.k = spec.num_speculative_tokens
+        self.vocab_size = target.config.vocab_size
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # Request id -> (its runner state, head positions whose K/V come from the target's
+        # hidden states). A request that comes back (preemption) starts over.
+        self._progress: dict[str, tuple[CachedRequestState, int]] = {}
+        self._pending: dict[str, _Pending] = {}
+        self._probs: dict[str, torch.Tensor] = {}
+
+    def block_bytes(self) -> int:
+        return kv_block_bytes(self.arch, self.block_size, self.dtype)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = allocate_kv_caches(
+            self.arch, num_blocks, self.block_size, self.dtype, self.device
+        )
+
+    def forget(self, request_id: str) -> None:
+        self._progress.pop(request_id, None)
+        self._pending.pop(request_id, None)
+        self._probs.pop(request_id, None)
+
+    def draft_probs(self, request_id: str, num_drafts: int) -> torch.Tensor | None:
+        probs = self._probs.get(request_id)
+        return None if probs is None else probs[:num_drafts]
+
+    def record(
+        self,
+        states: dict[str, CachedRequestState],
+        request_ids: list[str],
+        starts: list[int],
+        counts: list[int],
+        hidden: torch.Tensor,
+    ) -> None:
+        """Keep one target forward's hidden states [T, H] (rows in request order)."""
+        offset = 0
+        for rid, start, count in zip(request_ids, starts, counts, strict=True):
+            rows = hidden[offset : offset + count]
+            offset += count
+            state = states[rid]
+            params = state.sampling_params
+            if params.needs_output_tokens or params.logprobs is not None:
+                continue  # never speculates (see can_speculate)
+            pending = self._pending.get(rid)
+            if pending is None or pending.state is not state or start > pending.end:
+                pending = self._pending[rid] = _Pending(state, start)
+            pending.add(start, rows)
+
+    @torch.inference_mode()
+    def propose(self, states: list[CachedRequestState]) -> dict[str, list[int]]:
+        """k proposals for each request (all of its tokens known) with hidden states."""
+        chosen: list[CachedRequestState] = []
+        starts: list[int] = []
+        hidden_rows: list[torch.Tensor] = []
+        for state in states:
+            pending = self._pending.get(state.request_id)
+            last = state.num_tokens - 1  # head positions [start, last) have their token
+            if pending is None or pending.state is not state or pending.end < last:
+                continue
+            seen = self._progress.get(state.request_id)
+            start = seen[1] if seen is not None and seen[0] is state else 0
+            start = min(max(start, pending.start), last - 1)
+            if start < pending.start:
+                continue
+            chosen.append(state)
+            starts.append(start)
+            hidden_rows.append(pending.take(start, last))
+        if not chosen:
+            return {}
+        ends = [state.num_tokens - 1 for state in chosen]
+        tables = _block_tables(chosen, self.device)
+        rows = [
+            SamplingRow(
+                params=s.sampling_params,
+                prompt_token_ids=s.prompt_token_ids,
+                output_token_ids=s.output_token_ids,
+                generator=_generator(s, self.device),
+            )
+            for s in chosen
+        ]
+        meta = SamplingMetadata.build(rows, self.vocab_size, self.device)
+
+        token_ids: list[int] = []
+        for state, start, end in zip(chosen, starts, ends, strict=True):
+            token_ids.extend(state.token_slice(start + 1, end + 1))
+        ids = torch.tensor(token_ids, dtype=torch.int64).to(self.device)
+        hidden = self._forward(ids, torch.cat(hidden_rows), starts, ends, tables)
+        drafts: list[torch.Tensor] = []
+        probs: list[torch.Tensor] = []
+        for step in range(self.k):
+            if step:
+                positions = [end + step - 1 for end in ends]
+                after = [p + 1 for p in positions]
+                hidden = self._forward(drafts[-1], hidden, positions, after, tables)
+            token, q = _choose(self.target.compute_logits(hidden), meta)
+            drafts.append(token)
+            if q is not None:
+                probs.append(q)
+        for state, end in zip(chosen, ends, strict=True):
+            self._progress[state.request_id] = (state, end)
+            # The next target forward starts again at `end`: nothing recorded is needed.
+            self._pending.pop(state.request_id, None)
+        if probs:
+            stacked = torch.stack(probs, dim=1)  # [B, k, V]
+            for i, state in enumerate(chosen):
+                if not state.sampling_params.greedy:
+                    self._probs[state.request_id] = stacked[i]
+        out = torch.stack(drafts, dim=1).tolist()
+        return {state.request_id: out[i] for i, state in enumerate(chosen)}
+
+    def _forward(
+        self,
+        token_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        starts: list[int],
+        ends: list[int],
+        block_tables: torch.Tensor,
+    ) -> torch.Tensor:
+        """One head forward over positions [start, end) of each request; returns the head's
+        output hidden state at each request's last position."""
+        counts = np.asarray(ends, dtype=np.int64) - np.asarray(starts, dtype=np.int64)
+        cu = np.zeros(len(counts) + 1, dtype=np.int64)
+        np.cumsum(counts, out=cu[1:])
+        positions = np.arange(cu[-1], dtype=np.int64) - np.repeat(cu[:-1], counts)
+        positions += np.repeat(np.asarray(starts, dtype=np.int64), counts)
+        req_index = np.repeat(np.arange(len(counts)), counts)
+        device = self.device
+        pos_t = torch.from_numpy(positions).to(device)
+        req_t = torch.from_numpy(req_index).to(device)
+        blocks = block_tables[req_t, pos_t // self.block_size].to(torch.int64)
+        slots = blocks * self.block_size + pos_t % self.block_size
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            cu_seqlens_q=torch.from_numpy(cu).to(device, torch.int32),
+            seq_lens=torch.tensor(ends, dtype=torch.int32).to(device),
+            block_tables=block_tables,
+            max_seqlen_q=int(counts.max()),
+            max_seqlen_k=max(ends),
+        )
+        embeds = self.target.model.embed_tokens(token_ids)
+        out = self.head(embeds, hidden, pos_t, self.kv_caches, meta)
+        return out[torch.from_numpy(cu[1:] - 1).to(device)]
