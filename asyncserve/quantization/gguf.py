@@ -109,7 +109,9 @@ class GGUFLinearMethod(LinearMethod):
         layer.weight = nn.Parameter(torch.empty(shape, dtype=torch.uint8), False)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        layout = repack(layer.weight.data, self.qtype, layer.in_features)
+        weight: torch.Tensor = getattr(layer, "weight")  # noqa: B009 (typed as Module else)
+        in_features: int = getattr(layer, "in_features")  # noqa: B009
+        layout = repack(weight.data, self.qtype, in_features)
         del layer.weight
         for name, tensor in zip(_NAMES, self._tensors(layout), strict=True):
             param = None if tensor is None else nn.Parameter(tensor.contiguous(), False)

@@ -119,9 +119,11 @@ def write_tiny_gguf(
     context: int = 256,
     extra: Callable[[gguf.GGUFWriter], None] | None = None,
     feed_forward_length: int | None = None,
+    tensor_type: Callable[[str], gguf.GGMLQuantizationType | None] | None = None,
 ) -> None:
     """feed_forward_length: what the converter writes when it is not the dense MLP's width
-    (Mixtral and GraniteMoE write one expert's)."""
+    (Mixtral and GraniteMoE write one expert's); tensor_type: the type to quantize a GGUF
+    tensor to with gguf.quants (None: F32)."""
     hidden = state["model.embed_tokens.weight"].shape[1]
     layers = 1 + max(int(n.split(".")[2]) for n in state if n.startswith("model.layers."))
     w = gguf.GGUFWriter(str(path), arch)
@@ -149,7 +151,11 @@ def write_tiny_gguf(
     if extra is not None:
         extra(w)
     for name, array in gguf_tensors(arch, state, heads, kv_heads).items():
-        w.add_tensor(name, np.ascontiguousarray(array))
+        qtype = tensor_type(name) if tensor_type is not None else None
+        if qtype is None:
+            w.add_tensor(name, np.ascontiguousarray(array))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
