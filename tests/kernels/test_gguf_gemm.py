@@ -12,6 +12,10 @@ from gguf import GGMLQuantizationType as T
 from asyncserve.kernels import quant_reference as reference
 from asyncserve.quantization.gguf import BLOCKS, repack
 
+pytest.importorskip("triton", reason="triton is not installed")
+
+from asyncserve.kernels.gguf_gemm import GEMV_MAX_TOKENS, gguf_matmul  # noqa: E402
+
 
 def gguf_blocks(qtype: T, n: int, k: int, seed: int = 0) -> np.ndarray:
     """uint8 [n, row bytes] of a random [n, k] weight in `qtype`: quantized by gguf.quants
@@ -55,18 +59,24 @@ def test_q4_1_repack_is_compact() -> None:
 
 
 @pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_1, T.Q4_K])
-@pytest.mark.parametrize("m", [1, 5, 33])
-def test_triton_gguf_gemm_matches_reference(device: torch.device, qtype: T, m: int) -> None:
-    pytest.importorskip("triton", reason="triton is not installed")
-    from asyncserve.kernels.gguf_gemm import gguf_matmul
-
+@pytest.mark.parametrize("m", [1, GEMV_MAX_TOKENS, 5, 33])  # GEMV, then GEMM
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_gguf_gemm_matches_reference(
+    device: torch.device, qtype: T, m: int, dtype: torch.dtype
+) -> None:
     n, k = 40, 256 if qtype == T.Q4_K else 96  # n not a tile multiple; k = 3 blocks of 32
     raw = gguf_blocks(qtype, n, k, seed=m)
     args = _layout_args(raw, qtype, k)
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-    out = gguf_matmul(x.to(device), *(a.to(device) if torch.is_tensor(a) else a for a in args))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+    on_device = (a.to(device) if torch.is_tensor(a) else a for a in args)
+    out = gguf_matmul(x.to(device), *on_device).cpu()
+    assert out.dtype == dtype
     expected = reference.gguf_matmul(x, *args)
-    torch.testing.assert_close(out.cpu(), expected, rtol=1e-4, atol=1e-4)
+    # fp32 sums in another order; bf16: one unit in the last place (8 bits) of the result.
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)
     # And against gguf's own dequantized weight.
     w = gguf_dequant(raw, qtype)
-    torch.testing.assert_close(out.cpu(), x @ w.t(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        out.float(), (x.float() @ w.t()).to(dtype).float(), rtol=tol, atol=tol
+    )

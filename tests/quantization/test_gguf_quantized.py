@@ -13,11 +13,13 @@ from gguf import GGMLQuantizationType as T
 from asyncserve.config import ModelConfig
 from asyncserve.llm import LLM
 from asyncserve.models.loader import load_model
+from asyncserve.outputs import RequestOutput
 from asyncserve.quantization import resolve_quant_config
 from asyncserve.quantization.gguf import GGUFLinearMethod
 from asyncserve.sampling_params import SamplingParams
 from tests.models.conftest import full_forward
 from tests.models.tiny_gguf import TOKENS, write_tiny_gguf
+from tests.quantization.conftest import greedy_agreement
 
 # Both loads compute in fp32 from the same dequantized numbers; only the order of the
 # sums may differ.
@@ -112,10 +114,26 @@ def test_llm_generates_as_the_dequantized_model(q8_0_file: Path) -> None:
     prompts = [{"prompt_token_ids": [0, 7, 9, 11]}]
     outs = []
     for quantization in (None, "gguf"):
-        llm = LLM(model=str(q8_0_file), quantization=quantization, dtype="float32")
+        llm = LLM(str(q8_0_file), device="cpu", quantization=quantization, dtype="float32",
+                  max_model_len=64, kv_cache_memory=4 << 20)  # fmt: skip
         outs.append(llm.generate(prompts, params, use_tqdm=False)[0].outputs[0].token_ids)
-        del llm
-    assert outs[0] == outs[1]
+        llm.close()
+    assert len(outs[0]) == 8 and outs[0] == outs[1]
+
+
+def test_smollm2_q4_1_kept_quantized_agrees_with_dequantized(
+    gguf_path: Path, greedy_reference: list[RequestOutput]
+) -> None:
+    """The default SmolLM2 file's linear layers are all Q4_1: kept quantized, the model
+    computes (on CPU, in fp32) from the same weights as the dequantized load, so every one
+    of 8 x 32 greedy positions agrees."""
+    llm = LLM(str(gguf_path), device="cpu", max_model_len=256, kv_cache_memory=16 << 20,
+              quantization="gguf")  # fmt: skip
+    try:
+        agree, total = greedy_agreement(llm, greedy_reference)
+    finally:
+        llm.close()
+    assert total == 8 * 32 and agree == total, f"{agree}/{total} positions agree"
 
 
 def test_gguf_quantization_needs_a_gguf_model() -> None:
