@@ -31,16 +31,17 @@ def _linear(qtype: T) -> Callable[[str], T | None]:
     return lambda name: qtype if name.endswith(".weight") and "norm" not in name else None
 
 
-def _write(path: Path, tensor_type: Callable[[str], T | None]) -> Path:
+def _write(path: Path, tensor_type: Callable[[str], T | None], width: int = 64) -> Path:
+    """A random 2-layer Llama, hidden size `width` (Q4_K's super-blocks need 256)."""
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
         vocab_size=len(TOKENS),
-        hidden_size=64,
-        intermediate_size=96,
+        hidden_size=width,
+        intermediate_size=width * 3 // 2 if width < 256 else width,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
+        head_dim=width // 4,
         rms_norm_eps=1e-5,
         tie_word_embeddings=True,
         max_position_embeddings=256,
@@ -54,7 +55,7 @@ def _write(path: Path, tensor_type: Callable[[str], T | None]) -> Path:
         state,
         heads=4,
         kv_heads=2,
-        head_dim=16,
+        head_dim=width // 4,
         rope_theta=10000.0,
         eps=1e-5,
         tensor_type=tensor_type,
@@ -76,11 +77,12 @@ def _logits(path: Path, quantization: str | None) -> tuple[torch.Tensor, torch.n
     return full_forward(loaded.model, ids), loaded.model
 
 
-@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_1])
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_1, T.Q4_K])
 def test_kept_quantized_logits_match_dequantized_load(
     qtype: T, q8_0_file: Path, tmp_path: Path
 ) -> None:
-    path = q8_0_file if qtype == T.Q8_0 else _write(tmp_path / "q4_1.gguf", _linear(qtype))
+    width = 256 if qtype == T.Q4_K else 64
+    path = q8_0_file if qtype == T.Q8_0 else _write(tmp_path / "q.gguf", _linear(qtype), width)
     expected, _ = _logits(path, None)
     ours, model = _logits(path, "gguf")
     torch.testing.assert_close(ours, expected, atol=LOGITS_ATOL, rtol=0)
