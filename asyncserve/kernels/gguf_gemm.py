@@ -48,8 +48,8 @@ def _dequant_tile(
 ):
     """fp32 weights of outputs offs_n x inputs k0..k0+BLOCK_K: [BLOCK_N, BLOCK_K]. K is a
     multiple of BLOCK_K (a multiple of 32 dividing K), so only N is masked."""
-    ks = k0 + tl.arange(0, BLOCK_K)
     if EIGHT_BIT:
+        ks = k0 + tl.arange(0, BLOCK_K)
         q = tl.load(
             qw_ptr + offs_n[:, None] * stride_qn + ks[None, :], mask=mask_n[:, None], other=0
         ).to(tl.float32)
@@ -61,17 +61,20 @@ def _dequant_tile(
         shifts = tl.arange(0, 8) * 4
         q = (words[:, :, None] >> shifts[None, None, :]) & 0xF
         q = tl.reshape(q, [BLOCK_N, BLOCK_K]).to(tl.float32)
-    at_s = offs_n[:, None] * stride_sn + (ks // SUPER)[None, :]
+    # Scales once per 32-value sub-block (not per value), broadcast over its values.
+    subs = k0 // SUB + tl.arange(0, BLOCK_K // SUB)
+    at_s = offs_n[:, None] * stride_sn + (subs // (SUPER // SUB))[None, :]
     scale = tl.load(s_ptr + at_s, mask=mask_n[:, None], other=0.0).to(tl.float32)
     if HAS_SUB:
-        at_sub = offs_n[:, None] * stride_subn + (ks // SUB)[None, :]
+        at_sub = offs_n[:, None] * stride_subn + subs[None, :]
         scale = scale * tl.load(ss_ptr + at_sub, mask=mask_n[:, None], other=0).to(tl.float32)
-    w = scale * q
+    w = scale[:, :, None] * tl.reshape(q, [BLOCK_N, BLOCK_K // SUB, SUB])
     if HAS_MIN:
         mn = tl.load(mn_ptr + at_s, mask=mask_n[:, None], other=0.0).to(tl.float32)
         if HAS_SUB:
             mn = mn * tl.load(sm_ptr + at_sub, mask=mask_n[:, None], other=0).to(tl.float32)
-        w = w - mn
+        w = w - mn[:, :, None]
+    w = tl.reshape(w, [BLOCK_N, BLOCK_K])
     return w
 
 
