@@ -96,7 +96,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         "-q",
         default=None,
-        help="weight quantization: fp8 quantizes an unquantized checkpoint at load; "
+        help="weight quantization: fp8 quantizes an unquantized checkpoint at load; gguf keeps "
+        "a .gguf file's Q8_0 / Q4_K / Q4_1 weights quantized; "
         "default: the checkpoint's quantization_config (fp8, compressed-tensors)",
     )
     group.add_argument(

@@ -116,3 +116,48 @@ def int4_matmul(
     """x [M, K] @ dequant_int4(...)^T in fp32, returned in x's dtype."""
     w = dequant_int4(qweight, scales, zeros, g_idx, group_size)
     return (x.float() @ w.t()).to(x.dtype)
+
+
+# GGUF blocks (quantization/gguf.py) repacked: qweight int8 [N, K] (8-bit) or the int4 layout
+# above (4-bit, unsigned); scale and minimum [N, K / super_block] fp16; for k-quants 6-bit
+# sub-block factors [N, K / 32] (uint8). w = (scale * sub_scale) * q - (minimum * sub_min),
+# in fp32 and in the order gguf's own dequantizers use, so the weights are bit-identical.
+GGUF_SUB_BLOCK = 32
+
+
+def dequant_gguf(
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    minimum: torch.Tensor | None,
+    sub_scale: torch.Tensor | None,
+    sub_min: torch.Tensor | None,
+    super_block: int,
+) -> torch.Tensor:
+    """fp32 [N, K] weight from the repacked GGUF layout above."""
+    q = qweight.float() if qweight.dtype == torch.int8 else unpack_int4(qweight).float()
+    n, k = q.shape
+    per_super = super_block // GGUF_SUB_BLOCK
+    s = scale.float().repeat_interleave(per_super, dim=1)  # [N, K / 32]
+    if sub_scale is not None:
+        s = s * sub_scale.float()
+    w = s[:, :, None] * q.view(n, -1, GGUF_SUB_BLOCK)
+    if minimum is not None:
+        mn = minimum.float().repeat_interleave(per_super, dim=1)
+        if sub_min is not None:
+            mn = mn * sub_min.float()
+        w = w - mn[:, :, None]
+    return w.reshape(n, k)
+
+
+def gguf_matmul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    minimum: torch.Tensor | None,
+    sub_scale: torch.Tensor | None,
+    sub_min: torch.Tensor | None,
+    super_block: int,
+) -> torch.Tensor:
+    """x [M, K] @ dequant_gguf(...)^T in fp32, returned in x's dtype."""
+    w = dequant_gguf(qweight, scale, minimum, sub_scale, sub_min, super_block)
+    return (x.float() @ w.t()).to(x.dtype)

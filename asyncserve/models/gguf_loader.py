@@ -14,7 +14,7 @@ fused qkv and gate_up tensors; its LongRoPE factors are tensors read into the co
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -277,9 +277,25 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_gguf_weights(g: GGUFFile, config: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def linear_tensor_types(g: GGUFFile) -> dict[str, gguf.GGMLQuantizationType]:
+    """HF module name -> GGML type of each 2-D weight (not stacked experts): what
+    quantization="gguf" decides from which layers it keeps quantized."""
+    out = {}
+    for t in g.reader.tensors:
+        if t.name in _ROPE_FACTORS or len(t.shape) != 2 or not t.name.endswith(".weight"):
+            continue
+        name = _hf_name(t.name, g.architecture)
+        if "{expert}" not in name:
+            out[name.removesuffix(".weight")] = gguf.GGMLQuantizationType(t.tensor_type)
+    return out
+
+
+def iter_gguf_weights(
+    g: GGUFFile, config: ArchConfig, raw: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, fp32 CPU tensor) one tensor at a time, dequantized and unpermuted,
-    under the names config.architecture's checkpoints use."""
+    under the names config.architecture's checkpoints use. Tensors whose HF name `raw`
+    accepts come as their GGUF blocks instead: uint8 [rows, row bytes], rows unpermuted."""
     permuted = g.architecture in _PERMUTED_QK
     family = config.architecture
     # GraniteMoE: a layer's stacked gate (or up) experts wait for the other half.
@@ -288,6 +304,9 @@ def iter_gguf_weights(g: GGUFFile, config: ArchConfig) -> Iterator[tuple[str, to
         if t.name in _ROPE_FACTORS:
             continue  # read into the config
         name = _hf_name(t.name, g.architecture)
+        if raw is not None and raw(name):
+            yield name, torch.from_numpy(_raw_rows(t, name, config, permuted))
+            continue
         try:
             values = gguf.quants.dequantize(t.data, t.tensor_type)
         except NotImplementedError as e:
@@ -314,6 +333,16 @@ def iter_gguf_weights(g: GGUFFile, config: ArchConfig) -> Iterator[tuple[str, to
             yield _family_name(name, family), tensor
     if pending:
         raise ValueError(f"{g.path}: expert gate and up halves unpaired: {sorted(pending)}")
+
+
+def _raw_rows(t: Any, name: str, config: ArchConfig, permuted: bool) -> np.ndarray:
+    """A quantized tensor's blocks, row by row ([rows, row bytes]); q/k rows unpermuted."""
+    rows = np.asarray(t.data).reshape(int(t.shape[-1]), -1)
+    if permuted and ".self_attn.q_proj." in name:
+        rows = _unpermute(rows, config.num_attention_heads)
+    elif permuted and ".self_attn.k_proj." in name:
+        rows = _unpermute(rows, config.num_key_value_heads)
+    return np.array(rows, copy=True)  # writable and contiguous: the map is read-only
 
 
 def _family_name(name: str, family: str) -> str:

@@ -24,11 +24,18 @@ from asyncserve.config import ModelConfig
 from asyncserve.kernels.ops import select_ops
 from asyncserve.models.arch_config import ArchConfig
 from asyncserve.models.base import CausalLM
-from asyncserve.models.gguf_loader import GGUFFile, gguf_hf_config, iter_gguf_weights, open_gguf
+from asyncserve.models.gguf_loader import (
+    GGUFFile,
+    gguf_hf_config,
+    iter_gguf_weights,
+    linear_tensor_types,
+    open_gguf,
+)
 from asyncserve.models.parallel import SINGLE, TensorParallel, check_tensor_parallel
 from asyncserve.models.pipeline import PipelineStage
 from asyncserve.models.registry import resolve_model_class
 from asyncserve.quantization import QuantConfig, quantized_build, resolve_quant_config
+from asyncserve.quantization.gguf import GGUFConfig
 from asyncserve.quantization.kv_scales import KVScales
 from asyncserve.sampling_params import MODEL_SAMPLING_DEFAULTS
 from asyncserve.tokenizer import Tokenizer
@@ -301,7 +308,11 @@ def load_model(
         )
     check_tensor_parallel(arch, tp.size, tp.expert_parallel)
     dtype = resolve_dtype(config.dtype, arch.torch_dtype, device)
-    quant = resolve_quant_config(config.quantization, hf_config, device)
+    quant: QuantConfig | None
+    if gguf_file is not None and config.quantization == "gguf":
+        quant = GGUFConfig(linear_tensor_types(gguf_file))
+    else:
+        quant = resolve_quant_config(config.quantization, hf_config, device)
     if quant is not None and tp.size > 1:
         raise ValueError("quantization with tensor_parallel_size > 1 is not supported yet")
     tokenizer = _load_tokenizer(config, root, gguf_file, arch)
@@ -314,7 +325,8 @@ def load_model(
     elif config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
     elif gguf_file is not None:
-        model.load_weights(iter_gguf_weights(gguf_file, arch))
+        raw = quant.keeps_raw if isinstance(quant, GGUFConfig) else None
+        model.load_weights(iter_gguf_weights(gguf_file, arch, raw))
     elif root is not None:
         kv_scales = KVScales()
         tensors = kv_scales.filter(_iter_safetensors(_safetensors_files(root), device, model))

@@ -14,7 +14,7 @@ from asyncserve.quantization.fp8_config import Fp8Config
 from asyncserve.quantization.int4_config import AWQConfig, GPTQConfig
 
 # `--quantization` values: the checkpoint's quant_method names, as vLLM accepts them.
-QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "gptq", "awq")
+QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "gptq", "awq", "gguf")
 
 
 def resolve_quant_config(
@@ -33,6 +33,8 @@ def resolve_quant_config(
     if qc is None:
         if quantization is None:
             return None
+        if quantization == "gguf":
+            raise ValueError("quantization 'gguf' needs a .gguf model")
         if quantization != "fp8":
             raise ValueError(
                 f"quantization {quantization!r} needs a checkpoint quantized with it; "

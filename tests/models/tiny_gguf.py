@@ -106,6 +106,39 @@ def gguf_tensors(
     return out
 
 
+def quantize(array: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
+    """gguf.quants.quantize, plus Q4_K, which gguf-py cannot quantize."""
+    if qtype == gguf.GGMLQuantizationType.Q4_K:
+        return quantize_q4_k(array)
+    return np.asarray(gguf.quants.quantize(array, qtype))
+
+
+def quantize_q4_k(array: np.ndarray) -> np.ndarray:
+    """[rows, K] -> Q4_K blocks uint8 [rows, K / 256 * 144] (llama.cpp's block_q4_K: fp16 d
+    and dmin, eight 6-bit scale / min pairs in 12 bytes, 128 bytes of nibbles), with plain
+    min / max scales per 32 values: w ~ d * sc * q - dmin * m."""
+    rows, k = array.shape
+    x = array.astype(np.float32).reshape(rows, k // 256, 8, 32)
+    low = np.minimum(x.min(-1), 0.0)
+    step = (x.max(-1) - low) / 15  # [rows, blocks, 8]
+    d = np.maximum(step.max(-1), 1e-8) / 63
+    dmin = np.maximum(-low.min(-1), 1e-8) / 63
+    d, dmin = d.astype(np.float16), dmin.astype(np.float16)
+    sc = np.clip(np.round(step / d.astype(np.float32)[..., None]), 1, 63).astype(np.uint8)
+    m = np.clip(np.round(-low / dmin.astype(np.float32)[..., None]), 0, 63).astype(np.uint8)
+    scale = (d.astype(np.float32)[..., None] * sc)[..., None]
+    offset = (dmin.astype(np.float32)[..., None] * m)[..., None]
+    q = np.clip(np.round((x + offset) / scale), 0, 15).astype(np.uint8)  # [r, b, 8, 32]
+    packed = np.empty((rows, k // 256, 12), dtype=np.uint8)
+    packed[..., 0:4] = sc[..., :4] | ((sc[..., 4:] >> 4) << 6)
+    packed[..., 4:8] = m[..., :4] | ((m[..., 4:] >> 4) << 6)
+    packed[..., 8:12] = (sc[..., 4:] & 0xF) | ((m[..., 4:] & 0xF) << 4)
+    pairs = q.reshape(rows, k // 256, 4, 2, 32)  # each 64 values: low nibbles, then high
+    qs = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).reshape(rows, k // 256, 128)
+    halves = np.stack([d, dmin], axis=-1).view(np.uint8)  # [r, b, 4]
+    return np.concatenate([halves, packed, qs], axis=-1).reshape(rows, -1)
+
+
 def write_tiny_gguf(
     path: Path,
     arch: str,
@@ -119,9 +152,11 @@ def write_tiny_gguf(
     context: int = 256,
     extra: Callable[[gguf.GGUFWriter], None] | None = None,
     feed_forward_length: int | None = None,
+    tensor_type: Callable[[str], gguf.GGMLQuantizationType | None] | None = None,
 ) -> None:
     """feed_forward_length: what the converter writes when it is not the dense MLP's width
-    (Mixtral and GraniteMoE write one expert's)."""
+    (Mixtral and GraniteMoE write one expert's); tensor_type: the type to quantize a GGUF
+    tensor to with gguf.quants (None: F32)."""
     hidden = state["model.embed_tokens.weight"].shape[1]
     layers = 1 + max(int(n.split(".")[2]) for n in state if n.startswith("model.layers."))
     w = gguf.GGUFWriter(str(path), arch)
@@ -149,7 +184,11 @@ def write_tiny_gguf(
     if extra is not None:
         extra(w)
     for name, array in gguf_tensors(arch, state, heads, kv_heads).items():
-        w.add_tensor(name, np.ascontiguousarray(array))
+        qtype = tensor_type(name) if tensor_type is not None else None
+        if qtype is None:
+            w.add_tensor(name, np.ascontiguousarray(array))
+        else:
+            w.add_tensor(name, quantize(array, qtype), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
