@@ -151,3 +151,30 @@ def test_bad_kv_transfer_params_are_400(cluster: dict[str, object]) -> None:
     assert wrong_role.status_code == 400 and "producer" in wrong_role.text
     incomplete = _complete(consumer.base_url, "Hi", kv_transfer_params={"do_remote_prefill": True})
     assert incomplete.status_code in (400, 500) and "remote_url" in incomplete.text
+
+
+def test_proxy_fails_over_to_live_instances(tmp_path: Path, cluster: dict[str, object]) -> None:
+    producer, consumer = cluster["producer"], cluster["consumer"]
+    assert isinstance(producer, ServerProcess) and isinstance(consumer, ServerProcess)
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    port = free_port()
+    log = tmp_path / "proxy.log"
+    with open(log, "wb") as out:
+        proxy = subprocess.Popen(
+            [sys.executable, "-m", "asyncserve", "proxy", "--port", str(port),
+             "--prefill", dead, producer.base_url, "--decode", dead, consumer.base_url],
+            cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_healthy(proxy, base, log)
+        received = _counter(consumer.base_url, "kv_transfer_blocks_received")
+        prompt = "Fail over. " + PROMPT
+        answers = [_complete(base, prompt) for _ in range(2)]  # each role's turn hits the dead one
+        assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
+        assert answers[0].json()["choices"][0]["text"] == answers[1].json()["choices"][0]["text"]
+        assert _counter(consumer.base_url, "kv_transfer_blocks_received") > received
+        assert "is down" in log.read_text()
+    finally:
+        proxy.send_signal(signal.SIGTERM)
+        proxy.wait(30)
