@@ -14,7 +14,9 @@ import atexit
 import contextlib
 import itertools
 import logging
+import threading
 from collections.abc import AsyncIterator, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +29,8 @@ from asyncserve.engine.dp_balancer import ReplicaBalancer
 from asyncserve.engine.dp_processes import EXIT_GRACE_S, ReplicaProcesses, replica_devices
 from asyncserve.engine.dp_replica import Stats
 from asyncserve.engine.request_checks import check_request, truncate_prompt
+from asyncserve.lora.adapter import load_adapter
+from asyncserve.lora.layers import module_shapes
 from asyncserve.lora.request import LoRARequest
 from asyncserve.models.loader import load_model
 from asyncserve.models.parallel import TensorParallel
@@ -37,6 +41,9 @@ from asyncserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 _METRICS_TIMEOUT_S = 5.0
+# How long add_lora / remove_lora wait for every replica's answer (a replica answers
+# between two of its steps, after reading the adapter from disk).
+_LORA_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -70,6 +77,15 @@ class DataParallelClient:
         self._closing = False
         self._closed = False
         self._started = False
+        # Messages read before start() gave an event loop, replayed there by start().
+        self._early: list[tuple[Any, ...]] = []
+        self._early_lock = threading.Lock()
+        # Validated adapters by lora_int_id (each replica registers its own as well).
+        self.loras: dict[int, LoRARequest] = {}
+        # Adapter registrations waiting for a replica's answer: seq -> (replica, future).
+        self._lora_waits: dict[int, tuple[int, Future[str | None]]] = {}
+        # Each replica's adapter ids as its last answer named them.
+        self.replica_loras: list[list[int]] = [[] for _ in range(dp)]
         self._replicas = ReplicaProcesses(config, devices, model_name)
         # Before multiprocessing's own exit handler, which would wait forever for replicas
         # that wait for this end of their pipes to close.
@@ -84,6 +100,9 @@ class DataParallelClient:
         except BaseException:
             self._end()
             raise
+        # Read from now on: adapters are registered (answered) before the loop starts.
+        self._replicas.start_readers(self._from_reader, self._exit_from_reader)
+        self.lora_shapes = module_shapes(self.loaded.model) if config.lora.enable_lora else {}
         self.tokenizer = self.loaded.tokenizer
         self.model_path = self.loaded.model_path
         self.generation_config = self.loaded.generation_config
@@ -140,9 +159,12 @@ class DataParallelClient:
         if self._closed:
             raise RuntimeError("the data-parallel engine has been shut down")
         self._started = True
-        self._loop = asyncio.get_running_loop()
         self._dead = asyncio.Event()
-        self._replicas.start_readers(self._from_reader, self._exit_from_reader)
+        with self._early_lock:
+            self._loop = loop = asyncio.get_running_loop()
+            early, self._early = self._early, []
+        for message in early:
+            loop.call_soon(*message)
 
     async def wait_until_dead(self) -> str:
         if self._dead is None:
@@ -205,8 +227,6 @@ class DataParallelClient:
         trace_headers: Mapping[str, str] | None = None,
         lora_request: LoRARequest | None = None,
     ) -> RequestStream:
-        if lora_request is not None:
-            raise ValueError("lora_request: LoRA adapters run on one engine (data_parallel_size 1)")
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if self._dead_reason is not None:
@@ -219,17 +239,22 @@ class DataParallelClient:
             ids = list(prompt)
         ids = truncate_prompt(ids, params, self.max_model_len)
         self.validate_request(ids, params, strict_max_tokens=False)
+        lora_id = 0
+        if lora_request is not None:
+            # Checked here; the replica registers it with the request if it is new there.
+            self._check_lora(lora_request)
+            lora_id = lora_request.lora_int_id
         room = self.max_model_len - len(ids)
         most = room if params.max_tokens is None else min(params.max_tokens, room)
         cost = (len(ids) + most) * params.n
-        index = self.balancer.choose(ids, cost)
+        index = self.balancer.choose(ids, cost, lora_id)
         stream = RequestStream(request_id, params.output_kind)
         self._requests[request_id] = _Tracked(index, cost, stream, prompt_text, ids, params.n)
         # The replica truncates nothing more: `ids` are already the prompt it runs.
         if params.truncate_prompt_tokens is not None:
             params = _without_truncation(params)
         headers = dict(trace_headers) if trace_headers else None
-        self._send(index, ("add", request_id, ids, params, priority, headers))
+        self._send(index, ("add", request_id, ids, params, priority, headers, lora_request))
         return stream
 
     async def generate(
@@ -256,11 +281,83 @@ class DataParallelClient:
             if not stream.finished:
                 await self.abort(request_id)
 
+    # ---- LoRA adapters --------------------------------------------------------------------
+
+    def _check_lora(self, lora_request: LoRARequest) -> bool:
+        """Validate an adapter here (as AsyncEngine.add_lora does) and remember it; False
+        when it is known already. ValueError naming what is wrong."""
+        lora = self.config.lora
+        if not lora.enable_lora:
+            raise ValueError("lora_request: LoRA is not enabled (enable_lora=True / --enable-lora)")
+        known = self.loras.get(lora_request.lora_int_id)
+        if known is not None:
+            if (known.lora_name, known.lora_path) != (
+                lora_request.lora_name,
+                lora_request.lora_path,
+            ):
+                raise ValueError(
+                    f"lora_int_id {lora_request.lora_int_id} is already used by adapter "
+                    f"{known.lora_name!r} at {known.lora_path!r}"
+                )
+            return False
+        load_adapter(
+            lora_request.lora_name,
+            lora_request.lora_path,
+            self.lora_shapes,
+            lora.max_lora_rank,
+            self.loaded.dtype,
+        )
+        self.loras[lora_request.lora_int_id] = lora_request
+        return True
+
     def add_lora(self, lora_request: LoRARequest) -> bool:
-        raise ValueError("LoRA adapters run on one engine (data_parallel_size 1)")
+        """Validate an adapter once here, then register it on every replica and wait for
+        their answers; False when it is registered already. Blocks: call it off the event
+        loop (the HTTP routes do)."""
+        if self._dead_reason is not None:
+            raise RuntimeError(f"engine is not running: {self._dead_reason}")
+        if not self._check_lora(lora_request):
+            return False
+        errors = self._to_every_replica("lora_add", lora_request)
+        if errors:
+            self.remove_lora(lora_request.lora_int_id)
+            raise ValueError(errors[0])
+        return True
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        raise ValueError("LoRA adapters run on one engine (data_parallel_size 1)")
+        """Forget an adapter here and on every replica (answered)."""
+        if self.loras.pop(lora_int_id, None) is None:
+            return False
+        self._to_every_replica("lora_remove", lora_int_id)
+        return True
+
+    def list_loras(self) -> list[LoRARequest]:
+        return list(self.loras.values())
+
+    def _to_every_replica(self, kind: str, payload: Any) -> list[str]:
+        """Send (kind, seq, payload) to each live replica and wait for every answer; the
+        errors they name, each with its replica."""
+        waits: list[tuple[int, Future[str | None]]] = []
+        errors: list[str] = []
+        for index in range(self.size):
+            if not self.balancer.alive[index]:
+                continue
+            seq = next(self._seq)
+            future: Future[str | None] = Future()
+            self._lora_waits[seq] = (index, future)
+            if self._send(index, (kind, seq, payload)):
+                waits.append((index, future))
+            else:
+                self._lora_waits.pop(seq, None)
+                errors.append(f"data-parallel replica {index} is not running")
+        for index, future in waits:
+            try:
+                error = future.result(_LORA_TIMEOUT_S)
+            except TimeoutError:
+                error = f"data-parallel replica {index} did not answer in {_LORA_TIMEOUT_S} s"
+            if error is not None:
+                errors.append(error)
+        return errors
 
     async def abort(self, request_id: str) -> None:
         # The replica answers with the request's last output, which ends it here too.
@@ -294,16 +391,28 @@ class DataParallelClient:
         return self._replicas.send(index, message)
 
     def _from_reader(self, index: int, message: tuple[Any, ...]) -> None:
-        loop = self._loop
-        assert loop is not None
-        with contextlib.suppress(RuntimeError):  # the loop has closed
-            loop.call_soon_threadsafe(self._on_message, index, message)
+        if message[0] == "lora":  # answered in the reading thread: add_lora may block a loop
+            wait = self._lora_waits.pop(message[1], None)
+            self.replica_loras[index] = message[3]
+            if wait is not None:
+                wait[1].set_result(message[2])
+            return
+        self._to_loop(self._on_message, index, message)
 
     def _exit_from_reader(self, index: int, pid: int | None, code: int | None) -> None:
-        loop = self._loop
-        assert loop is not None
-        with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(self._on_exit, index, pid, code)
+        for seq, (replica, future) in list(self._lora_waits.items()):
+            if replica == index and self._lora_waits.pop(seq, None) is not None:
+                future.set_result(f"data-parallel replica {index} exited (exit code {code})")
+        self._to_loop(self._on_exit, index, pid, code)
+
+    def _to_loop(self, *call: Any) -> None:
+        with self._early_lock:
+            loop = self._loop
+            if loop is None:
+                self._early.append(call)
+                return
+        with contextlib.suppress(RuntimeError):  # the loop has closed
+            loop.call_soon_threadsafe(*call)
 
     def _on_message(self, index: int, message: tuple[Any, ...]) -> None:
         kind = message[0]
