@@ -16,7 +16,6 @@ import itertools
 import logging
 import threading
 from collections.abc import AsyncIterator, Mapping
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,10 +25,10 @@ from asyncserve.config import EngineConfig
 from asyncserve.core.grammar import StructuredOutputManager
 from asyncserve.engine.async_engine import eos_token_ids, resolve_device
 from asyncserve.engine.dp_balancer import ReplicaBalancer
+from asyncserve.engine.dp_lora import ReplicaLoRAs
 from asyncserve.engine.dp_processes import EXIT_GRACE_S, ReplicaProcesses, replica_devices
 from asyncserve.engine.dp_replica import Stats
 from asyncserve.engine.request_checks import check_request, truncate_prompt
-from asyncserve.lora.adapter import load_adapter
 from asyncserve.lora.layers import module_shapes
 from asyncserve.lora.request import LoRARequest
 from asyncserve.models.loader import load_model
@@ -41,9 +40,6 @@ from asyncserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 _METRICS_TIMEOUT_S = 5.0
-# How long add_lora / remove_lora wait for every replica's answer (a replica answers
-# between two of its steps, after reading the adapter from disk).
-_LORA_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -80,12 +76,6 @@ class DataParallelClient:
         # Messages read before start() gave an event loop, replayed there by start().
         self._early: list[tuple[Any, ...]] = []
         self._early_lock = threading.Lock()
-        # Validated adapters by lora_int_id (each replica registers its own as well).
-        self.loras: dict[int, LoRARequest] = {}
-        # Adapter registrations waiting for a replica's answer: seq -> (replica, future).
-        self._lora_waits: dict[int, tuple[int, Future[str | None]]] = {}
-        # Each replica's adapter ids as its last answer named them.
-        self.replica_loras: list[list[int]] = [[] for _ in range(dp)]
         self._replicas = ReplicaProcesses(config, devices, model_name)
         # Before multiprocessing's own exit handler, which would wait forever for replicas
         # that wait for this end of their pipes to close.
@@ -100,9 +90,17 @@ class DataParallelClient:
         except BaseException:
             self._end()
             raise
+        shapes = module_shapes(self.loaded.model) if config.lora.enable_lora else {}
+        self.lora = ReplicaLoRAs(
+            config.lora,
+            shapes,
+            self.loaded.dtype,
+            dp,
+            self._send,
+            lambda index: self.balancer.alive[index],
+        )
         # Read from now on: adapters are registered (answered) before the loop starts.
         self._replicas.start_readers(self._from_reader, self._exit_from_reader)
-        self.lora_shapes = module_shapes(self.loaded.model) if config.lora.enable_lora else {}
         self.tokenizer = self.loaded.tokenizer
         self.model_path = self.loaded.model_path
         self.generation_config = self.loaded.generation_config
@@ -242,7 +240,7 @@ class DataParallelClient:
         lora_id = 0
         if lora_request is not None:
             # Checked here; the replica registers it with the request if it is new there.
-            self._check_lora(lora_request)
+            self.lora.check(lora_request)
             lora_id = lora_request.lora_int_id
         room = self.max_model_len - len(ids)
         most = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -283,81 +281,20 @@ class DataParallelClient:
 
     # ---- LoRA adapters --------------------------------------------------------------------
 
-    def _check_lora(self, lora_request: LoRARequest) -> bool:
-        """Validate an adapter here (as AsyncEngine.add_lora does) and remember it; False
-        when it is known already. ValueError naming what is wrong."""
-        lora = self.config.lora
-        if not lora.enable_lora:
-            raise ValueError("lora_request: LoRA is not enabled (enable_lora=True / --enable-lora)")
-        known = self.loras.get(lora_request.lora_int_id)
-        if known is not None:
-            if (known.lora_name, known.lora_path) != (
-                lora_request.lora_name,
-                lora_request.lora_path,
-            ):
-                raise ValueError(
-                    f"lora_int_id {lora_request.lora_int_id} is already used by adapter "
-                    f"{known.lora_name!r} at {known.lora_path!r}"
-                )
-            return False
-        load_adapter(
-            lora_request.lora_name,
-            lora_request.lora_path,
-            self.lora_shapes,
-            lora.max_lora_rank,
-            self.loaded.dtype,
-        )
-        self.loras[lora_request.lora_int_id] = lora_request
-        return True
-
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Validate an adapter once here, then register it on every replica and wait for
-        their answers; False when it is registered already. Blocks: call it off the event
-        loop (the HTTP routes do)."""
+        their answers (ValueError naming a problem); False when it is registered already.
+        Blocks: the HTTP routes call it off the event loop."""
         if self._dead_reason is not None:
             raise RuntimeError(f"engine is not running: {self._dead_reason}")
-        if not self._check_lora(lora_request):
-            return False
-        errors = self._to_every_replica("lora_add", lora_request)
-        if errors:
-            self.remove_lora(lora_request.lora_int_id)
-            raise ValueError(errors[0])
-        return True
+        return self.lora.add(lora_request)
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Forget an adapter here and on every replica (answered)."""
-        if self.loras.pop(lora_int_id, None) is None:
-            return False
-        self._to_every_replica("lora_remove", lora_int_id)
-        return True
+        return self.lora.remove(lora_int_id)
 
     def list_loras(self) -> list[LoRARequest]:
-        return list(self.loras.values())
-
-    def _to_every_replica(self, kind: str, payload: Any) -> list[str]:
-        """Send (kind, seq, payload) to each live replica and wait for every answer; the
-        errors they name, each with its replica."""
-        waits: list[tuple[int, Future[str | None]]] = []
-        errors: list[str] = []
-        for index in range(self.size):
-            if not self.balancer.alive[index]:
-                continue
-            seq = next(self._seq)
-            future: Future[str | None] = Future()
-            self._lora_waits[seq] = (index, future)
-            if self._send(index, (kind, seq, payload)):
-                waits.append((index, future))
-            else:
-                self._lora_waits.pop(seq, None)
-                errors.append(f"data-parallel replica {index} is not running")
-        for index, future in waits:
-            try:
-                error = future.result(_LORA_TIMEOUT_S)
-            except TimeoutError:
-                error = f"data-parallel replica {index} did not answer in {_LORA_TIMEOUT_S} s"
-            if error is not None:
-                errors.append(error)
-        return errors
+        return list(self.lora.loras.values())
 
     async def abort(self, request_id: str) -> None:
         # The replica answers with the request's last output, which ends it here too.
@@ -392,17 +329,12 @@ class DataParallelClient:
 
     def _from_reader(self, index: int, message: tuple[Any, ...]) -> None:
         if message[0] == "lora":  # answered in the reading thread: add_lora may block a loop
-            wait = self._lora_waits.pop(message[1], None)
-            self.replica_loras[index] = message[3]
-            if wait is not None:
-                wait[1].set_result(message[2])
+            self.lora.on_answer(index, message)
             return
         self._to_loop(self._on_message, index, message)
 
     def _exit_from_reader(self, index: int, pid: int | None, code: int | None) -> None:
-        for seq, (replica, future) in list(self._lora_waits.items()):
-            if replica == index and self._lora_waits.pop(seq, None) is not None:
-                future.set_result(f"data-parallel replica {index} exited (exit code {code})")
+        self.lora.on_exit(index, code)
         self._to_loop(self._on_exit, index, pid, code)
 
     def _to_loop(self, *call: Any) -> None:

@@ -72,10 +72,10 @@ def test_add_and_remove_reach_every_replica(
     client = _client(dp_llm)
     a = tiny_lora.adapters[0]
     assert dp_llm.add_lora(LoRARequest("x", 10, str(a.path))) is True
-    assert all(10 in ids for ids in client.replica_loras), client.replica_loras
+    assert all(10 in ids for ids in client.lora.replica_loras), client.lora.replica_loras
     assert dp_llm.add_lora(LoRARequest("x", 10, str(a.path))) is False
     assert dp_llm.remove_lora(10) is True
-    assert all(10 not in ids for ids in client.replica_loras), client.replica_loras
+    assert all(10 not in ids for ids in client.lora.replica_loras), client.lora.replica_loras
     assert dp_llm.remove_lora(10) is False
     bad = edit_config(a.path, tmp_path / "bad", r=64)
     with pytest.raises(ValueError, match="rank"):
@@ -117,15 +117,19 @@ def test_load_unload_over_http_on_two_replicas(dp_llm: LLM, tiny_lora: TinyLoRA)
             load = {"lora_name": "ad-b", "lora_path": str(b.path)}
             r = await http.post("/v1/load_lora_adapter", json=load, headers=AUTH)
             assert r.status_code == 200, r.text
-            new_id = max(client.loras)
-            assert all(new_id in ids for ids in client.replica_loras), client.replica_loras
+            new_id = max(client.lora.loras)
+            assert all(new_id in ids for ids in client.lora.replica_loras), (
+                client.lora.replica_loras
+            )
             assert await complete(http, "ad-b") == hf_greedy(b.model, prompt, NUM_TOKENS)
             bad = {"lora_name": "ad-bad", "lora_path": str(b.path) + "-missing"}
             r = await http.post("/v1/load_lora_adapter", json=bad, headers=AUTH)
             assert r.status_code == 400, r.text
             r = await http.post("/v1/unload_lora_adapter", json={"lora_name": "ad-b"}, headers=AUTH)
             assert r.status_code == 200, r.text
-            assert all(new_id not in ids for ids in client.replica_loras), client.replica_loras
+            assert all(new_id not in ids for ids in client.lora.replica_loras), (
+                client.lora.replica_loras
+            )
             assert await complete(http, "base") == hf_greedy(tiny_lora.base, prompt, NUM_TOKENS)
 
     dp_llm._loop.run_until_complete(main())
