@@ -17,6 +17,7 @@ from asyncserve.engine.dp_client import DataParallelClient
 from asyncserve.engine.dp_metrics import DataParallelMetrics
 from asyncserve.http.app import build_app
 from asyncserve.lora.request import LoRARequest
+from tests.http.conftest import ServerProcess
 from tests.lora.conftest import TinyLoRA, edit_config, hf_greedy
 
 pytestmark = pytest.mark.timeout(300)
@@ -81,6 +82,31 @@ def test_add_and_remove_reach_every_replica(
     with pytest.raises(ValueError, match="rank"):
         dp_llm.add_lora(LoRARequest("bad", 11, str(bad)))
     assert 11 not in dp_llm.list_loras()
+
+
+def test_serve_dp2_with_lora_modules(tiny_lora: TinyLoRA, tmp_path: Path) -> None:
+    """`serve -dp 2 --enable-lora --lora-modules`: the adapter is listed and answers by
+    name; a bad one stops the start with one line and status 2."""
+    a, _, c = tiny_lora.adapters
+    common = [str(tiny_lora.base_path), "--device", "cpu", "--dtype", "float32", "-dp", "2",
+              "--kv-cache-memory", "4M", "--served-model-name", "base", "--enable-lora",
+              "--max-lora-rank", "8"]  # fmt: skip
+    server = ServerProcess([*common, "--lora-modules", f"ad-a={a.path}"], tmp_path)
+    try:
+        server.wait_ready()
+        models = httpx.get(f"{server.base_url}/v1/models").json()["data"]
+        assert [(m["id"], m["parent"]) for m in models] == [("base", None), ("ad-a", "base")]
+        body = {"model": "ad-a", "prompt": [5, 9, 13], "max_tokens": 4, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True, "n": 2}  # fmt: skip
+        out = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60).json()
+        expected = hf_greedy(a.model, [5, 9, 13], 4)
+        assert [ch["token_ids"] for ch in out["choices"]] == [expected, expected]
+    finally:
+        assert server.stop() == 0
+    bad = ServerProcess([*common, "--lora-modules", f"c={c.path}"], tmp_path)  # rank 16 > 8
+    assert bad.proc.wait(120) == 2
+    bad.stop()
+    assert "max_lora_rank=8" in bad.logs() and "Traceback" not in bad.logs()
 
 
 def test_load_unload_over_http_on_two_replicas(dp_llm: LLM, tiny_lora: TinyLoRA) -> None:
