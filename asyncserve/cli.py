@@ -355,8 +355,7 @@ def run_serve(args: argparse.Namespace) -> int:
             engine = build_engine(engine_config, engine_metrics)
         if server_config.lora_modules and not hasattr(engine, "add_lora"):
             raise ValueError(
-                "--lora-modules: adapters are served by one generating engine "
-                "(not with a pooling model or --data-parallel-size > 1)"
+                "--lora-modules: adapters are served by a generating model (not a pooling one)"
             )
         # A bad --lora-modules adapter stops the start, before the server listens.
         for i, (name, path) in enumerate(server_config.lora_modules):

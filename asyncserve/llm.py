@@ -277,10 +277,10 @@ class LLM:
     def list_loras(self) -> list[int]:
         return [r.lora_int_id for r in self._lora_engine().list_loras()]
 
-    def _lora_engine(self) -> AsyncEngine:
+    def _lora_engine(self) -> AsyncEngine | DataParallelClient:
         engine = self.engine
-        if not isinstance(engine, AsyncEngine):
-            raise ValueError("lora_request: LoRA adapters run on one engine (data_parallel_size 1)")
+        if not isinstance(engine, AsyncEngine | DataParallelClient):
+            raise ValueError("lora_request: LoRA adapters need a generating model")
         return engine
 
     def chat(

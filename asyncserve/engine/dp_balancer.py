@@ -5,7 +5,9 @@ the cache hit saves.
 
 Prefixes are keyed by chained hashes of the prompt's first blocks (as the prefix cache keys
 its blocks), so a common preamble of one block earns little affinity and a long shared
-conversation history a lot.
+conversation history a lot. The chain starts from the request's adapter, and a request with
+an adapter and no owned prefix goes to the replica that last ran that adapter (its weights
+are in that replica's slot cache) while it carries at most lora_affinity_tokens more.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class ReplicaBalancer:
         affinity_per_token: float = 2.0,
         max_blocks: int = 64,
         max_prefixes: int = 1 << 18,
+        lora_affinity_tokens: int = 512,
     ) -> None:
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
@@ -37,6 +40,8 @@ class ReplicaBalancer:
         self.num_chosen = [0] * num_replicas  # requests sent to each replica so far
         self.alive = [True] * num_replicas
         self._owner: OrderedDict[int, int] = OrderedDict()  # prefix hash -> replica
+        self.lora_affinity_tokens = lora_affinity_tokens
+        self._lora_owner: dict[int, int] = {}  # adapter id -> replica that last ran it
         self._next = 0  # ties go round the replicas, not always to the first
 
     def _least_loaded(self) -> int:
@@ -50,22 +55,24 @@ class ReplicaBalancer:
             raise RuntimeError("no data-parallel replica is alive")
         return best
 
-    def _prefix_hashes(self, prompt_token_ids: list[int]) -> list[int]:
-        """One chained hash per whole block of the prompt's first max_blocks blocks."""
+    def _prefix_hashes(self, prompt_token_ids: list[int], lora_int_id: int = 0) -> list[int]:
+        """One chained hash per whole block of the prompt's first max_blocks blocks; the
+        chain starts from the adapter (the prefix cache shares no KV across adapters)."""
         size = self.block_size
         blocks = min(len(prompt_token_ids) // size, self.max_blocks)
         hashes = []
-        h = 0
+        h = hash(("lora", lora_int_id)) if lora_int_id else 0
         for i in range(blocks):
             h = hash((h, tuple(prompt_token_ids[i * size : (i + 1) * size])))
             hashes.append(h)
         return hashes
 
-    def choose(self, prompt_token_ids: list[int], cost: int) -> int:
-        """The replica for a request of `cost` tokens; its load grows by `cost`."""
+    def choose(self, prompt_token_ids: list[int], cost: int, lora_int_id: int = 0) -> int:
+        """The replica for a request of `cost` tokens (with adapter `lora_int_id`, 0 for
+        none); its load grows by `cost`."""
         least = self._least_loaded()
         chosen = least
-        hashes = self._prefix_hashes(prompt_token_ids)
+        hashes = self._prefix_hashes(prompt_token_ids, lora_int_id)
         for blocks in range(len(hashes), 0, -1):  # the longest owned prefix decides
             owner = self._owner.get(hashes[blocks - 1])
             if owner is None or not self.alive[owner]:
@@ -74,6 +81,18 @@ class ReplicaBalancer:
             if self.load[owner] + cost - self.load[least] <= self.affinity_per_token * shared:
                 chosen = owner
             break
+        else:
+            # No shared prefix: the replica that last ran the adapter holds its weights in
+            # its slot cache; it keeps the adapter while within lora_affinity_tokens.
+            owner = self._lora_owner.get(lora_int_id, -1) if lora_int_id else -1
+            if (
+                owner >= 0
+                and self.alive[owner]
+                and self.load[owner] + cost - self.load[least] <= self.lora_affinity_tokens
+            ):
+                chosen = owner
+        if lora_int_id:
+            self._lora_owner[lora_int_id] = chosen
         if chosen == least:
             self._next = (least + 1) % len(self.load)
         for h in hashes:

@@ -14,6 +14,7 @@ import atexit
 import contextlib
 import itertools
 import logging
+import threading
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -24,9 +25,11 @@ from asyncserve.config import EngineConfig
 from asyncserve.core.grammar import StructuredOutputManager
 from asyncserve.engine.async_engine import eos_token_ids, resolve_device
 from asyncserve.engine.dp_balancer import ReplicaBalancer
+from asyncserve.engine.dp_lora import ReplicaLoRAs
 from asyncserve.engine.dp_processes import EXIT_GRACE_S, ReplicaProcesses, replica_devices
 from asyncserve.engine.dp_replica import Stats
 from asyncserve.engine.request_checks import check_request, truncate_prompt
+from asyncserve.lora.layers import module_shapes
 from asyncserve.lora.request import LoRARequest
 from asyncserve.models.loader import load_model
 from asyncserve.models.parallel import TensorParallel
@@ -70,6 +73,9 @@ class DataParallelClient:
         self._closing = False
         self._closed = False
         self._started = False
+        # Messages read before start() gave an event loop, replayed there by start().
+        self._early: list[tuple[Any, ...]] = []
+        self._early_lock = threading.Lock()
         self._replicas = ReplicaProcesses(config, devices, model_name)
         # Before multiprocessing's own exit handler, which would wait forever for replicas
         # that wait for this end of their pipes to close.
@@ -84,6 +90,17 @@ class DataParallelClient:
         except BaseException:
             self._end()
             raise
+        shapes = module_shapes(self.loaded.model) if config.lora.enable_lora else {}
+        self.lora = ReplicaLoRAs(
+            config.lora,
+            shapes,
+            self.loaded.dtype,
+            dp,
+            self._send,
+            lambda index: self.balancer.alive[index],
+        )
+        # Read from now on: adapters are registered (answered) before the loop starts.
+        self._replicas.start_readers(self._from_reader, self._exit_from_reader)
         self.tokenizer = self.loaded.tokenizer
         self.model_path = self.loaded.model_path
         self.generation_config = self.loaded.generation_config
@@ -140,9 +157,12 @@ class DataParallelClient:
         if self._closed:
             raise RuntimeError("the data-parallel engine has been shut down")
         self._started = True
-        self._loop = asyncio.get_running_loop()
         self._dead = asyncio.Event()
-        self._replicas.start_readers(self._from_reader, self._exit_from_reader)
+        with self._early_lock:
+            self._loop = loop = asyncio.get_running_loop()
+            early, self._early = self._early, []
+        for message in early:
+            loop.call_soon(*message)
 
     async def wait_until_dead(self) -> str:
         if self._dead is None:
@@ -205,8 +225,6 @@ class DataParallelClient:
         trace_headers: Mapping[str, str] | None = None,
         lora_request: LoRARequest | None = None,
     ) -> RequestStream:
-        if lora_request is not None:
-            raise ValueError("lora_request: LoRA adapters run on one engine (data_parallel_size 1)")
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if self._dead_reason is not None:
@@ -219,17 +237,22 @@ class DataParallelClient:
             ids = list(prompt)
         ids = truncate_prompt(ids, params, self.max_model_len)
         self.validate_request(ids, params, strict_max_tokens=False)
+        lora_id = 0
+        if lora_request is not None:
+            # Checked here; the replica registers it with the request if it is new there.
+            self.lora.check(lora_request)
+            lora_id = lora_request.lora_int_id
         room = self.max_model_len - len(ids)
         most = room if params.max_tokens is None else min(params.max_tokens, room)
         cost = (len(ids) + most) * params.n
-        index = self.balancer.choose(ids, cost)
+        index = self.balancer.choose(ids, cost, lora_id)
         stream = RequestStream(request_id, params.output_kind)
         self._requests[request_id] = _Tracked(index, cost, stream, prompt_text, ids, params.n)
         # The replica truncates nothing more: `ids` are already the prompt it runs.
         if params.truncate_prompt_tokens is not None:
             params = _without_truncation(params)
         headers = dict(trace_headers) if trace_headers else None
-        self._send(index, ("add", request_id, ids, params, priority, headers))
+        self._send(index, ("add", request_id, ids, params, priority, headers, lora_request))
         return stream
 
     async def generate(
@@ -256,11 +279,22 @@ class DataParallelClient:
             if not stream.finished:
                 await self.abort(request_id)
 
+    # ---- LoRA adapters --------------------------------------------------------------------
+
     def add_lora(self, lora_request: LoRARequest) -> bool:
-        raise ValueError("LoRA adapters run on one engine (data_parallel_size 1)")
+        """Validate an adapter once here, then register it on every replica and wait for
+        their answers (ValueError naming a problem); False when it is registered already.
+        Blocks: the HTTP routes call it off the event loop."""
+        if self._dead_reason is not None:
+            raise RuntimeError(f"engine is not running: {self._dead_reason}")
+        return self.lora.add(lora_request)
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        raise ValueError("LoRA adapters run on one engine (data_parallel_size 1)")
+        """Forget an adapter here and on every replica (answered)."""
+        return self.lora.remove(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return list(self.lora.loras.values())
 
     async def abort(self, request_id: str) -> None:
         # The replica answers with the request's last output, which ends it here too.
@@ -294,16 +328,23 @@ class DataParallelClient:
         return self._replicas.send(index, message)
 
     def _from_reader(self, index: int, message: tuple[Any, ...]) -> None:
-        loop = self._loop
-        assert loop is not None
-        with contextlib.suppress(RuntimeError):  # the loop has closed
-            loop.call_soon_threadsafe(self._on_message, index, message)
+        if message[0] == "lora":  # answered in the reading thread: add_lora may block a loop
+            self.lora.on_answer(index, message)
+            return
+        self._to_loop(self._on_message, index, message)
 
     def _exit_from_reader(self, index: int, pid: int | None, code: int | None) -> None:
-        loop = self._loop
-        assert loop is not None
-        with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(self._on_exit, index, pid, code)
+        self.lora.on_exit(index, code)
+        self._to_loop(self._on_exit, index, pid, code)
+
+    def _to_loop(self, *call: Any) -> None:
+        with self._early_lock:
+            loop = self._loop
+            if loop is None:
+                self._early.append(call)
+                return
+        with contextlib.suppress(RuntimeError):  # the loop has closed
+            loop.call_soon_threadsafe(*call)
 
     def _on_message(self, index: int, message: tuple[Any, ...]) -> None:
         kind = message[0]

@@ -4,7 +4,11 @@ The replica runs the whole engine (scheduler, step loop, output processing, and 
 tensor-parallel workers when TP > 1) on its own devices, so replicas share no GIL. It talks
 to the front end over one pipe, both ways as pickled tuples:
 
-  front -> replica   ("add", request_id, prompt_ids, params, priority, trace_headers)
+  front -> replica   ("add", request_id, prompt_ids, params, priority, trace_headers,
+                      lora_request)
+                     ("lora_add", seq, LoRARequest)    -> ("lora", seq, error, ids)
+                     ("lora_remove", seq, lora_int_id) -> ("lora", seq, None, ids)
+                     (error: a message or None; ids: the replica's adapter ids after it)
                      ("abort", request_id)
                      ("metrics", seq)             -> ("metrics", seq, families, stats)
                      ("shutdown", timeout)        -> finishes, then ("closed",) and exits 0
@@ -139,6 +143,11 @@ class _Replica:
             self._add(*message[1:])
         elif kind == "abort":
             asyncio.ensure_future(self.engine.abort(message[1]))
+        elif kind == "lora_add":
+            asyncio.ensure_future(self._add_lora(message[1], message[2]))
+        elif kind == "lora_remove":
+            self.engine.remove_lora(message[2])
+            self.send(("lora", message[1], None, self._lora_ids()))
         elif kind == "metrics":
             self.metrics.on_step(*self.stats()[:3])
             families = list(self.metrics.registry.collect())
@@ -155,9 +164,12 @@ class _Replica:
         params: Any,
         priority: int,
         trace_headers: dict[str, str] | None = None,
+        lora_request: Any = None,
     ) -> None:
         try:
-            stream = self.engine.add_request(prompt, params, request_id, priority, trace_headers)
+            stream = self.engine.add_request(
+                prompt, params, request_id, priority, trace_headers, lora_request
+            )
         except (ValueError, RuntimeError) as exc:
             self.outbox.append(_error_output(request_id, prompt, str(exc), params.n))
             self._schedule_flush()
@@ -165,6 +177,18 @@ class _Replica:
         task = asyncio.ensure_future(self._pump(stream))
         self.pumps.add(task)
         task.add_done_callback(self.pumps.discard)
+
+    async def _add_lora(self, seq: int, lora_request: Any) -> None:
+        try:
+            # Reads the adapter from disk: off the loop, so running requests keep stepping.
+            await asyncio.to_thread(self.engine.add_lora, lora_request)
+            error = None
+        except (ValueError, RuntimeError, OSError) as exc:
+            error = str(exc)
+        self.send(("lora", seq, error, self._lora_ids()))
+
+    def _lora_ids(self) -> list[int]:
+        return sorted(r.lora_int_id for r in self.engine.list_loras())
 
     async def _pump(self, stream: Any) -> None:
         while True:

@@ -72,7 +72,7 @@ class LoRARegistry:
                 raise APIError(str(exc), 400, "lora_path") from None
             state.loras[body.lora_name] = request
             if old is not None:
-                state.engine.remove_lora(old.lora_int_id)
+                await asyncio.to_thread(state.engine.remove_lora, old.lora_int_id)
         return f"Success: LoRA adapter '{body.lora_name}' added successfully."
 
     async def unload(self, body: UnloadLoRAAdapterRequest) -> str:
@@ -85,7 +85,8 @@ class LoRARegistry:
                     f"The lora adapter '{body.lora_name}' cannot be found.", 404, "lora_name"
                 )
             del self.state.loras[body.lora_name]
-            self.state.engine.remove_lora(request.lora_int_id)
+            # Data parallel: waits for every replica's answer, off the event loop.
+            await asyncio.to_thread(self.state.engine.remove_lora, request.lora_int_id)
         return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
 
 

@@ -100,3 +100,16 @@ def test_metrics_label_each_replica_and_total() -> None:
     assert values[("asyncserve:prompt_tokens_total", "total")] == 16
     assert values[("asyncserve:generation_tokens_total", "1")] == 2
     assert values[("asyncserve:time_to_first_token_seconds_count", "total")] == 1
+
+
+def test_adapter_affinity_and_prefixes_per_adapter() -> None:
+    balancer = ReplicaBalancer(2, block_size=4, lora_affinity_tokens=100)
+    prompt = list(range(16))
+    first = balancer.choose(prompt, 10, lora_int_id=7)
+    # Same adapter, no shared prefix: stays on the replica holding the adapter's weights.
+    assert balancer.choose([99, 98], 10, lora_int_id=7) == first
+    # The same prompt with another adapter shares no KV: the less loaded replica takes it.
+    assert balancer.choose(prompt, 10, lora_int_id=8) == 1 - first
+    # Too much more loaded: the adapter moves.
+    balancer.load[first] += 500
+    assert balancer.choose([5], 10, lora_int_id=7) == 1 - first
