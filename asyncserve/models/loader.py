@@ -210,7 +210,8 @@ def _iter_safetensors(
                         dim = part[0]
                         param = params[target.name]
                         pdim = getattr(param, "quant_out_dim" if dim == 0 else "quant_in_dim", dim)
-                        total = view.get_shape()[pdim] if pdim >= 0 else None
+                        shape = view.get_shape()
+                        total = shape[pdim] if 0 <= pdim < len(shape) else None
                         part = param_source(param, part, name, total)
                     if part is None:
                         yield name, f.get_tensor(name)
