@@ -22,6 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from asyncserve import LLM, SamplingParams
 from asyncserve.config import ModelConfig
 from asyncserve.kernels.quant_reference import FP8_DTYPE
 from asyncserve.models.loader import load_model
@@ -204,3 +205,22 @@ def test_slices_in_a_quantized_layout() -> None:
         param_source(block, (0, 32, 32), "scale", 2)
     channel = set_weight_attrs(torch.nn.Parameter(torch.empty(0)), in_dim=-1)
     assert param_source(channel, (1, 64, 64), "weight_scale", 1) is None
+
+
+def test_engine_with_two_ranks_generates_as_one_device(tmp_path: Path) -> None:
+    """Through the engine and its worker processes: a 4-bit checkpoint's greedy tokens."""
+    two_heads(FIXTURES / "llama-w4a16", tmp_path / "model", "group")
+    args: dict[str, Any] = {"device": "cpu", "dtype": "float32", "max_model_len": 64}
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts: list[Any] = [
+        {"prompt_token_ids": [3 + 11 * i + j for j in range(9)]} for i in range(3)
+    ]
+    tokens = []
+    for size in (1, 2):
+        llm = LLM(str(tmp_path / "model"), tensor_parallel_size=size, **args)
+        try:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            llm.close()
+        tokens.append([list(out.outputs[0].token_ids) for out in outs])
+    assert tokens[1] == tokens[0]
