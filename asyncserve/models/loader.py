@@ -34,6 +34,7 @@ from asyncserve.models.gguf_loader import (
 from asyncserve.models.parallel import SINGLE, TensorParallel, check_tensor_parallel
 from asyncserve.models.pipeline import PipelineStage
 from asyncserve.models.registry import resolve_model_class
+from asyncserve.models.weights import param_source
 from asyncserve.quantization import QuantConfig, quantized_build, resolve_quant_config
 from asyncserve.quantization.gguf import GGUFConfig
 from asyncserve.quantization.kv_scales import KVScales
@@ -187,6 +188,8 @@ def _iter_safetensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     # Reading straight onto the GPU lets the dtype conversion run there.
     read_device = str(device) if device.type == "cuda" else "cpu"
+    params = dict(model.named_parameters())
+    route = getattr(model, "route", None)
     for file in files:
         try:
             with safe_open(str(file), framework="pt", device=read_device) as f:
@@ -197,10 +200,25 @@ def _iter_safetensors(
                     if part is None:
                         yield name, f.get_tensor(name)
                         continue
-                    # A tensor-parallel rank reads only its slice from the file.
+                    # A tensor-parallel rank reads only its slice from the file (of a
+                    # quantized tensor: in its own layout).
+                    view = f.get_slice(name)
+                    target = route(name) if route is not None else None
+                    if target is not None and target.name not in params:
+                        part = None  # not a parameter (a quantization scheme skips it)
+                    elif target is not None:
+                        dim = part[0]
+                        param = params[target.name]
+                        pdim = getattr(param, "quant_out_dim" if dim == 0 else "quant_in_dim", dim)
+                        shape = view.get_shape()
+                        total = shape[pdim] if 0 <= pdim < len(shape) else None
+                        part = param_source(param, part, name, total)
+                    if part is None:
+                        yield name, f.get_tensor(name)
+                        continue
                     dim, start, size = part
                     index = (slice(None),) * dim + (slice(start, start + size),)
-                    yield name, f.get_slice(name)[index]
+                    yield name, view[index]
         except SafetensorError as e:
             raise ValueError(f"cannot read {file}: {e}") from e
 
@@ -313,8 +331,8 @@ def load_model(
         quant = GGUFConfig(linear_tensor_types(gguf_file))
     else:
         quant = resolve_quant_config(config.quantization, hf_config, device)
-    if quant is not None and tp.size > 1:
-        raise ValueError("quantization with tensor_parallel_size > 1 is not supported yet")
+    if isinstance(quant, GGUFConfig) and tp.size > 1:
+        raise ValueError("GGUF weights kept quantized need tensor_parallel_size 1")
     tokenizer = _load_tokenizer(config, root, gguf_file, arch)
     logger.info("tokenizer ready (%.1f s); building %s in %s", time.monotonic() - start,
                 arch.architecture, dtype)  # fmt: skip

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncserve.models.arch_config import ArchConfig
+from asyncserve.quantization.base import LinearMethod, in_quantized_build
 
 # The families whose layers take a TensorParallel (the others run on one device only).
 TP_ARCHITECTURES = frozenset(
@@ -132,20 +133,29 @@ def check_tensor_parallel(arch: ArchConfig, size: int, expert_parallel: bool = F
 
 class RowParallelLinear(nn.Module):
     """y = all_reduce(x_slice @ W_slice^T) + b: this rank holds W's columns for its slice of
-    the input features (and the whole bias, added once after the sum)."""
+    the input features (and the whole bias, added once after the sum). Quantized like
+    Linear (see layers.Linear): a `quant_method` computes the partial product from this
+    rank's slice of the quantized weight and its scales."""
 
     def __init__(
         self, in_features: int, out_features: int, tp: TensorParallel, bias: bool = False
     ) -> None:
         super().__init__()
         self.tp = tp
+        self.in_features = in_features // tp.size  # this rank's slice
+        self.out_features = out_features
+        device = torch.device("meta") if in_quantized_build() else None
         self.weight = nn.Parameter(
-            torch.empty(out_features, in_features // tp.size), requires_grad=False
+            torch.empty(out_features, self.in_features, device=device), requires_grad=False
         )
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.quant_method: LinearMethod | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        if self.quant_method is not None:
+            y = self.tp.all_reduce(self.quant_method.apply(self, x, None))
+        else:
+            y = self.tp.all_reduce(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 

@@ -47,6 +47,44 @@ def _rows_view(
     return view.narrow(dim, start // per, entries)
 
 
+def param_source(
+    param: torch.Tensor,
+    source: tuple[int, int, int] | None,
+    hf_name: str,
+    total_entries: int | None = None,
+) -> tuple[int, int, int] | None:
+    """A tensor-parallel slice of a checkpoint tensor, (dim, start, size) in output rows (dim
+    0) or input columns (dim 1), in the checkpoint tensor's own layout: quantized tensors run
+    along other dims or hold several rows or columns per entry (set_weight_attrs). None: the
+    rank reads all of it (a per-channel scale of a row-parallel layer, a per-tensor scale).
+    Raises ValueError when the slice cuts a quantization group or block; total_entries (the
+    tensor's length along the dim) lets the last rank's slice end inside one."""
+    if source is None or not hasattr(param, "quant_out_dim"):
+        return source
+    if getattr(param, "quant_broadcast", False):
+        return None
+    dim, start, size = source
+    axis = (
+        ("out_dim", "rows_per_entry", "output row")
+        if dim == 0
+        else ("in_dim", "cols_per_entry", "input column")
+    )
+    pdim: int = getattr(param, "quant_" + axis[0])
+    per: int = getattr(param, "quant_" + axis[1])
+    what = axis[2]
+    if pdim < 0:
+        return None
+    entries = -(-size // per)
+    at_end = total_entries is not None and start // per + entries == total_entries
+    if start % per or (size % per and total_entries is not None and not at_end):
+        raise ValueError(
+            f"tensor parallelism splits {hf_name!r} at {what}s {start}..{start + size}, "
+            f"inside its {per}-{what} quantization groups: the group/block size must divide "
+            "each rank's slice"
+        )
+    return pdim, start // per, entries
+
+
 @torch.no_grad()
 def load_checkpoint(
     model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], route: Router
@@ -68,10 +106,12 @@ def load_checkpoint(
             view = view[target.expert]
         if target.rows is not None:
             view = _rows_view(param, view, hf_name, *target.rows)
-        if target.source is not None:
-            dim, start, size = target.source
+        source = param_source(param, target.source, hf_name)
+        if source is not None:
+            dim, start, size = source
             # Readers that slice on read (safetensors) hand over the slice already.
             if tensor.shape[dim] != size:
+                param_source(param, target.source, hf_name, tensor.shape[dim])
                 tensor = tensor.narrow(dim, start, size)
         if target.source_experts is not None:
             tensor = tensor[target.source_experts]

@@ -38,16 +38,27 @@ def in_quantized_build() -> bool:
 
 
 def set_weight_attrs(
-    param: nn.Parameter, out_dim: int = 0, rows_per_entry: int = 1, broadcast: bool = False
+    param: nn.Parameter,
+    out_dim: int = 0,
+    rows_per_entry: int = 1,
+    broadcast: bool = False,
+    in_dim: int = 1,
+    cols_per_entry: int = 1,
 ) -> nn.Parameter:
-    """How the checkpoint loader maps a fused projection's row range onto this parameter.
+    """How the checkpoint loader maps a fused projection's row range, and a tensor-parallel
+    rank's slice of the outputs or inputs, onto this parameter.
 
     out_dim: the dim that runs along the output features (1 for GPTQ/AWQ's transposed
-    layouts; -1: none, each part of a fused layer fills the whole tensor); rows_per_entry: output features per entry along it (a block scale's block,
-    eight for int4 packed along the outputs); broadcast: a checkpoint scalar (a per-tensor
-    scale) fills the whole range (the shards of a fused layer keep their own scales)."""
+    layouts; -1: none, each part of a fused layer fills the whole tensor); rows_per_entry:
+    output features per entry along it (a block scale's block, eight for int4 packed along
+    the outputs); in_dim / cols_per_entry: the same along the input features (-1: none, as
+    a per-channel scale; a group or block scale's group, eight for int4 packed along the
+    inputs); broadcast: a checkpoint scalar (a per-tensor scale) fills the whole range (the
+    shards of a fused layer keep their own scales)."""
     param.quant_out_dim = out_dim  # type: ignore[attr-defined]
     param.quant_rows_per_entry = rows_per_entry  # type: ignore[attr-defined]
+    param.quant_in_dim = in_dim  # type: ignore[attr-defined]
+    param.quant_cols_per_entry = cols_per_entry  # type: ignore[attr-defined]
     param.quant_broadcast = broadcast  # type: ignore[attr-defined]
     return param
 
@@ -63,6 +74,18 @@ class LinearMethod:
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Turn the loaded tensors into the form apply() reads (default: as loaded)."""
+
+    def check_row_parallel(self, prefix: str, in_features: int, tp_size: int) -> None:
+        """One-line ValueError when a rank's slice of `in_features` inputs (of a row-parallel
+        layer) would cut the scheme's groups or blocks (default: any slice works)."""
+
+    @staticmethod
+    def check_divides(prefix: str, in_features: int, tp_size: int, unit: int, what: str) -> None:
+        if in_features % unit:
+            raise ValueError(
+                f"{prefix}: tensor_parallel_size {tp_size} gives each rank {in_features} input "
+                f"columns, not a multiple of the quantization {what} ({unit})"
+            )
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError

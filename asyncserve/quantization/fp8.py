@@ -24,10 +24,15 @@ from asyncserve.kernels.quant_reference import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
 from asyncserve.quantization.base import LinearMethod, set_weight_attrs
 
 
-def quantize_fp8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] -> (e4m3 [N, K], fp32 scales [N, 1]): each row scaled to the e4m3 range."""
+def quantize_fp8_per_channel(
+    weight: torch.Tensor, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (e4m3 [N, K], fp32 scales [N, 1]): each row scaled to the e4m3 range (of
+    `amax` [N, 1], the whole row's largest magnitude, when this is a slice of the row)."""
     w = weight.float()
-    scale = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+    if amax is None:
+        amax = w.abs().amax(dim=1, keepdim=True)
+    scale = (amax / FP8_MAX).clamp(min=FP8_MIN_SCALE)
     return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
@@ -106,6 +111,7 @@ class Fp8ChannelLinearMethod(LinearMethod):
         layer.weight_scale = set_weight_attrs(
             nn.Parameter(torch.empty(out_features, 1, dtype=torch.float32), False),
             broadcast=self.per_tensor,
+            in_dim=-1,
         )
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -138,7 +144,14 @@ class Fp8OnlineLinearMethod(Fp8ChannelLinearMethod):
         layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), False)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        q, scale = quantize_fp8_per_channel(_param(layer, "weight").data)
+        weight = _param(layer, "weight").data
+        amax = weight.float().abs().amax(dim=1, keepdim=True)
+        tp = getattr(layer, "tp", None)
+        if tp is not None and tp.size > 1:
+            # A row-parallel rank holds part of each row: scale by the whole row, as one
+            # device would, so that every tensor-parallel size serves the same weights.
+            torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=tp.group)
+        q, scale = quantize_fp8_per_channel(weight, amax)
         layer.weight = nn.Parameter(q, requires_grad=False)
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)
 
@@ -160,8 +173,12 @@ class Fp8BlockLinearMethod(LinearMethod):
         )
         scale = torch.empty(-(-out_features // bn), -(-in_features // bk), dtype=torch.float32)
         layer.register_parameter(
-            self.scale_name, set_weight_attrs(nn.Parameter(scale, False), rows_per_entry=bn)
+            self.scale_name,
+            set_weight_attrs(nn.Parameter(scale, False), rows_per_entry=bn, cols_per_entry=bk),
         )
+
+    def check_row_parallel(self, prefix: str, in_features: int, tp_size: int) -> None:
+        self.check_divides(prefix, in_features, tp_size, self.block[1], "block's columns")
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape

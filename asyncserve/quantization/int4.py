@@ -34,10 +34,16 @@ def _param(layer: nn.Module, name: str) -> torch.Tensor:
 
 
 def _new(
-    shape: tuple[int, ...], dtype: torch.dtype, out_dim: int = 0, rows_per_entry: int = 1
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    out_dim: int = 0,
+    rows_per_entry: int = 1,
+    in_dim: int = 1,
+    cols_per_entry: int = 1,
 ) -> nn.Parameter:
+    """An uninitialised parameter laid out as set_weight_attrs describes."""
     param = nn.Parameter(torch.empty(shape, dtype=dtype), False)
-    return set_weight_attrs(param, out_dim=out_dim, rows_per_entry=rows_per_entry)
+    return set_weight_attrs(param, out_dim, rows_per_entry, False, in_dim, cols_per_entry)
 
 
 class Int4LinearMethod(LinearMethod):
@@ -53,6 +59,9 @@ class Int4LinearMethod(LinearMethod):
                 f"({self.group_size}) and of 8"
             )
         return in_features // self.group_size
+
+    def check_row_parallel(self, prefix: str, in_features: int, tp_size: int) -> None:
+        self.check_divides(prefix, in_features, tp_size, self.group_size, "group size")
 
     def set_layout(
         self,
@@ -103,8 +112,8 @@ class PackQuantizedLinearMethod(Int4LinearMethod):
         self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype
     ) -> None:
         groups = self.groups(in_features)
-        layer.weight_packed = _new((out_features, in_features // 8), torch.int32)
-        layer.weight_scale = _new((out_features, groups), dtype)
+        layer.weight_packed = _new((out_features, in_features // 8), torch.int32, 0, 1, 1, 8)
+        layer.weight_scale = _new((out_features, groups), dtype, 0, 1, 1, self.group_size)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         scales = _param(layer, "weight_scale")
@@ -119,17 +128,26 @@ class GPTQLinearMethod(Int4LinearMethod):
         self.desc_act = desc_act
         self.zeros_minus_one = zeros_minus_one
 
+    def check_row_parallel(self, prefix: str, in_features: int, tp_size: int) -> None:
+        if self.desc_act:
+            # Act order scatters a group's columns over the input: no rank holds whole groups.
+            raise ValueError(
+                f"{prefix}: GPTQ act-order (desc_act) checkpoints need tensor_parallel_size 1"
+            )
+        super().check_row_parallel(prefix, in_features, tp_size)
+
     def create_weights(
         self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype
     ) -> None:
         groups = self.groups(in_features)
         if out_features % 8:
             raise ValueError(f"a GPTQ layer's outputs ({out_features}) must be a multiple of 8")
-        layer.qweight = _new((in_features // 8, out_features), torch.int32, out_dim=1)
-        layer.qzeros = _new((groups, out_features // 8), torch.int32, out_dim=1, rows_per_entry=8)
-        layer.scales = _new((groups, out_features), dtype, out_dim=1)
+        gs = self.group_size
+        layer.qweight = _new((in_features // 8, out_features), torch.int32, 1, 1, 0, 8)
+        layer.qzeros = _new((groups, out_features // 8), torch.int32, 1, 8, 0, gs)
+        layer.scales = _new((groups, out_features), dtype, 1, 1, 0, gs)
         # One g_idx per layer: q/k/v (gate/up) see the same inputs, so share their order.
-        layer.g_idx = _new((in_features,), torch.int32, out_dim=-1)
+        layer.g_idx = _new((in_features,), torch.int32, -1, 1, 0, 1)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         values = unpack_int4(_param(layer, "qweight").t().contiguous())  # [N, K]
@@ -150,9 +168,10 @@ class AWQLinearMethod(Int4LinearMethod):
         groups = self.groups(in_features)
         if out_features % 8:
             raise ValueError(f"an AWQ layer's outputs ({out_features}) must be a multiple of 8")
-        layer.qweight = _new((in_features, out_features // 8), torch.int32, 1, 8)
-        layer.qzeros = _new((groups, out_features // 8), torch.int32, 1, 8)
-        layer.scales = _new((groups, out_features), dtype, out_dim=1)
+        gs = self.group_size
+        layer.qweight = _new((in_features, out_features // 8), torch.int32, 1, 8, 0, 1)
+        layer.qzeros = _new((groups, out_features // 8), torch.int32, 1, 8, 0, gs)
+        layer.scales = _new((groups, out_features), dtype, 1, 1, 0, gs)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         values = _awq_unpack(_param(layer, "qweight")).t()  # [N, K]

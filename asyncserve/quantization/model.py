@@ -20,13 +20,13 @@ def attach_linear_methods(
     of quantized layers."""
     quantized = 0
     for prefix, module in model.named_modules():
-        if isinstance(module, RowParallelLinear):
-            raise ValueError("quantization with tensor_parallel_size > 1 is not supported yet")
-        if not isinstance(module, Linear):
+        if not isinstance(module, (Linear, RowParallelLinear)):
             continue
         method = None
         if not prefix.endswith(".mlp.gate"):
             method = config.linear_method(prefix, module.in_features, module.out_features)
+        if isinstance(module, RowParallelLinear) and method is not None:
+            method.check_row_parallel(prefix, module.in_features, module.tp.size)
         del module.weight
         with torch.device(device):
             if method is None:
@@ -42,5 +42,5 @@ def attach_linear_methods(
 @torch.no_grad()
 def process_weights_after_loading(model: nn.Module) -> None:
     for module in model.modules():
-        if isinstance(module, Linear) and module.quant_method is not None:
+        if isinstance(module, (Linear, RowParallelLinear)) and module.quant_method is not None:
             module.quant_method.process_weights_after_loading(module)
