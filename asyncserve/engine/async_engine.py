@@ -8,7 +8,6 @@ import contextlib
 import copy
 import logging
 from collections.abc import AsyncIterator, Mapping
-from pathlib import Path
 
 import torch
 
@@ -24,31 +23,22 @@ from asyncserve.disagg.engine_hooks import (
 from asyncserve.disagg.kv_transfer import KVTransferError
 from asyncserve.engine.engine_core import EngineCore
 from asyncserve.engine.request_checks import check_request, check_token_params, truncate_prompt
+from asyncserve.engine.setup import eos_token_ids, load_for_engine, make_tracer, resolve_device
 from asyncserve.engine.step_loop import StepLoop
 from asyncserve.executor.abstract import Executor
-from asyncserve.executor.multiproc import MultiProcExecutor
 from asyncserve.executor.uniproc import UniProcExecutor
 from asyncserve.lora.adapter import load_adapter
 from asyncserve.lora.layers import module_shapes
 from asyncserve.lora.request import LoRARequest
 from asyncserve.metrics import EngineMetrics
-from asyncserve.models.loader import LoadedModel, load_model
-from asyncserve.models.parallel import TensorParallel
-from asyncserve.models.pipeline import split_layers
+from asyncserve.models.loader import LoadedModel
 from asyncserve.output.output_processor import OutputProcessor, ParentState
 from asyncserve.output.request_stream import RequestStream
 from asyncserve.outputs import RequestOutput
 from asyncserve.sampling_params import SamplingParams
-from asyncserve.tracing import RequestTracer
 from asyncserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 class AsyncEngine:
@@ -148,24 +138,9 @@ class AsyncEngine:
     def from_config(cls, config: EngineConfig, metrics: EngineMetrics | None = None) -> AsyncEngine:
         device = resolve_device(config.model.device)
         torch.manual_seed(config.model.seed)
-        size = config.parallel.tensor_parallel_size
-        expert_parallel = config.parallel.enable_expert_parallel
-        backend = config.parallel.distributed_executor_backend
-        if backend == "uni" or (config.parallel.world_size == 1 and backend is None):
-            tp = TensorParallel(expert_parallel=expert_parallel)
-            return cls(config, load_model(config.model, device, tp), metrics)
-        # Config, tokenizer and shape checks here; the weights load in the workers.
-        tp = TensorParallel(0, size, expert_parallel)
-        loaded = load_model(config.model, device, tp, weights=False)
-        # More stages than layers is an error before any worker starts.
-        split_layers(loaded.arch.num_hidden_layers, config.parallel.pipeline_parallel_size)
-        executor: Executor
-        if backend == "ray":
-            from asyncserve.executor.ray_executor import RayExecutor
-
-            executor = RayExecutor(config, device)
-        else:
-            executor = MultiProcExecutor(config, device)
+        loaded, executor = load_for_engine(config, device)
+        if executor is None:
+            return cls(config, loaded, metrics)
         try:
             return cls(config, loaded, metrics, executor)
         except BaseException:
@@ -469,22 +444,3 @@ class AsyncEngine:
             self._dead.set()
             # No worker outlives a failed engine (a dead rank leaves the others blocked).
             await asyncio.to_thread(self.executor.shutdown)
-
-
-def make_tracer(config: EngineConfig, model_path: str) -> RequestTracer | None:
-    """The request tracer when --otlp-traces-endpoint is set; None costs nothing."""
-    observability = config.observability
-    if observability.otlp_traces_endpoint is None:
-        return None
-    path = Path(model_path.rstrip("/"))
-    name = observability.served_model_name or (path.stem if path.suffix == ".gguf" else path.name)
-    return RequestTracer(observability, name)
-
-
-def eos_token_ids(loaded: LoadedModel, tokenizer_eos: int | None) -> list[int]:
-    """The model's EOS ids, the generation config's first (it may list several), then the
-    tokenizer's; the first is the one vLLM reports as no stop reason."""
-    ids = list(loaded.generation_config.get("eos_token_id") or loaded.arch.eos_token_ids)
-    if tokenizer_eos is not None and tokenizer_eos not in ids:
-        ids.insert(0, tokenizer_eos)
-    return ids

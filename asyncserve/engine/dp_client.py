@@ -23,12 +23,12 @@ import torch
 
 from asyncserve.config import EngineConfig
 from asyncserve.core.grammar import StructuredOutputManager
-from asyncserve.engine.async_engine import eos_token_ids, resolve_device
 from asyncserve.engine.dp_balancer import ReplicaBalancer
 from asyncserve.engine.dp_lora import ReplicaLoRAs
 from asyncserve.engine.dp_processes import EXIT_GRACE_S, ReplicaProcesses, replica_devices
 from asyncserve.engine.dp_replica import Stats
 from asyncserve.engine.request_checks import check_request, truncate_prompt
+from asyncserve.engine.setup import eos_token_ids, resolve_device
 from asyncserve.lora.layers import module_shapes
 from asyncserve.lora.request import LoRARequest
 from asyncserve.models.loader import load_model

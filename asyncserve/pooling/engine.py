@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from asyncserve.config import EngineConfig
-from asyncserve.engine.async_engine import resolve_device
+from asyncserve.engine.setup import resolve_device
 from asyncserve.metrics import EngineMetrics
 from asyncserve.outputs import RequestOutput
 from asyncserve.pooling.model import PoolingModel
