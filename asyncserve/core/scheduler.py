@@ -41,6 +41,7 @@ from asyncserve.core.request import Request, RequestStatus
 from asyncserve.core.step import NewRequestData, RunningRequestData, StepPlan, StepResult
 from asyncserve.core.step_budget import StepBudget
 from asyncserve.core.step_time import StepTimeModel
+from asyncserve.core.stop_rules import at_length_limit, check_stop
 from asyncserve.core.waiting_queue import WaitingQueue
 from asyncserve.spec_decode.proposals import take_proposals
 from asyncserve.spec_decode.stats import SpecDecodeStats
@@ -208,7 +209,7 @@ class Scheduler:
         while index < len(running) and step.budget > 0:
             request = running[index]
             num_new = step.limit(_num_pending_tokens(request) - request.num_computed_tokens)
-            if num_new <= 0 or self._at_length_limit(request):
+            if num_new <= 0 or at_length_limit(request, self.max_model_len):
                 index += 1
                 continue
             spec = take_proposals(request, num_new, step.budget, self.max_model_len)
@@ -371,7 +372,7 @@ class Scheduler:
             drafts = result.draft_token_ids.get(rid)
             for token_id in token_ids:
                 request.output_token_ids.append(token_id)
-                if self._check_stop(request, token_id):
+                if check_stop(request, token_id, self.max_model_len):
                     if preempted:
                         # Its blocks went at preemption; only the waiting queue holds it.
                         self._waiting.discard(request)
@@ -398,31 +399,6 @@ class Scheduler:
         return updated
 
     # --------------------------------------------------------------------------- helpers
-
-    def _check_stop(self, request: Request, token_id: int) -> bool:
-        """vLLM's rules: stop tokens count once min_tokens are out; then length limits."""
-        params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens and token_id in params.all_stop_token_ids:
-            request.status = RequestStatus.FINISHED_STOPPED
-            # vLLM reports the model's own EOS as no stop reason, any other stop id as itself.
-            request.stop_reason = None if token_id == request.eos_token_id else token_id
-            return True
-        if (
-            request.num_output_tokens >= request.max_tokens
-            or request.num_tokens >= self.max_model_len
-        ):
-            request.status = RequestStatus.FINISHED_LENGTH
-            return True
-        return False
-
-    def _at_length_limit(self, request: Request) -> bool:
-        """The tokens in flight already reach max_tokens or max_model_len: nothing more to
-        compute until they are known (and the request finishes)."""
-        pending = request.num_output_placeholders
-        return pending > 0 and (
-            request.num_output_tokens + pending >= request.max_tokens
-            or request.num_tokens + pending >= self.max_model_len
-        )
 
     def _never_fits(self, num_tokens: int) -> bool:
         if self.sliding_window is not None:

@@ -4,7 +4,13 @@ chosen token, batched on the device (gather_logprobs), then one host entry per r
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
+
+from asyncserve.core.step import StepResult
+from asyncserve.worker.input_batch import CachedRequestState, StepInputs
 
 
 def gather_logprobs(
@@ -36,3 +42,34 @@ def row_entry(ids: list[int], vals: list[float], rank: int, num_logprobs: int) -
     entry = dict(zip(ids[1 : 1 + num_logprobs], vals[1 : 1 + num_logprobs], strict=True))
     entry[int(ids[0])] = float(vals[0])
     return entry, int(rank)
+
+
+def prompt_logprobs(
+    model: Any,
+    states: Mapping[str, CachedRequestState],
+    inputs: StepInputs,
+    hidden: torch.Tensor,
+    result: StepResult,
+) -> None:
+    """Logprobs of each prompt token given the tokens before it, chunk by chunk, into
+    result.prompt_logprobs for the requests that ask for them."""
+    offset = 0
+    for rid, start, count in zip(inputs.request_ids, inputs.starts, inputs.counts, strict=True):
+        state = states[rid]
+        k = state.sampling_params.prompt_logprobs
+        num_prompt = len(state.prompt_token_ids)
+        # Position j predicts prompt token j + 1.
+        last = min(start + count, num_prompt - 1)
+        if k is None or start >= last:
+            offset += count
+            continue
+        rows = hidden[offset : offset + (last - start)]
+        logprobs = torch.log_softmax(model.compute_logits(rows), dim=-1)
+        targets = torch.tensor(state.prompt_token_ids[start + 1 : last + 1], device=logprobs.device)
+        ids, vals, ranks = gather_logprobs(logprobs, targets, k)
+        entries = [
+            row_entry(i, v, r, k)
+            for i, v, r in zip(ids.tolist(), vals.tolist(), ranks.tolist(), strict=True)
+        ]
+        result.prompt_logprobs[rid] = entries
+        offset += count

@@ -16,7 +16,6 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -49,47 +48,14 @@ from asyncserve.worker.kv_pool import (
     kv_block_bytes,
     kv_cache_dtype,
 )
-from asyncserve.worker.logprobs import gather_logprobs, row_entry
+from asyncserve.worker.logprobs import prompt_logprobs, row_entry
+from asyncserve.worker.runner_steps import ForwardedStep as ForwardedStep
+from asyncserve.worker.runner_steps import LaunchedStep as LaunchedStep
+from asyncserve.worker.runner_steps import step_seed
 from asyncserve.worker.sampler import Sampler, SamplerOutput
 from asyncserve.worker.sampling_metadata import SamplingMetadata, SamplingRow
 
 logger = logging.getLogger(__name__)
-
-_GOLDEN = 0x9E3779B97F4A7C15
-
-
-def step_seed(seed: int, num_output_tokens: int) -> int:
-    """Seed for one sampling step of a seeded request.
-
-    Derived from the request's seed and how many tokens it has produced, so its random
-    stream does not depend on the batch, its row, or a preemption in between.
-    """
-    return (seed * 1_000_003 + num_output_tokens * _GOLDEN) & ((1 << 63) - 1)
-
-
-@dataclass
-class LaunchedStep:
-    """A step whose forward pass and sampling are enqueued; `collect` finishes it."""
-
-    result: StepResult = field(default_factory=StepResult)
-    # Sampled rows, in order: the request's id and state, and where its placeholder sits.
-    rows: list[tuple[str, CachedRequestState, int]] = field(default_factory=list)
-    # The sampled ids on the device (read by a step launched before this one is collected)
-    # and the host copies in flight: ids, top logprob ids, logprobs, ranks.
-    sampled: torch.Tensor | None = None
-    host: list[torch.Tensor | None] = field(default_factory=list)
-    copied: torch.cuda.Event | None = None
-
-
-@dataclass
-class ForwardedStep:
-    """A step whose forward pass is enqueued; `launch_sampling` samples from it."""
-
-    inputs: StepInputs | None = None
-    # The last hidden states (eager forward) or the sampled rows' logits (replayed graph).
-    hidden: torch.Tensor | None = None
-    logits: torch.Tensor | None = None
-    step: LaunchedStep = field(default_factory=LaunchedStep)
 
 
 class ModelRunner:
@@ -301,7 +267,7 @@ class ModelRunner:
                     self.states, inputs.request_ids, inputs.starts, inputs.counts, hidden
                 )
             if self.pp is None or self.pp.is_last:
-                self._prompt_logprobs(inputs, hidden, forwarded.step.result)
+                prompt_logprobs(self.model, self.states, inputs, hidden, forwarded.step.result)
         return forwarded
 
     @torch.inference_mode()
@@ -469,30 +435,3 @@ class ModelRunner:
             generator=self._generator(state),
             stop_token_ids=state.stop_token_ids,
         )
-
-    def _prompt_logprobs(
-        self, inputs: StepInputs, hidden: torch.Tensor, result: StepResult
-    ) -> None:
-        """Logprobs of each prompt token given the tokens before it, chunk by chunk."""
-        offset = 0
-        for rid, start, count in zip(inputs.request_ids, inputs.starts, inputs.counts, strict=True):
-            state = self.states[rid]
-            k = state.sampling_params.prompt_logprobs
-            num_prompt = len(state.prompt_token_ids)
-            # Position j predicts prompt token j + 1.
-            last = min(start + count, num_prompt - 1)
-            if k is None or start >= last:
-                offset += count
-                continue
-            rows = hidden[offset : offset + (last - start)]
-            logprobs = torch.log_softmax(self.model.compute_logits(rows), dim=-1)
-            targets = torch.tensor(
-                state.prompt_token_ids[start + 1 : last + 1], device=logprobs.device
-            )
-            ids, vals, ranks = gather_logprobs(logprobs, targets, k)
-            entries = [
-                row_entry(i, v, r, k)
-                for i, v, r in zip(ids.tolist(), vals.tolist(), ranks.tolist(), strict=True)
-            ]
-            result.prompt_logprobs[rid] = entries
-            offset += count

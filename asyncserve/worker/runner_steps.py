@@ -1,0 +1,46 @@
+"""The runner's in-flight step records, and the seed of a seeded request's sampling step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from asyncserve.core.step import StepResult
+from asyncserve.worker.input_batch import CachedRequestState, StepInputs
+
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def step_seed(seed: int, num_output_tokens: int) -> int:
+    """Seed for one sampling step of a seeded request.
+
+    Derived from the request's seed and how many tokens it has produced, so its random
+    stream does not depend on the batch, its row, or a preemption in between.
+    """
+    return (seed * 1_000_003 + num_output_tokens * _GOLDEN) & ((1 << 63) - 1)
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward pass and sampling are enqueued; `collect` finishes it."""
+
+    result: StepResult = field(default_factory=StepResult)
+    # Sampled rows, in order: the request's id and state, and where its placeholder sits.
+    rows: list[tuple[str, CachedRequestState, int]] = field(default_factory=list)
+    # The sampled ids on the device (read by a step launched before this one is collected)
+    # and the host copies in flight: ids, top logprob ids, logprobs, ranks.
+    sampled: torch.Tensor | None = None
+    host: list[torch.Tensor | None] = field(default_factory=list)
+    copied: torch.cuda.Event | None = None
+
+
+@dataclass
+class ForwardedStep:
+    """A step whose forward pass is enqueued; `launch_sampling` samples from it."""
+
+    inputs: StepInputs | None = None
+    # The last hidden states (eager forward) or the sampled rows' logits (replayed graph).
+    hidden: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    step: LaunchedStep = field(default_factory=LaunchedStep)
