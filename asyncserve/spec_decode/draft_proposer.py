@@ -91,16 +91,7 @@ class DraftProposer:
             starts.append(min(start, state.num_tokens - 1))
         ends = [state.num_tokens for state in states]
         tables = _block_tables(states, self.device)
-        rows = [
-            SamplingRow(
-                params=s.sampling_params,
-                prompt_token_ids=s.prompt_token_ids,
-                output_token_ids=s.output_token_ids,
-                generator=_generator(s, self.device),
-            )
-            for s in states
-        ]
-        meta = SamplingMetadata.build(rows, self.vocab_size, self.device)
+        meta = proposal_sampling(states, self.vocab_size, self.device)
 
         # Catch up on the unseen tokens; the last one's logits give the first proposal.
         token_ids: list[int] = []
@@ -170,6 +161,22 @@ def _block_tables(states: list[CachedRequestState], device: torch.device) -> tor
     for i, state in enumerate(states):
         table[i, : len(state.block_ids)] = state.block_ids
     return torch.from_numpy(table).to(device)
+
+
+def proposal_sampling(
+    states: list[CachedRequestState], vocab_size: int, device: torch.device
+) -> SamplingMetadata:
+    """Sampling settings of the requests' proposals: their own, seeded by their progress."""
+    rows = [
+        SamplingRow(
+            params=s.sampling_params,
+            prompt_token_ids=s.prompt_token_ids,
+            output_token_ids=s.output_token_ids,
+            generator=_generator(s, device),
+        )
+        for s in states
+    ]
+    return SamplingMetadata.build(rows, vocab_size, device)
 
 
 def _generator(state: CachedRequestState, device: torch.device) -> torch.Generator | None:

@@ -23,11 +23,10 @@ import torch
 from asyncserve.models.attention import AttentionMetadata
 from asyncserve.models.llama import LlamaForCausalLM
 from asyncserve.spec_decode.config import SpeculativeConfig
-from asyncserve.spec_decode.draft_proposer import _block_tables, _choose, _generator
+from asyncserve.spec_decode.draft_proposer import _block_tables, _choose, proposal_sampling
 from asyncserve.spec_decode.eagle_head import load_eagle_head
 from asyncserve.worker.input_batch import CachedRequestState
 from asyncserve.worker.kv_pool import allocate_kv_caches, kv_block_bytes
-from asyncserve.worker.sampling_metadata import SamplingMetadata, SamplingRow
 
 
 class _Pending:
@@ -146,16 +145,7 @@ class EagleProposer:
             return {}
         ends = [state.num_tokens - 1 for state in chosen]
         tables = _block_tables(chosen, self.device)
-        rows = [
-            SamplingRow(
-                params=s.sampling_params,
-                prompt_token_ids=s.prompt_token_ids,
-                output_token_ids=s.output_token_ids,
-                generator=_generator(s, self.device),
-            )
-            for s in chosen
-        ]
-        meta = SamplingMetadata.build(rows, self.vocab_size, self.device)
+        meta = proposal_sampling(chosen, self.vocab_size, self.device)
 
         token_ids: list[int] = []
         for state, start, end in zip(chosen, starts, ends, strict=True):
