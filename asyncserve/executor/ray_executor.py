@@ -284,7 +284,8 @@ class RayExecutor(Executor):
             with contextlib.suppress(Exception):
                 ray.kill(worker)
         for conn in self._conns:
-            conn.close()
+            with contextlib.suppress(OSError):  # a dead rank's may be closed already
+                conn.close()
         self._listener.close()
         if self._owns_group:
             with contextlib.suppress(Exception):
