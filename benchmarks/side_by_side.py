@@ -39,8 +39,14 @@ def inputs(workload: str, vocab: int, seed: int = 0):
 def build_vllm(a):
     from vllm import LLM
 
-    kw = dict(model=a.model, load_format="dummy", skip_tokenizer_init=True,
-              max_model_len=a.max_model_len, seed=0, dtype="bfloat16")
+    kw = dict(
+        model=a.model,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        max_model_len=a.max_model_len,
+        seed=0,
+        dtype="bfloat16",
+    )
     if a.max_num_seqs:
         kw["max_num_seqs"] = a.max_num_seqs
     if a.max_num_batched_tokens:
@@ -59,7 +65,10 @@ def gen_vllm(llm, prompts, outs):
     from vllm.inputs import TokensPrompt
 
     ps = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-    sps = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True, detokenize=False) for o in outs]
+    sps = [
+        SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True, detokenize=False)
+        for o in outs
+    ]
     return [len(r.outputs[0].token_ids) for r in llm.generate(ps, sps, use_tqdm=False)]
 
 
@@ -98,10 +107,15 @@ def main():
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--repeat", type=int, default=1)
-    p.add_argument("--quantization", default=None, help="e.g. fp8: the same scheme for both engines")
+    p.add_argument(
+        "--quantization", default=None, help="e.g. fp8: the same scheme for both engines"
+    )
     a = p.parse_args()
-    vocab = json.load(open(os.path.join(a.model, "config.json")))["vocab_size"]
-    build, gen = (build_vllm, gen_vllm) if a.engine == "vllm" else (build_asyncserve, gen_asyncserve)
+    with open(os.path.join(a.model, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    build, gen = (
+        (build_vllm, gen_vllm) if a.engine == "vllm" else (build_asyncserve, gen_asyncserve)
+    )
     t0 = time.perf_counter()
     llm = build(a)
     startup = time.perf_counter() - t0
@@ -116,13 +130,24 @@ def main():
             best = el if best is None else min(best, el)
         el = best
         nin = sum(map(len, prompts))
-        rec = dict(engine=a.engine, workload=wl, model=os.path.basename(a.model.rstrip("/")),
-                   startup_s=round(startup, 1), elapsed_s=round(el, 3), req_s=round(len(prompts) / el, 2),
-                   total_tok_s=round((nin + nout) / el), out_tok_s=round(nout / el),
-                   ms_per_token=round(1000 * el / max(outs), 3) if len(prompts) == 1 else None,
-                   flags=dict(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-                              enforce_eager=a.enforce_eager, tensor_parallel_size=a.tensor_parallel_size,
-                              quantization=a.quantization))
+        rec = dict(
+            engine=a.engine,
+            workload=wl,
+            model=os.path.basename(a.model.rstrip("/")),
+            startup_s=round(startup, 1),
+            elapsed_s=round(el, 3),
+            req_s=round(len(prompts) / el, 2),
+            total_tok_s=round((nin + nout) / el),
+            out_tok_s=round(nout / el),
+            ms_per_token=round(1000 * el / max(outs), 3) if len(prompts) == 1 else None,
+            flags=dict(
+                max_num_seqs=a.max_num_seqs,
+                max_num_batched_tokens=a.max_num_batched_tokens,
+                enforce_eager=a.enforce_eager,
+                tensor_parallel_size=a.tensor_parallel_size,
+                quantization=a.quantization,
+            ),
+        )
         print("RESULT " + json.dumps(rec), flush=True)
 
 
