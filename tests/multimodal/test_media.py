@@ -9,6 +9,7 @@ import contextlib
 import io
 import ipaddress
 import random
+import ssl
 import struct
 import threading
 import time
@@ -19,6 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from PIL import Image
 
+from asyncserve.multimodal import http_fetch
 from asyncserve.multimodal.http_fetch import address_refusal
 from asyncserve.multimodal.media import (
     MediaError,
@@ -319,3 +321,71 @@ async def test_fetch_image_in_a_loop(server: tuple[int, list[str]]) -> None:
     assert fetched.tobytes() == decoded.tobytes()
     # The synchronous form also works from inside a running loop (it fetches in a thread).
     assert load_image(f"http://localhost:{port}/image.png", LOCAL).size == (8, 6)
+
+
+# --- https: the certificate is checked against the URL's host name -----------------------
+
+
+@pytest.fixture(scope="module")
+def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, str, list[str]]]:
+    """An https server on 127.0.0.1 with a self-signed certificate for `localhost`; records
+    the SNI names clients send."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    directory = tmp_path_factory.mktemp("tls")
+    cert_path, key_path = directory / "cert.pem", directory / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    sni: list[str] = []
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert_path, key_path)
+    context.sni_callback = lambda _sock, server_name, _ctx: sni.append(server_name)  # type: ignore[assignment,misc,return-value]
+    handler = type("Handler", (_Handler,), {"hits": []})
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    httpd.daemon_threads = True
+    httpd.socket = context.wrap_socket(httpd.socket, server_side=True)
+    thread = threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    yield httpd.server_address[1], str(cert_path), sni
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_https_checks_the_certificate_against_the_host_name(
+    tls_server: tuple[int, str, list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    port, cert_path, sni = tls_server
+    url = f"https://localhost:{port}/image.png"
+    # The self-signed certificate is not trusted by default: refused.
+    _expect_refused(url, LOCAL, "CERTIFICATE_VERIFY_FAILED")
+    # Trusted, it matches the URL's name although the connection goes to 127.0.0.1.
+    trusting = ssl.create_default_context(cafile=cert_path)
+    monkeypatch.setattr(http_fetch, "_tls_context", lambda: trusting)
+    assert load_image(url, LOCAL).size == (8, 6)
+    assert sni and set(sni) == {"localhost"}

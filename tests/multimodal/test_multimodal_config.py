@@ -3,9 +3,12 @@ from ASYNCSERVE_IMAGE_FETCH_TIMEOUT, and the MediaPolicy they give."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from asyncserve.cli import build_parser, engine_config_from_args, main
+from asyncserve.cli_server import expand_config_file
 from asyncserve.config import EngineConfig, Environment, MultiModalConfig
 from asyncserve.config.multimodal import DEFAULT_IMAGE_LIMIT
 from asyncserve.multimodal.media import MediaError, load_image
@@ -78,3 +81,16 @@ def test_bad_flag_exits_2_before_loading(capsys: pytest.CaptureFixture[str]) -> 
     assert main(["serve", "--allowed-media-domains", "http://example.com/"]) == 2
     err = capsys.readouterr().err
     assert "allowed_media_domains" in err and len(err.strip().splitlines()) == 1
+
+
+def test_yaml_config_file(tmp_path: Path) -> None:
+    (tmp_path / "c.yaml").write_text(
+        "allowed-media-domains: [a.example, b.example]\nlimit_mm_per_prompt: {image: 3}\n"
+    )
+    parser = build_parser()
+    argv = expand_config_file(
+        ["serve", "--config", str(tmp_path / "c.yaml")], parser.get_default("serve_parser")
+    )
+    multimodal = engine_config_from_args(parser.parse_args(argv), NO_ENV).multimodal
+    assert multimodal.allowed_media_domains == ("a.example", "b.example")
+    assert multimodal.limit("image") == 3
