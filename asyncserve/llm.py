@@ -76,6 +76,8 @@ class LLM:
         max_cpu_loras: int | None = None,
         decode_latency_target_ms: float = DEFAULT_DECODE_LATENCY_TARGET_MS,
         speculative_config: dict[str, Any] | None = None,
+        allowed_media_domains: list[str] | None = None,
+        limit_mm_per_prompt: dict[str, Any] | None = None,
     ) -> None:
         """`data_parallel_size` > 1: that many engine replicas in their own processes (each on
         its own tensor_parallel_size devices); generate() spreads the prompts over them.
@@ -119,6 +121,8 @@ class LLM:
             pipeline_parallel_size=pipeline_parallel_size,
             distributed_executor_backend=distributed_executor_backend,
             ray_placement_strategy=ray_placement_strategy,
+            allowed_media_domains=allowed_media_domains,
+            limit_mm_per_prompt=limit_mm_per_prompt,
         )
         place = Environment.read().dp_rank
         self._dp_group: DataParallelGroup | None = None
