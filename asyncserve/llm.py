@@ -320,15 +320,29 @@ class LLM:
             conversations = messages  # type: ignore[assignment]
         tokenizer = self.engine.tokenizer
         prompts: list[PromptType] = []
+        front_end = getattr(self.engine, "multimodal", None)
         for conversation in conversations:
-            text = tokenizer.apply_chat_template(
-                conversation,
-                add_generation_prompt=add_generation_prompt,
-                tools=tools,
-                **(chat_template_kwargs or {}),
-            )
+
+            def render(messages: list[dict[str, Any]]) -> str:
+                return tokenizer.apply_chat_template(  # type: ignore[no-any-return]
+                    messages,
+                    add_generation_prompt=add_generation_prompt,
+                    tools=tools,
+                    **(chat_template_kwargs or {}),
+                )
+
+            if front_end is None:
+                text, images = render(conversation), []
+            else:
+                # Image parts (image_url, image_pil) become the template's image parts.
+                text, refs = front_end.render_chat(conversation, render)
+                images = front_end.load_images(refs, self.engine.config.multimodal.media_policy())
             # The template already holds BOS where the model wants one.
-            prompts.append(tokenizer.encode(text, add_special_tokens=False))
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if images:
+                prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}})
+            else:
+                prompts.append(ids)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def beam_search(

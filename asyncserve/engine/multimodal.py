@@ -6,24 +6,33 @@ the request reaches the engine: errors name the part that is wrong and cost no e
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+import asyncio
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from asyncserve.config import EngineConfig
 from asyncserve.models.loader import LoadedModel
+from asyncserve.multimodal.chat_parts import (
+    ContentPartError,
+    ImageRef,
+    render_with_images,
+    split_image_parts,
+)
 from asyncserve.multimodal.inputs import MultiModalFeatures, MultiModalInputs
 from asyncserve.multimodal.processor import MultiModalProcessor, as_image_list, build_processor
 from asyncserve.tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    from PIL.Image import Image
+
+    from asyncserve.multimodal.policy import MediaPolicy
+
 SUPPORTED_MODALITIES = ("image",)
 
 
-def image_limit(config: EngineConfig) -> int | None:
-    """--limit-mm-per-prompt's image count; None when not set."""
-    section = getattr(config, "multimodal", None)
-    limits = getattr(section, "limit_mm_per_prompt", None) or {}
-    value = limits.get("image")
-    return int(value) if value is not None else None
+def image_limit(config: EngineConfig) -> int:
+    """Most images one prompt may carry (--limit-mm-per-prompt)."""
+    return config.multimodal.limit("image")
 
 
 class MultiModalFrontEnd:
@@ -86,3 +95,45 @@ class MultiModalFrontEnd:
                 f"the prompt holds the image placeholder {self.processor.image_token!r} but "
                 "no image was given (multi_modal_data)"
             )
+
+    def render_chat(
+        self, messages: list[dict[str, Any]], render: Callable[[list[dict[str, Any]]], str]
+    ) -> tuple[str, list[ImageRef]]:
+        """The chat prompt text (`render`: the chat template over messages) and the image
+        parts to load, in order; the count is checked before anything is loaded."""
+        messages, refs = split_image_parts(messages)
+        where = refs[-1].param if refs else "messages"
+        self.check_image_count(len(refs), where)
+        placeholder = self.processor.image_token if self.processor is not None else ""
+        return render_with_images(render, messages, len(refs), placeholder), refs
+
+    def load_images(self, refs: list[ImageRef], policy: MediaPolicy) -> list[Image]:
+        """Offline: each part's image (URLs read synchronously)."""
+        from asyncserve.multimodal.media import load_image
+
+        images = []
+        for ref in refs:
+            if ref.image is not None:
+                images.append(ref.image)
+                continue
+            assert ref.url is not None
+            try:
+                images.append(load_image(ref.url, policy))
+            except ValueError as exc:
+                raise ContentPartError(str(exc), ref.param + ".image_url") from exc
+        return images
+
+    async def fetch_images(self, refs: list[ImageRef], policy: MediaPolicy) -> list[Image]:
+        """Server: every part's image, fetched concurrently without blocking the loop."""
+        from asyncserve.multimodal.media import fetch_image
+
+        async def one(ref: ImageRef) -> Image:
+            if ref.image is not None:
+                return ref.image  # type: ignore[no-any-return]
+            assert ref.url is not None
+            try:
+                return await fetch_image(ref.url, policy)
+            except ValueError as exc:
+                raise ContentPartError(str(exc), ref.param + ".image_url") from exc
+
+        return list(await asyncio.gather(*(one(ref) for ref in refs)))
