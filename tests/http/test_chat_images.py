@@ -114,5 +114,5 @@ def test_image_to_text_only_model_is_400(client: httpx.Client) -> None:
     response = client.post("/v1/chat/completions", json=body)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
-    assert error["param"] == "messages[0].content[1]"
+    assert error["param"] == "messages[0].content[1].type"
     assert "text-only" in error["message"]
