@@ -25,6 +25,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
     "OPTForCausalLM": ("opt", "OPTForCausalLM"),
+    "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
 }
 
 # model_type -> architecture, for configs that do not list "architectures".
@@ -40,6 +41,7 @@ MODEL_TYPE_TO_ARCH: dict[str, str] = {
     "phi3": "Phi3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "opt": "OPTForCausalLM",
+    "llava": "LlavaForConditionalGeneration",
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
