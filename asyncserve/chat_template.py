@@ -81,13 +81,32 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if not isinstance(role, str):
             raise ValueError(f"messages[{i}].role must be a string")
         content = message.get("content")
-        if isinstance(content, list):
+        if isinstance(content, list) and any(
+            isinstance(p, dict) and p.get("type") == "image" for p in content
+        ):
+            # Vision models' templates iterate over the parts themselves.
+            content = _image_and_text_parts(content, i)
+        elif isinstance(content, list):
             content = "\n".join(_text_parts(content, i))
         elif content is not None and not isinstance(content, str):
             raise ValueError(
                 f"messages[{i}].content must be a string, a list of text parts or null"
             )
         out.append({**message, "content": content})
+    return out
+
+
+def _image_and_text_parts(parts: list[Any], i: int) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for j, part in enumerate(parts):
+        if isinstance(part, dict) and part.get("type") == "image":
+            out.append({"type": "image"})
+            continue
+        if not isinstance(part, dict) or part.get("type") != "text":
+            raise ValueError(f"messages[{i}].content[{j}] must be a text or image part")
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"messages[{i}].content[{j}].text must be a string")
+        out.append({"type": "text", "text": part["text"]})
     return out
 
 

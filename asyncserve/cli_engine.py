@@ -235,6 +235,21 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\'',
     )
     group.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        default=None,
+        metavar="HOST",
+        help="hosts that http(s) image URLs may name (exact host names, space separated); "
+        "without it only data: URLs are read. Private and loopback addresses are refused",
+    )
+    group.add_argument(
+        "--limit-mm-per-prompt",
+        type=_json_object,
+        default=None,
+        help="most multimodal items in one prompt, as JSON, e.g. '{\"image\": 2}' "
+        "(default: 4 images)",
+    )
+    group.add_argument(
         "--stream-interval",
         type=_positive_int,
         default=1,
@@ -281,4 +296,6 @@ def engine_config_from_args(args: argparse.Namespace, env: Environment) -> Engin
         max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras,
         speculative_config=args.speculative_config,
+        allowed_media_domains=args.allowed_media_domains,
+        limit_mm_per_prompt=args.limit_mm_per_prompt,
     )

@@ -376,8 +376,8 @@ def _config_flags(values: dict[str, Any], parser: argparse.ArgumentParser, path:
             continue
         if value is None:
             continue
-        if action.type is _json_list:
-            flags += [flag, json.dumps(value)]
+        if action.type is _json_list or isinstance(value, dict):
+            flags += [flag, json.dumps(value)]  # JSON-valued flags given as YAML mappings
         elif isinstance(value, list):
             flags += [flag, *(str(v) for v in value)]
         else:

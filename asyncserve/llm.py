@@ -19,6 +19,7 @@ from asyncserve.engine.dp_client import DataParallelClient
 from asyncserve.engine.dp_group import DataParallelGroup
 from asyncserve.engine.request_checks import check_token_params
 from asyncserve.lora.request import LoRARequest
+from asyncserve.multimodal.inputs import MultiModalInputs
 from asyncserve.outputs import CompletionOutput, RequestOutput
 from asyncserve.pooling.config import resolve_runner
 from asyncserve.pooling.engine import PoolingEngine
@@ -75,6 +76,8 @@ class LLM:
         max_cpu_loras: int | None = None,
         decode_latency_target_ms: float = DEFAULT_DECODE_LATENCY_TARGET_MS,
         speculative_config: dict[str, Any] | None = None,
+        allowed_media_domains: list[str] | None = None,
+        limit_mm_per_prompt: dict[str, Any] | None = None,
     ) -> None:
         """`data_parallel_size` > 1: that many engine replicas in their own processes (each on
         its own tensor_parallel_size devices); generate() spreads the prompts over them.
@@ -118,6 +121,8 @@ class LLM:
             pipeline_parallel_size=pipeline_parallel_size,
             distributed_executor_backend=distributed_executor_backend,
             ray_placement_strategy=ray_placement_strategy,
+            allowed_media_domains=allowed_media_domains,
+            limit_mm_per_prompt=limit_mm_per_prompt,
         )
         place = Environment.read().dp_rank
         self._dp_group: DataParallelGroup | None = None
@@ -220,7 +225,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order.
 
-        A prompt is a string, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]}.
+        A prompt is a string, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]},
+        a dict optionally with "multi_modal_data": {"image": PIL image or list of them}.
         `lora_request`: one adapter for every prompt, or one (or None) per prompt.
         """
         self._check_generates()
@@ -263,9 +269,21 @@ class LLM:
                 raise ValueError(f"lora_request[{i}] must be a LoRARequest or None")
         for lora in {id(r): r for r in loras if r is not None}.values():
             self._lora_engine().add_lora(lora)
+        # Images are processed up front: a bad one raises before any work.
+        mm_list = [self._multimodal_inputs(p) for p in prompt_list]
         return self._loop.run_until_complete(
-            self._run_all(prompt_list, params_list, priorities, use_tqdm, loras)
+            self._run_all(prompt_list, params_list, priorities, use_tqdm, loras, mm_list)
         )
+
+    def _multimodal_inputs(self, prompt: PromptType) -> MultiModalInputs | None:
+        if not isinstance(prompt, dict) or prompt.get("multi_modal_data") is None:
+            return None
+        front_end = getattr(self.engine, "multimodal", None)
+        if front_end is None:
+            raise ValueError("multi_modal_data is not supported with data parallelism")
+        text, ids = _split_prompt(prompt)
+        source: str | list[int] = ids if ids is not None else (text or "")
+        return front_end.process(source, prompt["multi_modal_data"])  # type: ignore[no-any-return]
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Validate and register an adapter ahead of its first request."""
@@ -302,15 +320,29 @@ class LLM:
             conversations = messages  # type: ignore[assignment]
         tokenizer = self.engine.tokenizer
         prompts: list[PromptType] = []
+        front_end = getattr(self.engine, "multimodal", None)
         for conversation in conversations:
-            text = tokenizer.apply_chat_template(
-                conversation,
-                add_generation_prompt=add_generation_prompt,
-                tools=tools,
-                **(chat_template_kwargs or {}),
-            )
+
+            def render(messages: list[dict[str, Any]]) -> str:
+                return tokenizer.apply_chat_template(  # type: ignore[no-any-return]
+                    messages,
+                    add_generation_prompt=add_generation_prompt,
+                    tools=tools,
+                    **(chat_template_kwargs or {}),
+                )
+
+            if front_end is None:
+                text, images = render(conversation), []
+            else:
+                # Image parts (image_url, image_pil) become the template's image parts.
+                text, refs = front_end.render_chat(conversation, render)
+                images = front_end.load_images(refs, self.engine.config.multimodal.media_policy())
             # The template already holds BOS where the model wants one.
-            prompts.append(tokenizer.encode(text, add_special_tokens=False))
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if images:
+                prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}})
+            else:
+                prompts.append(ids)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def beam_search(
@@ -339,6 +371,7 @@ class LLM:
         priorities: list[int],
         use_tqdm: bool,
         loras: list[LoRARequest | None] | None = None,
+        mm_list: list[MultiModalInputs | None] | None = None,
     ) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * len(prompts)
         progress = tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm)
@@ -352,8 +385,15 @@ class LLM:
             engine_prompt: str | list[int] = ids if ids is not None else (text or "")
             try:
                 lora = loras[index] if loras is not None else None
+                mm = mm_list[index] if mm_list is not None else None
+                kwargs = {"mm_inputs": mm} if mm is not None else {}
                 async for output in self.engine.generate(
-                    engine_prompt, final, request_id, priorities[index], lora_request=lora
+                    engine_prompt,
+                    final,
+                    request_id,
+                    priorities[index],
+                    lora_request=lora,
+                    **kwargs,  # type: ignore[arg-type]
                 ):
                     results[index] = output
             except ValueError as exc:

@@ -2,6 +2,7 @@
 
 sections.py     ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig
 features.py     KVTransferConfig, ObservabilityConfig, LoRAConfig
+multimodal.py   MultiModalConfig (media URL hosts, items per prompt, fetch timeout)
 engine.py       EngineConfig (from_engine_args: vLLM's engine argument names)
 environment.py  Environment (ASYNCSERVE_* variables), DataParallelRank
 server.py       ServerConfig
@@ -17,6 +18,7 @@ from asyncserve.config.features import (
     LoRAConfig,
     ObservabilityConfig,
 )
+from asyncserve.config.multimodal import MultiModalConfig
 from asyncserve.config.sections import (
     DEFAULT_DECODE_LATENCY_TARGET_MS,
     RAY_PLACEMENT_STRATEGIES,
@@ -45,6 +47,7 @@ __all__ = [
     "LoRAConfig",
     "LoadFormat",
     "ModelConfig",
+    "MultiModalConfig",
     "ObservabilityConfig",
     "ParallelConfig",
     "SchedulerConfig",

@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from asyncserve.config.environment import image_fetch_timeout_s
 from asyncserve.config.features import KVTransferConfig, LoRAConfig, ObservabilityConfig
+from asyncserve.config.multimodal import (
+    DEFAULT_MEDIA_FETCH_TIMEOUT_S,
+    MultiModalConfig,
+    parse_allowed_media_domains,
+    parse_limit_mm_per_prompt,
+)
 from asyncserve.config.sections import (
     DEFAULT_DECODE_LATENCY_TARGET_MS,
     CacheConfig,
@@ -27,6 +35,7 @@ class EngineConfig:
     kv_transfer: KVTransferConfig | None = None
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     speculative: SpeculativeConfig | None = None
+    multimodal: MultiModalConfig = field(default_factory=MultiModalConfig)
     # Step-loop behaviour.
     enable_cuda_graphs: bool = True
     stream_interval: int = 1
@@ -86,6 +95,8 @@ class EngineConfig:
         pipeline_parallel_size: int = 1,
         distributed_executor_backend: str | None = None,
         ray_placement_strategy: str = "STRICT_PACK",
+        allowed_media_domains: str | Sequence[str] | None = None,
+        limit_mm_per_prompt: str | dict[str, Any] | None = None,
     ) -> EngineConfig:
         """The engine's configuration from vLLM's engine argument names (LLM(...) and the
         serve flags both come here)."""
@@ -144,6 +155,11 @@ class EngineConfig:
             speculative=None
             if speculative_config is None
             else SpeculativeConfig.from_value(speculative_config),
+            multimodal=MultiModalConfig(
+                allowed_media_domains=parse_allowed_media_domains(allowed_media_domains),
+                limit_mm_per_prompt=parse_limit_mm_per_prompt(limit_mm_per_prompt),
+                media_fetch_timeout_s=image_fetch_timeout_s() or DEFAULT_MEDIA_FETCH_TIMEOUT_S,
+            ),
             enable_cuda_graphs=not enforce_eager,
             stream_interval=stream_interval,
         ).checked()

@@ -47,6 +47,21 @@ def _read_dp_rank() -> DataParallelRank | None:
     )
 
 
+def image_fetch_timeout_s() -> float | None:
+    """ASYNCSERVE_IMAGE_FETCH_TIMEOUT (vLLM: VLLM_IMAGE_FETCH_TIMEOUT): seconds one media URL
+    fetch may take; None when unset."""
+    text = os.environ.get("ASYNCSERVE_IMAGE_FETCH_TIMEOUT")
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"ASYNCSERVE_IMAGE_FETCH_TIMEOUT must be a number, got {text!r}") from None
+    if not value > 0:
+        raise ValueError(f"ASYNCSERVE_IMAGE_FETCH_TIMEOUT must be > 0, got {text!r}")
+    return value
+
+
 def _read_visible_devices() -> tuple[str, ...] | None:
     text = os.environ.get("CUDA_VISIBLE_DEVICES")
     if not text:

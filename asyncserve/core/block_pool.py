@@ -18,7 +18,12 @@ from collections.abc import Iterable, Sequence
 _ROOT_HASH = 0x5EED_CAFE
 
 
-def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], lora_int_id: int = 0) -> int:
+def hash_block(
+    parent_hash: int | None,
+    token_ids: tuple[int, ...],
+    lora_int_id: int = 0,
+    extra_keys: tuple[int, ...] = (),
+) -> int:
     """Chained hash of one full block: its tokens and the hash of every block before it.
 
     The first block's parent is a root per LoRA adapter (`lora_int_id`, 0 for none), so
@@ -30,6 +35,8 @@ def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], lora_int_id:
     """
     if parent_hash is None:
         parent_hash = _ROOT_HASH if lora_int_id == 0 else hash((_ROOT_HASH, lora_int_id))
+    if extra_keys:  # the hashes of the images whose placeholders the block holds
+        return hash((parent_hash, token_ids, extra_keys))
     return hash((parent_hash, token_ids))
 
 

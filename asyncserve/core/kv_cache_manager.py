@@ -249,8 +249,11 @@ class KVCacheManager:
             bs = self.block_size
             parent = hashes[-1] if n else None
             lora_id = request.lora_int_id
+            mm = request.mm_features
             for i in range(n, num_blocks):
                 tokens = tuple(request.token_ids_slice(i * bs, (i + 1) * bs))
-                parent = hash_block(parent, tokens, lora_id)
+                # Same placeholder tokens, different image: a different block.
+                extra = mm.block_extra_keys(i * bs, (i + 1) * bs) if mm is not None else ()
+                parent = hash_block(parent, tokens, lora_id, extra)
                 hashes.append(parent)
         return hashes

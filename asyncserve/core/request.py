@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from asyncserve.lora.request import LoRARequest
+from asyncserve.multimodal.inputs import MultiModalFeatures
 from asyncserve.sampling_params import SamplingParams
 
 
@@ -47,6 +48,8 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     max_tokens: int = 16  # resolved from sampling_params and max_model_len by the engine
     lora_request: LoRARequest | None = None
+    # Images of the prompt: their placeholder runs and hashes (see multimodal/inputs.py).
+    mm_features: MultiModalFeatures | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -310,6 +310,7 @@ class Scheduler:
                     block_ids=kv.get_block_ids(r.request_id),
                     num_computed_tokens=r.num_computed_tokens,
                     lora_request=r.lora_request,
+                    mm_features=r.mm_features,
                 )
                 for r in step.new
             ],

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from asyncserve.lora.request import LoRARequest
+from asyncserve.multimodal.inputs import MultiModalFeatures
 from asyncserve.sampling_params import SamplingParams
 
 
@@ -26,6 +27,8 @@ class NewRequestData:
     # Tokens already in the cache (a prefix hit), so computing starts here.
     num_computed_tokens: int
     lora_request: LoRARequest | None = None
+    # Images (pixel tensors, placeholder runs, hashes) and model positions; see multimodal/.
+    mm_features: MultiModalFeatures | None = None
 
 
 @dataclass

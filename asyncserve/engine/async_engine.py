@@ -22,6 +22,7 @@ from asyncserve.disagg.engine_hooks import (
 )
 from asyncserve.disagg.kv_transfer import KVTransferError
 from asyncserve.engine.engine_core import EngineCore
+from asyncserve.engine.multimodal import MultiModalFrontEnd
 from asyncserve.engine.request_checks import check_request, check_token_params, truncate_prompt
 from asyncserve.engine.setup import eos_token_ids, load_for_engine, make_tracer, resolve_device
 from asyncserve.engine.step_loop import StepLoop
@@ -32,6 +33,7 @@ from asyncserve.lora.layers import module_shapes
 from asyncserve.lora.request import LoRARequest
 from asyncserve.metrics import EngineMetrics
 from asyncserve.models.loader import LoadedModel
+from asyncserve.multimodal.inputs import MultiModalInputs
 from asyncserve.output.output_processor import OutputProcessor, ParentState
 from asyncserve.output.request_stream import RequestStream
 from asyncserve.outputs import RequestOutput
@@ -93,6 +95,7 @@ class AsyncEngine:
             self.tokenizer, config.stream_interval, metrics, self.tracer
         )
         self.eos_token_ids = eos_token_ids(loaded, self.tokenizer.eos_token_id)
+        self.multimodal = MultiModalFrontEnd.build(loaded, config)
         # Grammar matchers; masks are filled on its own thread while the forward runs.
         self.structured = StructuredOutputManager(
             self.tokenizer.backend,
@@ -316,7 +319,10 @@ class AsyncEngine:
         priority: int = 0,
         trace_headers: Mapping[str, str] | None = None,
         lora_request: LoRARequest | None = None,
+        mm_inputs: MultiModalInputs | None = None,
     ) -> RequestStream:
+        """`mm_inputs`: the prompt's images, processed (self.multimodal.process); its
+        expanded token ids replace the prompt's."""
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if self._dead_reason is not None:
@@ -327,7 +333,11 @@ class AsyncEngine:
         else:
             prompt_text = None
             prompt_ids = list(prompt)
-        prompt_ids = self.truncate_prompt(prompt_ids, params)
+        if mm_inputs is not None:
+            prompt_ids = list(mm_inputs.prompt_token_ids)  # images are never truncated away
+        else:
+            prompt_ids = self.truncate_prompt(prompt_ids, params)
+            self.multimodal.check_text_prompt(prompt_ids)
         self.validate_request(prompt_ids, params, strict_max_tokens=False)
         if lora_request is not None:
             self.add_lora(lora_request)
@@ -359,6 +369,7 @@ class AsyncEngine:
                     arrival_time=parent.arrival_time,
                     max_tokens=max_tokens,
                     lora_request=lora_request,
+                    mm_features=mm_inputs.features if mm_inputs is not None else None,
                 )
             )
         self.core.add(parent, requests)
@@ -374,6 +385,7 @@ class AsyncEngine:
         priority: int = 0,
         trace_headers: Mapping[str, str] | None = None,
         lora_request: LoRARequest | None = None,
+        mm_inputs: MultiModalInputs | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """`trace_headers`: the W3C trace context of the HTTP request, when tracing is on."""
         if not self.is_running:
@@ -391,7 +403,7 @@ class AsyncEngine:
                 yield failed_output(request_id, prompt, ids, sampling_params.n, str(exc))
                 return
         stream = self.add_request(
-            prompt, sampling_params, request_id, priority, trace_headers, lora_request
+            prompt, sampling_params, request_id, priority, trace_headers, lora_request, mm_inputs
         )
         try:
             while True:

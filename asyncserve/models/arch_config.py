@@ -7,10 +7,12 @@ layout) have defaults that leave a plain Llama unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
 
+from asyncserve.models.mm_config import NESTED_TEXT_CONFIG, text_config_dict
 from asyncserve.models.registry import (
     MODEL_TYPE_TO_ARCH,
     SUPPORTED_ARCHITECTURES,
@@ -93,6 +95,10 @@ class ArchConfig:
     # M-RoPE (Qwen2-VL family): rotary frequencies turned by the temporal / height / width
     # position rows, in parts of these sizes (summing to head_dim / 2); () is plain RoPE.
     mrope_section: tuple[int, ...] = ()
+    # A multimodal model: its language model's architecture (the shape above is that
+    # model's) and the whole HF config, vision part included (see models/mm_config.py).
+    text_architecture: str | None = None
+    multimodal_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -135,6 +141,15 @@ class ArchConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ArchConfig:
         arch = _architecture(d)
+        if arch in NESTED_TEXT_CONFIG:
+            text = cls.from_hf_dict(text_config_dict(d))
+            return dataclasses.replace(
+                text,
+                architecture=arch,
+                model_type=str(d.get("model_type") or ""),
+                text_architecture=text.architecture,
+                multimodal_config=d,
+            )
         model_type = str(d.get("model_type") or "")
         hidden = _int(d, "hidden_size")
         heads = _int(d, "num_attention_heads")

@@ -195,10 +195,15 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`inputs_embeds` [T, hidden], when given, replace the token embeddings (a
+        multimodal model's image rows written over its placeholders)."""
         pp = self.pp
         residual: torch.Tensor | None = None
-        if pp is None or pp.is_first:
+        if inputs_embeds is not None:
+            hidden = inputs_embeds
+        elif pp is None or pp.is_first:
             hidden = self.embed_tokens(input_ids)
             if self.embedding_multiplier != 1.0:
                 hidden = hidden * self.embedding_multiplier

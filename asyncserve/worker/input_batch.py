@@ -11,6 +11,7 @@ from asyncserve.core.request import token_slice
 from asyncserve.core.step import StepPlan
 from asyncserve.lora.request import LoRARequest
 from asyncserve.models.attention import AttentionMetadata
+from asyncserve.multimodal.inputs import MultiModalFeatures
 from asyncserve.sampling_params import SamplingParams
 
 # Stands for a token sampled by a step still in flight (see model_runner.LaunchedStep).
@@ -32,6 +33,7 @@ class CachedRequestState:
     # holds it, and the row.
     in_flight: tuple[torch.Tensor, int] | None = None
     lora_request: LoRARequest | None = None
+    mm_features: MultiModalFeatures | None = None
 
     @property
     def num_tokens(self) -> int:

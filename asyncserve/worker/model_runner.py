@@ -25,6 +25,7 @@ from asyncserve.config import EngineConfig
 from asyncserve.core.step import GrammarBitmask, StepPlan, StepResult
 from asyncserve.lora.slots import LoRASlots
 from asyncserve.models.loader import LoadedModel, load_safetensors_weights
+from asyncserve.models.multimodal import is_multimodal, uses_mrope
 from asyncserve.models.parallel import SINGLE, TensorParallel
 from asyncserve.models.pipeline import PipelineStage
 from asyncserve.spec_decode.config import can_speculate
@@ -34,6 +35,7 @@ from asyncserve.spec_decode.ngram_proposer import NgramProposer
 from asyncserve.spec_decode.verify import expand_request_ids, verify
 from asyncserve.worker import kv_blocks
 from asyncserve.worker.cuda_graphs import DecodeGraphs
+from asyncserve.worker.encoder_cache import EncoderCache
 from asyncserve.worker.grammar_mask import apply_grammar_bitmask
 from asyncserve.worker.input_batch import (
     PLACEHOLDER_TOKEN,
@@ -49,6 +51,7 @@ from asyncserve.worker.kv_pool import (
     kv_cache_dtype,
 )
 from asyncserve.worker.logprobs import prompt_logprobs, row_entry
+from asyncserve.worker.mm_embeds import StepEmbedder, mrope_positions
 from asyncserve.worker.runner_steps import ForwardedStep as ForwardedStep
 from asyncserve.worker.runner_steps import LaunchedStep as LaunchedStep
 from asyncserve.worker.runner_steps import step_seed
@@ -111,6 +114,11 @@ class ModelRunner:
                 device,
             )
         self.max_model_len = 0
+        # Image embeddings by hash: room for several steps' worth of image rows.
+        self.embedder: StepEmbedder | None = None
+        if is_multimodal(self.model):
+            rows = max(config.scheduler.max_num_batched_tokens, 8192)
+            self.embedder = StepEmbedder(self.model, EncoderCache(rows))  # type: ignore[arg-type]
         spec = config.speculative
         self.proposer: NgramProposer | DraftProposer | EagleProposer | None = None
         if spec is not None and spec.method == "ngram":
@@ -162,6 +170,7 @@ class ModelRunner:
             and self.config.enable_cuda_graphs
             and self.pp is None
             and not isinstance(self.proposer, EagleProposer)
+            and not uses_mrope(self.model)  # [3, T] positions: not in the captured graphs
         ):
             self.decode_graphs = DecodeGraphs(
                 self.model,
@@ -201,6 +210,7 @@ class ModelRunner:
                 num_computed_tokens=new.num_computed_tokens,
                 stop_token_ids=set(params.all_stop_token_ids),
                 lora_request=new.lora_request,
+                mm_features=new.mm_features,
             )
         for running in plan.running_requests:
             state = self.states[running.request_id]
@@ -259,7 +269,10 @@ class ModelRunner:
             forwarded.logits = self.decode_graphs.run(inputs)
             launched()
         else:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            if self.embedder is not None:
+                hidden = self._forward_multimodal(inputs)
+            else:
+                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
             launched()
             forwarded.hidden = hidden
             if isinstance(self.proposer, EagleProposer):
@@ -269,6 +282,19 @@ class ModelRunner:
             if self.pp is None or self.pp.is_last:
                 prompt_logprobs(self.model, self.states, inputs, hidden, forwarded.step.result)
         return forwarded
+
+    def _forward_multimodal(self, inputs: StepInputs) -> torch.Tensor:
+        """Image rows over the placeholders (when the step reaches any), model positions."""
+        assert self.embedder is not None
+        embeds = self.embedder.inputs_embeds(inputs, self.states)
+        positions = inputs.positions
+        if uses_mrope(self.model):
+            positions = mrope_positions(inputs, self.states)
+        if embeds is None:
+            return self.model(inputs.input_ids, positions, self.kv_caches, inputs.meta)
+        return self.model(
+            inputs.input_ids, positions, self.kv_caches, inputs.meta, inputs_embeds=embeds
+        )
 
     @torch.inference_mode()
     def launch_sampling(

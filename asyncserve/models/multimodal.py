@@ -1,0 +1,52 @@
+"""What the engine needs from a model that takes images (beside CausalLM's surface).
+
+The runner (worker/mm_embeds.py) asks the model for the embeddings of the images a step
+reaches (`embed_images`, batched, through the encoder cache), embeds the step's token ids
+(`embed_input_ids`), writes the image rows over the placeholder positions and calls
+`forward(..., inputs_embeds=...)`. A step that reaches no image calls the plain forward.
+
+Models with their own position ids (`uses_mrope`, Qwen2.5-VL's M-RoPE) get positions of
+shape [3, T]: each request's rows from its MultiModalFeatures (prompt) or index + delta
+(output tokens); text-only requests get their plain positions on all three rows.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from asyncserve.models.attention import AttentionMetadata
+from asyncserve.models.base import CausalLM
+from asyncserve.multimodal.inputs import MultiModalItem
+
+
+class MultiModalCausalLM(CausalLM):
+    supports_multimodal: ClassVar[bool] = True
+    uses_mrope: ClassVar[bool] = False
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] token ids -> [T, hidden] input embeddings (before any image rows)."""
+        raise NotImplementedError
+
+    def embed_images(self, items: list[MultiModalItem]) -> list[torch.Tensor]:
+        """One [item.length, hidden] tensor per item (model dtype, on the model's device)."""
+        raise NotImplementedError
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def is_multimodal(model: torch.nn.Module) -> bool:
+    return bool(getattr(model, "supports_multimodal", False))
+
+
+def uses_mrope(model: torch.nn.Module) -> bool:
+    return bool(getattr(model, "uses_mrope", False))

@@ -1,0 +1,102 @@
+"""The multimodal part of a step on the worker: image embeddings over placeholder rows, and
+model-provided positions (M-RoPE).
+
+Chunked prefill may cut a prompt inside an image's placeholder run. As in vLLM, the whole
+image is encoded when a step first reaches any of its placeholder positions and the step
+takes the rows it covers; the embeddings stay in the encoder cache (keyed by the image's
+hash) for the chunks that follow, and for any later request with the same image.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from asyncserve.multimodal.inputs import MultiModalItem
+from asyncserve.worker.encoder_cache import EncoderCache
+
+if TYPE_CHECKING:
+    from asyncserve.models.multimodal import MultiModalCausalLM
+    from asyncserve.worker.input_batch import CachedRequestState, StepInputs
+
+
+class StepEmbedder:
+    def __init__(self, model: MultiModalCausalLM, cache: EncoderCache) -> None:
+        self.model = model
+        self.cache = cache
+
+    def inputs_embeds(
+        self, inputs: StepInputs, states: dict[str, CachedRequestState]
+    ) -> torch.Tensor | None:
+        """[T, hidden] input embeddings with the image rows written in, or None when no
+        scheduled token of this step is an image placeholder (the plain forward then)."""
+        # (flat row range, item, item row range) of every placeholder run this step covers.
+        pieces: list[tuple[int, int, MultiModalItem, int]] = []
+        base = 0
+        for rid, start, count in zip(inputs.request_ids, inputs.starts, inputs.counts, strict=True):
+            features = states[rid].mm_features
+            if features is not None:
+                end = start + count
+                for item in features.items:
+                    lo, hi = max(start, item.offset), min(end, item.end)
+                    if lo < hi:
+                        pieces.append((base + lo - start, hi - lo, item, lo - item.offset))
+            base += count
+        if not pieces:
+            return None
+        encoded = self._encode([item for _, _, item, _ in pieces])
+        embeds = self.model.embed_input_ids(inputs.input_ids)
+        rows = torch.cat([torch.arange(at, at + n) for at, n, _, _ in pieces])
+        values = torch.cat([encoded[item.hash][first : first + n] for _, n, item, first in pieces])
+        embeds[rows.to(embeds.device)] = values.to(embeds.dtype)
+        return embeds
+
+    def _encode(self, items: list[MultiModalItem]) -> dict[str, torch.Tensor]:
+        """Every item's embeddings: from the cache, or encoded in one batch."""
+        found: dict[str, torch.Tensor] = {}
+        missing: dict[str, MultiModalItem] = {}
+        for item in items:
+            if item.hash in found or item.hash in missing:
+                continue
+            cached = self.cache.get(item.hash)
+            if cached is not None:
+                found[item.hash] = cached
+            else:
+                missing[item.hash] = item
+        if missing:
+            todo = list(missing.values())
+            outputs = self.model.embed_images(todo)
+            for item, out in zip(todo, outputs, strict=True):
+                if out.shape[0] != item.length:
+                    raise RuntimeError(
+                        f"the model encoded an image into {out.shape[0]} rows; its "
+                        f"placeholder run has {item.length}"
+                    )
+                found[item.hash] = out
+                self.cache.put(item.hash, out)
+            self.cache.num_encoded += len(todo)
+        return found
+
+
+def mrope_positions(inputs: StepInputs, states: dict[str, CachedRequestState]) -> torch.Tensor:
+    """[3, T] positions: the processor's rows for prompt tokens of requests that have them,
+    index + delta on every row past the prompt, the plain position elsewhere."""
+    out = inputs.positions.unsqueeze(0).expand(3, -1).clone()
+    base = 0
+    for rid, start, count in zip(inputs.request_ids, inputs.starts, inputs.counts, strict=True):
+        state = states[rid]
+        features = state.mm_features
+        if features is not None and (
+            features.mrope_positions is not None or features.mrope_position_delta
+        ):
+            end = start + count
+            num_prompt = len(state.prompt_token_ids)
+            rows = torch.arange(start, end, dtype=torch.int64) + features.mrope_position_delta
+            rows = rows.unsqueeze(0).repeat(3, 1)
+            if features.mrope_positions is not None and start < num_prompt:
+                upto = min(end, num_prompt)
+                rows[:, : upto - start] = features.mrope_positions[:, start:upto]
+            out[:, base : base + count] = rows.to(out.device)
+        base += count
+    return out
