@@ -23,6 +23,8 @@ from asyncserve.models.arch_config import ArchConfig
 from asyncserve.models.attention import AttentionMetadata
 from asyncserve.models.llama import LlamaForCausalLM
 from asyncserve.models.multimodal import MultiModalCausalLM
+from asyncserve.models.parallel import SINGLE, TensorParallel
+from asyncserve.models.pipeline import PipelineStage
 from asyncserve.models.qwen2_5_vl_vision import Qwen2_5_VisionTransformer, VisionConfig
 from asyncserve.models.weights import Target, load_checkpoint
 from asyncserve.multimodal.inputs import MultiModalItem
@@ -53,8 +55,19 @@ class Qwen2_5_VLArch:
 class Qwen2_5_VLForConditionalGeneration(MultiModalCausalLM):
     uses_mrope = True
 
-    def __init__(self, config: ArchConfig, ops: KernelOps) -> None:
+    def __init__(
+        self,
+        config: ArchConfig,
+        ops: KernelOps,
+        tp: TensorParallel = SINGLE,
+        pp: PipelineStage | None = None,
+    ) -> None:
         super().__init__()
+        if tp.size > 1 or pp is not None:
+            raise ValueError(
+                "Qwen2_5_VLForConditionalGeneration does not support tensor or pipeline "
+                "parallelism yet"
+            )
         if config.multimodal_config is None:
             raise ValueError("Qwen2_5_VLForConditionalGeneration needs its full config")
         if not config.mrope_section:

@@ -171,3 +171,31 @@ def test_placeholder_count_mismatch_is_a_clear_error(qwen: LLM) -> None:
     image = random_image(60)
     with pytest.raises(ValueError, match="1 '<\\|image_pad\\|>' placeholder.*2 image"):
         qwen.generate({"prompt": ONE, "multi_modal_data": {"image": [image, image]}}, GREEDY)
+
+
+def test_repeated_image_is_encoded_once(qwen: LLM) -> None:
+    runner = qwen.engine.runner  # type: ignore[union-attr]
+    assert runner is not None and runner.embedder is not None
+    image = random_image(70, 100, 60)
+    before = runner.embedder.cache.num_encoded
+    question = f"<|im_start|>user\n{IMAGE}Describe it.<|im_end|>\n<|im_start|>assistant\n"
+    qwen.generate({"prompt": ONE, "multi_modal_data": {"image": image}}, GREEDY, use_tqdm=False)
+    qwen.generate(
+        {"prompt": question, "multi_modal_data": {"image": image}}, GREEDY, use_tqdm=False
+    )
+    assert runner.embedder.cache.num_encoded == before + 1
+
+
+def test_parallelism_is_refused_by_name(tiny_dir: Path) -> None:
+    import json
+
+    from asyncserve.kernels.ops import REFERENCE_OPS
+    from asyncserve.models.arch_config import ArchConfig
+    from asyncserve.models.parallel import TensorParallel
+    from asyncserve.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+
+    config = ArchConfig.from_hf_dict(json.loads((tiny_dir / "config.json").read_text()))
+    assert config.mrope_section == (2, 3, 3)
+    tp = TensorParallel(rank=0, size=2)
+    with pytest.raises(ValueError, match="tensor or pipeline parallelism"):
+        Qwen2_5_VLForConditionalGeneration(config, REFERENCE_OPS, tp=tp)
