@@ -199,3 +199,63 @@ def test_parallelism_is_refused_by_name(tiny_dir: Path) -> None:
     tp = TensorParallel(rank=0, size=2)
     with pytest.raises(ValueError, match="tensor or pipeline parallelism"):
         Qwen2_5_VLForConditionalGeneration(config, REFERENCE_OPS, tp=tp)
+
+
+# Qwen2.5-VL-7B-Instruct's config.json as published (flat text fields, rope_scaling mrope).
+HUB_7B: dict[str, Any] = {
+    "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "vision_start_token_id": 151652,
+    "vision_end_token_id": 151653,
+    "image_token_id": 151655,
+    "video_token_id": 151656,
+    "hidden_act": "silu",
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "max_position_embeddings": 128000,
+    "max_window_layers": 28,
+    "model_type": "qwen2_5_vl",
+    "num_attention_heads": 28,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 4,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "sliding_window": 32768,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_sliding_window": False,
+    "vision_config": {
+        "depth": 32,
+        "hidden_act": "silu",
+        "hidden_size": 1280,
+        "intermediate_size": 3420,
+        "num_heads": 16,
+        "in_chans": 3,
+        "out_hidden_size": 3584,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "spatial_patch_size": 14,
+        "window_size": 112,
+        "fullatt_block_indexes": [7, 15, 23, 31],
+        "tokens_per_second": 2,
+        "temporal_patch_size": 2,
+    },
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+    "vocab_size": 152064,
+}
+
+
+def test_published_7b_config() -> None:
+    from asyncserve.models.arch_config import ArchConfig
+    from asyncserve.models.qwen2_5_vl import Qwen2_5_VLArch
+
+    config = ArchConfig.from_hf_dict(HUB_7B)
+    assert config.architecture == "Qwen2_5_VLForConditionalGeneration"
+    assert (config.hidden_size, config.num_hidden_layers, config.head_dim) == (3584, 28, 128)
+    assert config.attention_bias and config.rope_scaling is None and config.rope_theta == 1e6
+    assert config.mrope_section == (16, 24, 24)
+    assert config.max_position_embeddings == 128000 and config.sliding_window is None
+    vl = Qwen2_5_VLArch.from_hf_dict(HUB_7B)
+    assert vl.image_token_id == 151655 and vl.vision.head_dim == 80
+    assert vl.vision.fullatt_block_indexes == (7, 15, 23, 31)
