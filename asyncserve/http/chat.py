@@ -10,6 +10,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from asyncserve.http.chat_images import load_chat_images
 from asyncserve.http.chat_prompt import render_chat_prompt
 from asyncserve.http.errors import APIError
 from asyncserve.http.limits import Ticket
@@ -87,6 +88,7 @@ class _Job:
                 priority=self.body.priority,
                 trace_headers=self.trace_headers,
                 lora_request=self.state.lora_for(self.body.model),
+                **({"mm_inputs": self.prompt.mm_inputs} if self.prompt.mm_inputs else {}),
             )
         )
 
@@ -132,9 +134,14 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     if tools.forced:
         constraint = "tools"
 
+    images = await load_chat_images(state.engine, body)
+
     def prepare() -> PromptInput:  # in the preprocessing pool: off the event loop
-        text = render_chat_prompt(state.engine.tokenizer, body, state.config.chat_template)
+        text = render_chat_prompt(state.engine.tokenizer, body, state.config.chat_template, images)
         prompt = state.prepare(text, body.add_special_tokens, params)
+        mm = images.process(prompt.token_ids)
+        if mm is not None:
+            prompt = PromptInput(prompt.text, mm.prompt_token_ids, mm)
         state.validate(prompt, params, "messages", max_tokens_param, constraint)
         return prompt
 

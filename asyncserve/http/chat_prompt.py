@@ -8,18 +8,25 @@ the messages, flattens text content parts, and implements vLLM's `continue_final
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from asyncserve.http.errors import APIError
 from asyncserve.http.protocol import ChatCompletionRequest, ChatMessage
+from asyncserve.multimodal.chat_parts import render_with_images
+
+if TYPE_CHECKING:
+    from asyncserve.http.chat_images import ChatImages
 
 
-def _message_text(message: ChatMessage, index: int) -> str | None:
+def _message_text(message: ChatMessage, index: int) -> str | list[dict[str, Any]] | None:
     content = message.content
     if content is None or isinstance(content, str):
         return content
+    if any(part.type == "image_url" for part in content):
+        # The parts as sent; chat_images.py checks them and turns images into template parts.
+        return [msgspec.to_builtins(part) for part in content]
     texts = []
     for j, part in enumerate(content):
         if part.type != "text":
@@ -107,11 +114,15 @@ def _add_generation_prompt(body: ChatCompletionRequest) -> bool:
 
 
 def render_chat_prompt(
-    tokenizer: Any, body: ChatCompletionRequest, chat_template: str | None = None
+    tokenizer: Any,
+    body: ChatCompletionRequest,
+    chat_template: str | None = None,
+    images: ChatImages | None = None,
 ) -> str:
     """The prompt text for a chat request (raises APIError naming the field on bad input);
-    `chat_template`: the server's --chat-template, used instead of the tokenizer's."""
-    messages = messages_to_dicts(body.messages)
+    `chat_template`: the server's --chat-template, used instead of the tokenizer's;
+    `images`: the messages with image parts (chat_images.py)."""
+    messages = messages_to_dicts(body.messages) if images is None else images.messages
     add_generation_prompt = _add_generation_prompt(body)
     kwargs = dict(body.chat_template_kwargs or {})
     for reserved in _RESERVED_KWARGS:
@@ -122,10 +133,17 @@ def render_chat_prompt(
     if chat_template is not None:
         kwargs["chat_template"] = chat_template
     tools = [msgspec.to_builtins(t) for t in body.tools] if body.tools else None
-    try:
-        text = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs
+
+    def render(view: list[dict[str, Any]]) -> str:
+        return tokenizer.apply_chat_template(  # type: ignore[no-any-return]
+            view, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs
         )
+
+    try:
+        if images is not None and images.images:
+            text = render_with_images(render, messages, len(images.images), images.placeholder)
+        else:
+            text = render(messages)
     except ValueError as exc:
         raise APIError(f"the chat template could not be applied: {exc}", 400, "messages") from exc
     except Exception as exc:  # a template raising on these messages (jinja2 errors and the like)

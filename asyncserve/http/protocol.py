@@ -113,6 +113,8 @@ class CompletionRequest(SamplingFields, kw_only=True):
 class ContentPart(msgspec.Struct, kw_only=True):
     type: str
     text: str | None = None
+    # {"url": "data:..." or "https://...", "detail": ...} (OpenAI's image part)
+    image_url: dict[str, Any] | str | None = None
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):

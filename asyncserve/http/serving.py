@@ -38,6 +38,7 @@ from asyncserve.http.protocol import (
 from asyncserve.http.sse import ClientDisconnected
 from asyncserve.lora.request import LoRARequest
 from asyncserve.metrics import ServerMetrics
+from asyncserve.multimodal.inputs import MultiModalInputs
 from asyncserve.outputs import RequestOutput
 from asyncserve.sampling_params import SamplingParams
 
@@ -51,6 +52,8 @@ DEFAULT_MAX_LOG_LEN = 512
 class PromptInput:
     text: str | None  # None when the client sent token ids and nobody needs the text
     token_ids: list[int]
+    # The prompt's images, processed (token_ids are then the expanded ids).
+    mm_inputs: MultiModalInputs | None = None
 
 
 @dataclass

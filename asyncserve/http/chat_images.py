@@ -1,0 +1,67 @@
+"""Image parts of a chat request: checked, then fetched on the event loop (data: URLs decoded
+in a thread, http(s) URLs under the --allowed-media-domains policy), before the prompt is
+rendered and processed in the preprocessing pool. Every refusal is a 400 naming the part."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from asyncserve.http.chat_prompt import messages_to_dicts
+from asyncserve.http.errors import APIError
+from asyncserve.http.protocol import ChatCompletionRequest
+from asyncserve.multimodal.chat_parts import ContentPartError, split_image_parts
+from asyncserve.multimodal.inputs import MultiModalInputs
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
+
+    from asyncserve.engine.multimodal import MultiModalFrontEnd
+
+
+@dataclass
+class ChatImages:
+    """The messages as the template sees them and the images, in part order."""
+
+    messages: list[dict[str, Any]]
+    images: list[Image] = field(default_factory=list)
+    front_end: MultiModalFrontEnd | None = None
+
+    @property
+    def placeholder(self) -> str:
+        processor = self.front_end.processor if self.front_end is not None else None
+        return processor.image_token if processor is not None else ""
+
+    def process(self, prompt_token_ids: list[int]) -> MultiModalInputs | None:
+        """Placeholders expanded, images preprocessed (blocking: in the pool); None
+        without images."""
+        if not self.images:
+            return None
+        assert self.front_end is not None
+        try:
+            return self.front_end.process(prompt_token_ids, {"image": self.images})
+        except ValueError as exc:
+            raise APIError(str(exc), 400, "messages") from exc
+
+
+async def load_chat_images(engine: Any, body: ChatCompletionRequest) -> ChatImages:
+    messages = messages_to_dicts(body.messages)
+    try:
+        messages, refs = split_image_parts(messages)
+    except ContentPartError as exc:
+        raise APIError(str(exc), 400, exc.param) from exc
+    if not refs:
+        return ChatImages(messages)
+    front_end: MultiModalFrontEnd | None = getattr(engine, "multimodal", None)
+    config = getattr(engine, "config", None)
+    if front_end is None or config is None:
+        raise APIError("images are not supported by this server's engine", 400, refs[0].param)
+    try:
+        # Nothing is fetched for a prompt that cannot take its images.
+        front_end.check_image_count(len(refs), refs[-1].param)
+        images = await front_end.fetch_images(refs, config.multimodal.media_policy())
+    except ContentPartError as exc:
+        raise APIError(str(exc), 400, exc.param) from exc
+    except ValueError as exc:
+        raise APIError(str(exc), 400, refs[-1].param) from exc
+    return ChatImages(messages, images, front_end)

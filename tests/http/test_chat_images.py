@@ -1,0 +1,118 @@
+"""Images in chat over HTTP: data: URLs through the OpenAI SDK against a tiny LLaVA server,
+equal to the offline engine's tokens; 400s naming the bad part."""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.http.conftest import ServerProcess
+from tests.multimodal.conftest import random_image
+from tests.multimodal.conftest import tiny_llava_dir as tiny_llava_dir  # noqa: F401 (fixture)
+
+QUESTION = {"type": "text", "text": "What is in the picture?"}
+
+
+def data_url(image: Any, fmt: str = "PNG") -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt)
+    mime = "jpeg" if fmt == "JPEG" else fmt.lower()
+    return f"data:image/{mime};base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def image_part(url: str) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+@pytest.fixture(scope="module")
+def llava_server(
+    tiny_llava_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:  # noqa: F811
+    args = [str(tiny_llava_dir), "--served-model-name", "llava", "--device", "cpu",
+            "--max-model-len", "256", "--kv-cache-memory", str(16 << 20),
+            "--limit-mm-per-prompt", '{"image": 2}']  # fmt: skip
+    proc = ServerProcess(args, tmp_path_factory.mktemp("llava-server"))
+    proc.wait_ready()
+    yield proc
+    code = proc.stop()
+    logs = proc.logs()
+    assert code == 0, f"server exited with {code}:\n{logs[-4000:]}"
+    assert "Traceback" not in logs, logs[logs.index("Traceback") - 2000 :][:6000]
+
+
+def _chat(server: ServerProcess, content: list[dict[str, Any]]) -> httpx.Response:
+    body = {"model": "llava", "messages": [{"role": "user", "content": content}],
+            "max_tokens": 6, "temperature": 0, "ignore_eos": True}  # fmt: skip
+    return httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120)
+
+
+def test_openai_sdk_chat_with_images(llava_server: ServerProcess, tiny_llava_dir: Path) -> None:  # noqa: F811
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{llava_server.base_url}/v1", api_key="x", max_retries=0)
+    first, second = random_image(70), random_image(71, 64, 30)
+
+    def ask(content: list[dict[str, Any]]) -> Any:
+        return client.chat.completions.create(
+            model="llava",
+            messages=[{"role": "user", "content": content}],
+            max_tokens=6,
+            temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+
+    one = ask([image_part(data_url(first)), QUESTION])
+    jpeg = ask([image_part(data_url(second, "JPEG")), QUESTION])
+    two = ask([image_part(data_url(first)), image_part(data_url(second)), QUESTION])
+    assert one.usage.completion_tokens == 6
+    # Each image takes 16 placeholder positions.
+    assert two.usage.prompt_tokens == one.usage.prompt_tokens + 17  # 16 rows and "\n"
+    assert one.choices[0].message.content != jpeg.choices[0].message.content
+
+    from asyncserve.llm import LLM
+
+    llm = LLM(str(tiny_llava_dir), device="cpu", max_model_len=256, kv_cache_memory=16 << 20)
+    try:
+        from asyncserve.sampling_params import SamplingParams
+
+        offline = llm.chat(
+            [{"role": "user", "content": [{"type": "image_pil", "image_pil": first}, QUESTION]}],
+            SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+            use_tqdm=False,
+        )[0]
+    finally:
+        llm.close()
+    assert one.choices[0].message.content == offline.outputs[0].text
+
+
+def test_bad_image_parts_are_400s(llava_server: ServerProcess) -> None:
+    image = random_image(80)
+    cases = [
+        ([image_part("data:image/png;base64,bm90IGFuIGltYWdl"), QUESTION],
+         "messages[0].content[0].image_url"),
+        ([image_part(data_url(image))] * 3 + [QUESTION], "messages[0].content[2]"),
+        ([image_part("http://127.0.0.1:1/cat.png"), QUESTION], "messages[0].content[0].image_url"),
+        ([{"type": "image_url"}, QUESTION], "messages[0].content[0].image_url"),
+        ([{"type": "input_audio"}, QUESTION], "messages[0].content[0].type"),
+    ]  # fmt: skip
+    for content, param in cases:
+        response = _chat(llava_server, content)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == param, response.text
+    # The server still answers.
+    assert _chat(llava_server, [image_part(data_url(image)), QUESTION]).status_code == 200
+
+
+def test_image_to_text_only_model_is_400(client: httpx.Client) -> None:
+    body = {"model": "smol", "max_tokens": 2, "messages": [
+        {"role": "user", "content": [QUESTION, image_part(data_url(random_image(90)))]}]}  # fmt: skip
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages[0].content[1]"
+    assert "text-only" in error["message"]
