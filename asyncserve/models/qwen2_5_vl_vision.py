@@ -9,7 +9,8 @@ image, and a merger that folds each 2x2 group of patches into one LM token.
 
 Windowed attention runs as HF's: patches are permuted so each window is contiguous, the
 blocks attend within segments of cu_seqlens, and the merger's output is permuted back.
-Segments of equal length run as one batched attention call.
+Segments of equal length run as one batched attention call (SDPA: flash / memory-efficient
+kernels on CUDA).
 """
 
 from __future__ import annotations
@@ -129,17 +130,25 @@ def rotary_table(grid_thw: list[tuple[int, int, int]], config: VisionConfig) -> 
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
 
-def segment_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int], scale: float
-) -> torch.Tensor:
-    """Bidirectional attention within each segment of cu_seqlens. q, k, v [T, H, D] -> [T, H, D].
-    Segments of one length run batched (most windows are full, so few calls)."""
-    out = torch.empty_like(q)
+def segment_groups(cu_seqlens: list[int], device: torch.device) -> list[torch.Tensor]:
+    """The segments of cu_seqlens grouped by length: one [segments, length] row index per
+    length (most windows are full, so there are few groups). Built once per forward."""
     by_length: dict[int, list[int]] = {}
     for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True):
         by_length.setdefault(end - start, []).append(start)
-    for length, starts in by_length.items():
-        index = (torch.tensor(starts)[:, None] + torch.arange(length)).to(q.device)  # [B, L]
+    return [
+        (torch.tensor(starts)[:, None] + torch.arange(length)).to(device)
+        for length, starts in by_length.items()
+    ]
+
+
+def segment_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: list[torch.Tensor], scale: float
+) -> torch.Tensor:
+    """Bidirectional attention within each segment. q, k, v [T, H, D] -> [T, H, D]; groups
+    from segment_groups, each run as one batched attention call."""
+    out = torch.empty_like(q)
+    for index in groups:
         qs, ks, vs = (x[index].transpose(1, 2) for x in (q, k, v))  # [B, H, L, D]
         o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
         out[index] = o.transpose(1, 2)
@@ -155,12 +164,14 @@ class VisionAttention(nn.Module):
         self.qkv = Linear(config.hidden_size, 3 * config.hidden_size, bias=True)
         self.proj = Linear(config.hidden_size, config.hidden_size, bias=True)
 
-    def forward(self, x: torch.Tensor, rotary: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rotary: torch.Tensor, groups: list[torch.Tensor]
+    ) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).reshape(n, 3, self.num_heads, self.head_dim).unbind(1)
         positions = torch.arange(n, device=x.device)
         q, k = self.ops.rotary_embedding(positions, q.contiguous(), k.contiguous(), rotary)
-        out = segment_attention(q, k, v, cu_seqlens, self.head_dim**-0.5)
+        out = segment_attention(q, k, v, groups, self.head_dim**-0.5)
         return self.proj(out.reshape(n, -1))
 
 
@@ -183,8 +194,10 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(config, ops)
         self.mlp = VisionMLP(config)
 
-    def forward(self, x: torch.Tensor, rotary: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), rotary, cu_seqlens)
+    def forward(
+        self, x: torch.Tensor, rotary: torch.Tensor, groups: list[torch.Tensor]
+    ) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), rotary, groups)
         return x + self.mlp(self.norm2(x))
 
 
@@ -274,8 +287,9 @@ class Qwen2_5_VisionTransformer(nn.Module):
 
         hidden = permute(self.patch_embed(pixel_values))
         rotary = permute(rotary_table(grid_thw, c).to(hidden.device))
+        full = segment_groups(cu_full, hidden.device)
+        windows = segment_groups(cu_windows, hidden.device)
         for i, block in enumerate(self.blocks):
-            cu = cu_full if i in self.full_attention else cu_windows
-            hidden = block(hidden, rotary, cu)
+            hidden = block(hidden, rotary, full if i in self.full_attention else windows)
         merged = self.merger(hidden)
         return merged[torch.argsort(order)]

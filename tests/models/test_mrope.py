@@ -140,3 +140,21 @@ def test_text_model_equals_transformers_prefill_and_decode(hf_model: Any) -> Non
     plain = paged_forward(ours, caches, ids, torch.tensor([index + delta]), index)
     rows = paged_forward(ours, caches, ids, torch.full((3, 1), index + delta), index)
     torch.testing.assert_close(plain, rows, rtol=0, atol=0)
+
+
+def test_mrope_with_triton_rotary_equals_reference() -> None:
+    """The per-token table goes through the GPU rotary kernel (Triton's interpreter on CPU)."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    from asyncserve.kernels.triton_ops import TRITON_OPS
+
+    ids, images = prompt_with_images([3, 2, 1])
+    positions, _ = mrope_positions(len(ids), images, MERGE)
+    torch.manual_seed(3)
+    q = torch.randn(len(ids), 4, 16)
+    k = torch.randn(len(ids), 2, 16)
+    ref = MRotaryEmbedding(16, 128, 100.0, None, REFERENCE_OPS, [2, 3, 3])
+    tri = MRotaryEmbedding(16, 128, 100.0, None, TRITON_OPS, [2, 3, 3])
+    want_q, want_k = ref(positions, q.clone(), k.clone())
+    got_q, got_k = tri(positions, q.clone(), k.clone())
+    torch.testing.assert_close(got_q, want_q)
+    torch.testing.assert_close(got_k, want_k)

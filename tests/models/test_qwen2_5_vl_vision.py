@@ -63,3 +63,21 @@ def test_vision_equals_transformers(
 def test_bad_pixel_shape_is_a_clear_error(ours: Qwen2_5_VisionTransformer) -> None:
     with pytest.raises(ValueError, match="pixel_values has shape"):
         ours(torch.zeros(10, ours.config.patch_dim), [(1, 4, 4)])
+
+
+def test_triton_ops_equal_transformers(hf_model: Any) -> None:
+    """The GPU kernel set (rotary on the per-patch table, RMSNorm), under Triton's interpreter
+    on CPU."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    from asyncserve.kernels.triton_ops import TRITON_OPS
+
+    config = VisionConfig.from_hf_dict(hf_model.config.vision_config.to_dict())
+    model = Qwen2_5_VisionTransformer(config, TRITON_OPS)
+    model.load_state_dict(hf_model.model.visual.state_dict())
+    grids = [(1, 4, 8)]
+    torch.manual_seed(2)
+    pixels = torch.randn(32, config.patch_dim)
+    with torch.no_grad():
+        expected = hf_model.model.visual(pixels, grid_thw=torch.tensor(grids)).pooler_output
+        got = model.eval()(pixels, grids)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
