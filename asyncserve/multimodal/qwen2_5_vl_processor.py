@@ -56,6 +56,9 @@ class Qwen2_5_VLProcessor(MultiModalProcessor):
         return cls(vl, ImageProcessorConfig.from_model_dir(root))
 
     def process(self, prompt_token_ids: list[int], images: list[Image]) -> MultiModalInputs:
+        if not images:  # plain positions: M-RoPE equals RoPE without images
+            expand_placeholders(prompt_token_ids, self.image_token_id, [], repr(self.image_token))
+            return MultiModalInputs(list(prompt_token_ids), MultiModalFeatures())
         processed = [preprocess_image(image, self.images) for image in images]
         merge = self.images.merge_size
         lengths = [p.num_tokens(merge) for p in processed]
