@@ -46,13 +46,18 @@ class ChatImages:
 
 async def load_chat_images(engine: Any, body: ChatCompletionRequest) -> ChatImages:
     messages = messages_to_dicts(body.messages)
+    front_end: MultiModalFrontEnd | None = getattr(engine, "multimodal", None)
+    if front_end is None:
+        _refuse_image_parts(messages, "images are not supported with data parallelism yet")
+    elif not front_end.supports_images:
+        reason = f"{front_end.architecture} is a text-only model and does not take images"
+        _refuse_image_parts(messages, reason)
     try:
         messages, refs = split_image_parts(messages)
     except ContentPartError as exc:
         raise APIError(str(exc), 400, exc.param) from exc
     if not refs:
         return ChatImages(messages)
-    front_end: MultiModalFrontEnd | None = getattr(engine, "multimodal", None)
     config = getattr(engine, "config", None)
     if front_end is None or config is None:
         raise APIError("images are not supported by this server's engine", 400, refs[0].param)
@@ -65,3 +70,16 @@ async def load_chat_images(engine: Any, body: ChatCompletionRequest) -> ChatImag
     except ValueError as exc:
         raise APIError(str(exc), 400, refs[-1].param) from exc
     return ChatImages(messages, images, front_end)
+
+
+def _refuse_image_parts(messages: list[dict[str, Any]], reason: str) -> None:
+    """No images here: the first non-text part is a 400 naming its type."""
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            if isinstance(part, dict) and part.get("type") != "text":
+                raise APIError(
+                    f"content parts of type {part.get('type')!r} are not supported: {reason}",
+                    400,
+                    f"messages[{i}].content[{j}].type",
+                )

@@ -259,6 +259,9 @@ class ServerState:
         not fit in max_model_len; the message gives both lengths."""
         try:
             self.engine.validate_request(prompt.token_ids, params)
+            front_end = getattr(self.engine, "multimodal", None)
+            if prompt.mm_inputs is None and front_end is not None:
+                front_end.check_text_prompt(prompt.token_ids)  # placeholders need images
         except ValueError as exc:
             renames = {
                 "prompt": prompt_param,

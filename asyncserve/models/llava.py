@@ -25,6 +25,8 @@ from asyncserve.models.arch_config import ArchConfig
 from asyncserve.models.attention import AttentionMetadata
 from asyncserve.models.layers import Linear
 from asyncserve.models.multimodal import MultiModalCausalLM
+from asyncserve.models.parallel import SINGLE, TensorParallel
+from asyncserve.models.pipeline import PipelineStage
 from asyncserve.models.registry import resolve_model_class
 from asyncserve.models.vision_tower import VisionArch, VisionTransformer, activation
 from asyncserve.models.weights import Target, load_checkpoint
@@ -81,8 +83,18 @@ class LlavaProjector(nn.Module):
 
 
 class LlavaForConditionalGeneration(MultiModalCausalLM):
-    def __init__(self, config: ArchConfig, ops: KernelOps) -> None:
+    def __init__(
+        self,
+        config: ArchConfig,
+        ops: KernelOps,
+        tp: TensorParallel = SINGLE,
+        pp: PipelineStage | None = None,
+    ) -> None:
         super().__init__()
+        if tp.size > 1 or pp is not None:
+            raise ValueError(
+                f"{config.architecture}: tensor and pipeline parallelism are not supported yet"
+            )
         if config.multimodal_config is None or config.text_architecture is None:
             raise ValueError("LlavaForConditionalGeneration needs its full (nested) config")
         self.config = config

@@ -104,6 +104,12 @@ def test_bad_image_parts_are_400s(llava_server: ServerProcess) -> None:
         response = _chat(llava_server, content)
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"] == param, response.text
+    # Placeholders without images, in a completion or a chat.
+    body = {"model": "llava", "prompt": "USER: <image>\nHi", "max_tokens": 2}
+    response = httpx.post(f"{llava_server.base_url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert "no image was given" in response.json()["error"]["message"]
+    assert _chat(llava_server, [{"type": "text", "text": "<image> hi"}]).status_code == 400
     # The server still answers.
     assert _chat(llava_server, [image_part(data_url(image)), QUESTION]).status_code == 200
 
@@ -114,5 +120,5 @@ def test_image_to_text_only_model_is_400(client: httpx.Client) -> None:
     response = client.post("/v1/chat/completions", json=body)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
-    assert error["param"] == "messages[0].content[1]"
+    assert error["param"] == "messages[0].content[1].type"
     assert "text-only" in error["message"]
