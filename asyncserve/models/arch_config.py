@@ -92,6 +92,9 @@ class ArchConfig:
     # OPT: embeddings narrower than the hidden size, post-norm layers, learned positions.
     word_embed_proj_dim: int | None = None
     do_layer_norm_before: bool = True
+    # M-RoPE (Qwen2-VL family): rotary frequencies turned by the temporal / height / width
+    # position rows, in parts of these sizes (summing to head_dim / 2); () is plain RoPE.
+    mrope_section: tuple[int, ...] = ()
     # A multimodal model: its language model's architecture (the shape above is that
     # model's) and the whole HF config, vision part included (see models/mm_config.py).
     text_architecture: str | None = None
@@ -213,6 +216,7 @@ class ArchConfig:
                 or 1.0
             ),
             sliding_window=int(window) if window is not None else None,
+            mrope_section=_mrope_section(d),
             **_family_fields(arch, d),
         )
 
@@ -371,6 +375,8 @@ def _rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         rope_type = scaling.pop("type", None) or scaling.get("rope_type") or "default"
         if rope_type == "su":  # Phi-3's first name for longrope
             rope_type = "longrope"
+        if rope_type == "mrope" or scaling.pop("mrope_section", None) is not None:
+            rope_type = "default"  # M-RoPE's frequencies are the default ones (_mrope_section)
         scaling["rope_type"] = rope_type
         scaling.pop("partial_rotary_factor", None)  # read on its own
         if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -385,6 +391,17 @@ def _rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     else:
         scaling = None
     return float(theta if theta is not None else 10000.0), scaling
+
+
+def _mrope_section(d: dict[str, Any]) -> tuple[int, ...]:
+    for key in ("rope_parameters", "rope_scaling"):
+        params = d.get(key)
+        if isinstance(params, dict) and params.get("mrope_section") is not None:
+            section = params["mrope_section"]
+            if not isinstance(section, list) or not all(isinstance(n, int) for n in section):
+                raise ValueError(f"mrope_section must be a list of ints, got {section!r}")
+            return tuple(section)
+    return ()
 
 
 def _longrope(scaling: dict[str, Any], d: dict[str, Any]) -> dict[str, Any]:

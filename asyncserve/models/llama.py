@@ -27,6 +27,7 @@ from asyncserve.models.layers import (
     compute_logits,
 )
 from asyncserve.models.moe import ExpertPlacement
+from asyncserve.models.mrope import MRotaryEmbedding
 from asyncserve.models.parallel import (
     SINGLE,
     RowParallelLinear,
@@ -165,12 +166,18 @@ class LlamaModel(nn.Module):
         else:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.embedding_multiplier = config.embedding_multiplier
-        rotary = RotaryEmbedding(
+        rotary_args = (
             config.rotary_dim,
             config.max_position_embeddings,
             config.rope_theta,
             config.rope_scaling,
             ops,
+        )
+        # The Qwen2-VL family's positions may come as [3, T] rows (M-RoPE).
+        rotary = (
+            MRotaryEmbedding(*rotary_args, config.mrope_section)
+            if config.mrope_section
+            else RotaryEmbedding(*rotary_args)
         )
         # A pipeline stage builds only its layers; the others hold no parameters.
         self.layers = nn.ModuleList(

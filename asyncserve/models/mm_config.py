@@ -36,7 +36,7 @@ _TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 # Multimodal architectures whose language model is described by `text_config`.
-NESTED_TEXT_CONFIG = ("LlavaForConditionalGeneration",)
+NESTED_TEXT_CONFIG = ("LlavaForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 
 
 def text_config_dict(d: dict[str, Any]) -> dict[str, Any]:
@@ -44,6 +44,8 @@ def text_config_dict(d: dict[str, Any]) -> dict[str, Any]:
     text = d.get("text_config") or {}
     if not isinstance(text, dict):
         raise ValueError("text_config must be an object")
+    if d.get("model_type") == "qwen2_5_vl":
+        text = _qwen2_5_vl_text(d, text)
     model_type = str(text.get("model_type") or "llama")
     out = {**_TEXT_DEFAULTS.get(model_type, {}), **text, "model_type": model_type}
     # The outer config carries the dtype and, in older layouts, the token ids.
@@ -53,3 +55,11 @@ def text_config_dict(d: dict[str, Any]) -> dict[str, Any]:
     if "tie_word_embeddings" in d and "tie_word_embeddings" not in text:
         out["tie_word_embeddings"] = d["tie_word_embeddings"]
     return out
+
+
+def _qwen2_5_vl_text(d: dict[str, Any], text: dict[str, Any]) -> dict[str, Any]:
+    """Qwen2.5-VL's language model is Qwen2 (q/k/v biases) with M-RoPE; older configs keep
+    its fields at the top level rather than in text_config."""
+    if not text:
+        text = {k: v for k, v in d.items() if k not in ("vision_config", "architectures")}
+    return {**text, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}

@@ -26,6 +26,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
     "OPTForCausalLM": ("opt", "OPTForCausalLM"),
     "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
+    "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
 }
 
 # model_type -> architecture, for configs that do not list "architectures".
@@ -42,6 +43,7 @@ MODEL_TYPE_TO_ARCH: dict[str, str] = {
     "gemma3_text": "Gemma3ForCausalLM",
     "opt": "OPTForCausalLM",
     "llava": "LlavaForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)

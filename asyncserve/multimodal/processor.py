@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 # architecture -> (module under asyncserve.multimodal, processor class)
 _PROCESSORS: dict[str, tuple[str, str]] = {
     "LlavaForConditionalGeneration": ("llava_processor", "LlavaProcessor"),
+    "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl_processor", "Qwen2_5_VLProcessor"),
 }
 
 
