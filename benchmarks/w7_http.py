@@ -149,6 +149,8 @@ async def drive(port: int, streams: int, tokens: int, server_pid: int) -> dict[s
         "gap_max_ms": max(gaps) * 1000,
         "first_token_p99_ms": percentile(first, 0.99) * 1000,
         "server_cpu_pct": 100 * (cpu1 - cpu0) / wall,
+        # What one event costs the server: robust to other load on the machine (the rate is not).
+        "server_cpu_us_per_token": 1e6 * (cpu1 - cpu0) / max(1, total),
         "client_cpu_pct": 100 * (client1 - client0) / wall,
     }
 
@@ -215,7 +217,8 @@ def main() -> None:
                 f"gap p50 {report['gap_p50_ms']:.1f} ms, p99 {report['gap_p99_ms']:.1f} ms, "
                 f"max {report['gap_max_ms']:.1f} ms; first token p99 "
                 f"{report['first_token_p99_ms']:.0f} ms; server CPU "
-                f"{report['server_cpu_pct']:.0f}%, client CPU {report['client_cpu_pct']:.0f}%"
+                f"{report['server_cpu_pct']:.0f}% ({report['server_cpu_us_per_token']:.1f} us per "
+                f"token), client CPU {report['client_cpu_pct']:.0f}%"
             )
     finally:
         proc.terminate()
