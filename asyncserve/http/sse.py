@@ -23,6 +23,7 @@ T = TypeVar("T")
 
 DONE = b"data: [DONE]\n\n"
 _encoder = msgspec.json.Encoder()
+encode_json = _encoder.encode
 
 
 def sse_event(payload: Any) -> bytes:
