@@ -33,9 +33,9 @@ from asyncserve.http.sse import (
     EventStreamResponse,
     cancel_on_disconnect,
     closing,
-    encode_json,
     sse_event,
 )
+from asyncserve.http.text_chunks import TextChunks
 from asyncserve.http.tools.parsers import ParseResult
 from asyncserve.http.tools.plan import ToolPlan, plan_tools, tool_calls
 from asyncserve.http.tools.stream import ToolCallStream
@@ -201,36 +201,16 @@ async def _final(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
     return final
 
 
-class _TextChunks:
-    """The chunk for a token step that only carries text (no finish reason, logprobs, ids,
-    tool calls or usage: the common case) as bytes around the JSON string of that text,
-    cut from the chunk the general path encodes. Per token it is one string encoding
-    instead of building and encoding four structs."""
-
-    MARK = b'"content":""'
-
-    def __init__(self, job: _Job) -> None:
-        self.job = job
-        self.parts: dict[int, tuple[bytes, bytes]] = {}
-
-    def __call__(self, index: int, text: str) -> bytes:
-        parts = self.parts.get(index)
-        if parts is None:
-            empty = DeltaMessage(content="")
-            template = self.job.chunk([ChatStreamChoice(index=index, delta=empty)])
-            # Quotes inside JSON strings are escaped: the mark occurs once, as the delta.
-            head, tail = template.split(self.MARK)
-            parts = self.parts[index] = (head + b'"content":', tail)
-        return parts[0] + encode_json(text) + parts[1]
-
-
 async def _stream(job: _Job, params: SamplingParams) -> AsyncIterator[bytes]:
     include_usage, continuous = job.state.usage_flags(job.body.stream_options)
     return_ids = bool(job.body.return_token_ids)
-    # Steps that only add text take the short way (_TextChunks) unless something per token
+    # Steps that only add text take the short way (TextChunks) unless something per token
     # (logprobs, token ids, running usage, tool parsing) goes into every chunk.
     text_only = not (job.body.logprobs or return_ids or continuous or job.tools.mode != "none")
-    text_chunk = _TextChunks(job)
+    text_chunk = TextChunks(
+        lambda i: job.chunk([ChatStreamChoice(index=i, delta=DeltaMessage(content=""))]),
+        "content",
+    )
     prompt_tokens = len(job.prompt.token_ids)
     tokens: dict[int, int] = {}  # completion tokens so far, per choice
     finished: set[int] = set()  # choices whose finish_reason went out: nothing more for them
