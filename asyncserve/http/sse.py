@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import weakref
 from collections.abc import AsyncIterator, Awaitable, Mapping
 from typing import Any, TypeVar
 
@@ -202,24 +201,13 @@ class EventStreamResponse(Response):
         self._last_send = asyncio.get_running_loop().time()
 
 
-# One waiter per server for its shutdown deadline, shared by every stream (asyncio.wait adds
-# a callback to it; it is never cancelled by a stream).
-_deadline_waiters: weakref.WeakKeyDictionary[asyncio.Event, asyncio.Future[Any]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
 def _shutdown_deadline(scope: Scope) -> asyncio.Future[Any] | None:
-    """Done once the server's --shutdown-timeout ran out after SIGTERM (ServerState)."""
+    """Done once the server's --shutdown-timeout ran out after SIGTERM (ServerState); shared
+    by every stream, so a stream must never cancel it."""
     app_state = getattr(scope.get("app"), "state", None)
     server_state = getattr(app_state, "asyncserve", None)
-    event = getattr(server_state, "shutdown_deadline", None)
-    if not isinstance(event, asyncio.Event):
-        return None
-    waiter = _deadline_waiters.get(event)
-    if waiter is None or waiter.get_loop() is not asyncio.get_running_loop():
-        waiter = _deadline_waiters[event] = asyncio.ensure_future(event.wait())
-    return waiter
+    waiter = getattr(server_state, "shutdown_deadline_waiter", None)
+    return waiter() if callable(waiter) else None
 
 
 _END = object()
