@@ -184,12 +184,13 @@ class EventStreamResponse(Response):
             if self._complete or self._pumped:
                 return
             idle = loop.time() - self._last_send
-            if idle >= interval and not self._keepalive_sends:
-                task = asyncio.ensure_future(self._send_keepalive(send))
-                self._keepalive_sends.add(task)
-                task.add_done_callback(self._keepalive_sends.discard)
+            if idle >= interval:
+                if not self._keepalive_sends:  # else the last one still waits to drain
+                    task = asyncio.ensure_future(self._send_keepalive(send))
+                    self._keepalive_sends.add(task)
+                    task.add_done_callback(self._keepalive_sends.discard)
                 idle = 0.0
-            self._arm_keepalive(send, interval, max(interval - idle, 0.0))
+            self._arm_keepalive(send, interval, interval - idle)
 
         self._keepalive_timer = loop.call_later(delay, check)
 
