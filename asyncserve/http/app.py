@@ -39,7 +39,7 @@ from asyncserve.http.middleware import (
 )
 from asyncserve.http.sampling import resolve_generation_config
 from asyncserve.http.serving import ServerState
-from asyncserve.http.sse import ClientDisconnected
+from asyncserve.http.sse import RAW_SEND_KEY, ClientDisconnected
 from asyncserve.metrics import EngineMetrics, ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -100,6 +100,15 @@ class APIKeyMiddleware:
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+class _App(Starlette):
+    """Starlette that keeps the server's own `send` in the scope (sse.RAW_SEND_KEY) for
+    streams' body messages, which every middleware here passes through unchanged."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope[RAW_SEND_KEY] = send
+        await super().__call__(scope, receive, send)
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
@@ -171,7 +180,7 @@ def build_app(
 
     loras = routes_lora.LoRARegistry(state)
     loras.register_startup(config.lora_modules)
-    app = Starlette(
+    app = _App(
         routes=routes_openai.routes(state)
         + routes_pooling.routes(state)
         + routes_kv_transfer.routes(state)

@@ -36,6 +36,7 @@ from asyncserve.http.sse import (
     closing,
     sse_event,
 )
+from asyncserve.http.text_chunks import TextChunks
 from asyncserve.http.tools.parsers import ParseResult
 from asyncserve.http.tools.plan import ToolPlan, plan_tools, tool_calls
 from asyncserve.http.tools.stream import ToolCallStream
@@ -210,6 +211,13 @@ async def _final(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
 async def _stream(job: _Job, params: SamplingParams) -> AsyncIterator[bytes]:
     include_usage, continuous = job.state.usage_flags(job.body.stream_options)
     return_ids = bool(job.body.return_token_ids)
+    # Steps that only add text take the short way (TextChunks) unless something per token
+    # (logprobs, token ids, running usage, tool parsing) goes into every chunk.
+    text_only = not (job.body.logprobs or return_ids or continuous or job.tools.mode != "none")
+    text_chunk = TextChunks(
+        lambda i: job.chunk([ChatStreamChoice(index=i, delta=DeltaMessage(content=""))]),
+        "content",
+    )
     prompt_tokens = len(job.prompt.token_ids)
     tokens: dict[int, int] = {}  # completion tokens so far, per choice
     finished: set[int] = set()  # choices whose finish_reason went out: nothing more for them
@@ -237,6 +245,10 @@ async def _stream(job: _Job, params: SamplingParams) -> AsyncIterator[bytes]:
                     if comp.index in finished:
                         continue
                     tokens[comp.index] = tokens.get(comp.index, 0) + len(comp.token_ids)
+                    if text_only and comp.finish_reason is None and comp.stop_reason is None:
+                        if comp.text:
+                            yield text_chunk(comp.index, comp.text)
+                        continue
                     deltas = _deltas(job, tool_streams, comp)
                     if (
                         deltas == [DeltaMessage()]

@@ -40,6 +40,7 @@ from asyncserve.http.sse import (
     merge_streams,
     sse_event,
 )
+from asyncserve.http.text_chunks import TextChunks
 from asyncserve.outputs import CompletionOutput, RequestOutput
 from asyncserve.sampling_params import SamplingParams
 from asyncserve.tracing import trace_headers
@@ -232,6 +233,12 @@ async def _stream(job: _Job, params: SamplingParams, model: str) -> AsyncIterato
     tokens: dict[int, int] = {}  # completion tokens so far, per choice
     last: dict[int, RequestOutput] = {}
     wants_logprobs = body.logprobs is not None
+    # Steps that only add text take the short way unless something per token (logprobs,
+    # token ids, running usage) goes into every chunk; an echoed first chunk does not.
+    text_only = not (wants_logprobs or return_ids or continuous)
+    text_chunk = TextChunks(
+        lambda i: job.chunk(model, [CompletionStreamChoice(i, "", None, None)], None), "text"
+    )
     try:
         failed = False
         async with closing(merge_streams(job.streams(params))) as merged:
@@ -248,6 +255,12 @@ async def _stream(job: _Job, params: SamplingParams, model: str) -> AsyncIterato
                     tokens[index] = tokens.get(index, 0) + len(comp.token_ids)
                     echo = body.echo and index not in echoed
                     text = comp.text
+                    plain = comp.finish_reason is None and comp.stop_reason is None
+                    if text_only and plain and not echo:
+                        text_len[index] = text_len.get(index, 0) + len(text)
+                        if text:
+                            yield text_chunk(index, text)
+                        continue
                     if echo:
                         echoed.add(index)
                         text = job.echo_prefix(i) + text

@@ -9,9 +9,9 @@ import contextlib
 import functools
 import itertools
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 from starlette.requests import Request
 
@@ -131,31 +131,58 @@ class Ticket:
     def __del__(self) -> None:
         self.release(self._held)
 
-    async def watch(self, stream: AsyncIterator[T]) -> AsyncIterator[T]:
+    def watch(self, stream: AsyncIterator[T]) -> AsyncIterator[T]:
         """`stream`, giving this request's place back once the engine has added it (from
         then on the engine's waiting count includes it)."""
+        return WatchedStream(self, stream)
+
+
+class WatchedStream(Generic[T]):
+    """An engine output stream that gives its ticket's place back after the first step.
+
+    Past the first item, `__anext__` is the stream's own awaitable: a streamed token goes
+    through no extra frame here. Close it (`aclose`, as `sse.closing` does) to abort."""
+
+    def __init__(self, ticket: Ticket, stream: AsyncIterator[T]) -> None:
+        self._ticket = ticket
+        self._stream = stream
+        self._first: asyncio.Future[T] | None = None
+        self._started = False
+
+    def __aiter__(self) -> WatchedStream[T]:
+        return self
+
+    def __anext__(self) -> Awaitable[T]:
+        if self._started:
+            return self._stream.__anext__()
+        self._started = True
+        return self._first_item()
+
+    async def _first_item(self) -> T:
         # The engine adds the request in the first step of the first __anext__; one pass of
         # the loop runs that step, so the place can go back right after it.
-        first = asyncio.ensure_future(stream.__anext__())  # type: ignore[arg-type]
+        first = self._first = asyncio.ensure_future(self._stream.__anext__())
         try:
             await asyncio.sleep(0)
-            self.release()
-            try:
-                item = await first
-            except StopAsyncIteration:
-                return
-            yield item
-            async for item in stream:
-                yield item
-        finally:
-            self.release()
-            if not first.done():
-                first.cancel()
-                with contextlib.suppress(BaseException):
-                    await first
-            aclose = getattr(stream, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            self._ticket.release()
+            return await first  # StopAsyncIteration (no output at all) ends the iteration
+        except BaseException:
+            await self._drop_first()
+            raise
+
+    async def _drop_first(self) -> None:
+        first = self._first
+        if first is not None and not first.done():
+            first.cancel()
+            with contextlib.suppress(BaseException):
+                await first
+
+    async def aclose(self) -> None:
+        self._ticket.release()
+        await self._drop_first()
+        aclose = getattr(self._stream, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
 
 class Admission:

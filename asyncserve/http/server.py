@@ -19,6 +19,7 @@ import uvicorn
 from uvicorn.config import LOGGING_CONFIG
 
 from asyncserve.config import ServerConfig
+from asyncserve.gc_heap import freeze_startup_heap
 from asyncserve.http.app import build_app
 from asyncserve.http.engine_client import EngineClient
 from asyncserve.http.listener import EagerAcceptServer, timed_protocol
@@ -104,6 +105,8 @@ def run_server(
 
     server.on_shutdown = start_deadline
     previous = {sig: signal.signal(sig, _swallow) for sig in (signal.SIGTERM, signal.SIGINT)}
+    # The model is loaded: keep full collections from walking it while serving.
+    logger.debug("froze %d startup objects for the garbage collector", freeze_startup_heap())
     try:
         server.run()
     finally:

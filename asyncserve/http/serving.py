@@ -84,10 +84,19 @@ class ServerState:
         self.preprocessor = Preprocessor()
         # Set once --shutdown-timeout has run out after SIGTERM: streams end with an error.
         self.shutdown_deadline = asyncio.Event()
+        self._deadline_waiter: asyncio.Future[Any] | None = None
         self.admission = Admission()
         self.body_limit = self.config.max_request_body_bytes or default_body_limit(
             self.engine.max_model_len
         )
+
+    def shutdown_deadline_waiter(self) -> asyncio.Future[Any]:
+        """Done once shutdown_deadline is set: one waiter that every stream shares (a task
+        per stream cost objects the garbage collector walks, hundreds at a time)."""
+        waiter = self._deadline_waiter
+        if waiter is None or waiter.get_loop() is not asyncio.get_running_loop():
+            waiter = self._deadline_waiter = asyncio.ensure_future(self.shutdown_deadline.wait())
+        return waiter
 
     # ---- request plumbing ------------------------------------------------------------------
 

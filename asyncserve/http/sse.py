@@ -22,6 +22,7 @@ T = TypeVar("T")
 
 DONE = b"data: [DONE]\n\n"
 _encoder = msgspec.json.Encoder()
+encode_json = _encoder.encode
 
 
 def sse_event(payload: Any) -> bytes:
@@ -73,12 +74,20 @@ async def cancel_on_disconnect(work: Awaitable[T], receive: Receive) -> T:
 KEEPALIVE_S = 15.0
 KEEPALIVE = b": keep-alive\n\n"
 
+# Where the app puts the server's own `send` in the scope (app.py). A stream's body messages
+# go straight to it: every middleware here only looks at (or adds headers to) the response
+# start, so for body messages each layer is a pass-through await, a tenth of the CPU a
+# streamed token cost. A middleware that rewrites bodies would have to drop this key.
+RAW_SEND_KEY = "asyncserve.raw_send"
+
 
 class EventStreamResponse(Response):
     """Streams an async iterator of byte chunks; a client disconnect cancels the iterator.
 
     With `keepalive_s`, an idle stream gets a comment event that often (SSE only: clients
-    ignore lines starting with ':').
+    ignore lines starting with ':'). Per stream: one task pumps the body and one watches
+    for the client going away; the keep-alive is a timer, the shutdown deadline one waiter
+    shared by every stream.
     """
 
     def __init__(
@@ -97,39 +106,42 @@ class EventStreamResponse(Response):
         all_headers = {"cache-control": "no-cache", "x-accel-buffering": "no"}
         all_headers.update(headers or {})
         self.init_headers(all_headers)
-        self._complete = False
+        self._complete = False  # the response is over: no more keep-alives
+        self._pumped = False  # the whole body went out
         self._last_send = 0.0
+        self._keepalive_timer: asyncio.TimerHandle | None = None
+        self._keepalive_sends: set[asyncio.Future[Any]] = set()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send(
             {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
         )
+        send = scope.get(RAW_SEND_KEY, send)
         loop = asyncio.get_running_loop()
         self._last_send = loop.time()
         pump = asyncio.ensure_future(self._pump(send))
         watch = asyncio.ensure_future(wait_for_disconnect(receive))
-        tasks: list[asyncio.Future[Any]] = [pump, watch]
-        if self.keepalive_s is not None:
-            tasks.append(asyncio.ensure_future(self._keepalive(send, self.keepalive_s)))
         waits: set[asyncio.Future[Any]] = {pump, watch}
         deadline = _shutdown_deadline(scope)
         if deadline is not None:
-            cut = asyncio.ensure_future(deadline.wait())
-            tasks.append(cut)
-            waits.add(cut)
+            waits.add(deadline)
+        if self.keepalive_s is not None:
+            self._arm_keepalive(send, self.keepalive_s, self.keepalive_s)
         try:
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            self._complete = True
+            if self._keepalive_timer is not None:
+                self._keepalive_timer.cancel()
             # Cancelling the pump runs the body iterator's cleanup: the engine aborts.
-            await _finish(*tasks)
-        if not pump.done() or pump.cancelled():
-            if deadline is not None and deadline.is_set() and not self._complete:
+            await _finish(pump, watch, *self._keepalive_sends)
+        if pump.cancelled():
+            if deadline is not None and deadline.done() and not self._pumped:
                 await self._send_cut(send)
             return
-        if pump.done() and not pump.cancelled():
-            exc = pump.exception()
-            if exc is not None and not isinstance(exc, OSError):
-                raise exc
+        exc = pump.exception()
+        if exc is not None and not isinstance(exc, OSError):
+            raise exc
 
     async def _send_cut(self, send: Send) -> None:
         """The server's shutdown deadline passed: end the stream with an error the client
@@ -160,29 +172,43 @@ class EventStreamResponse(Response):
             if aclose is not None:
                 with contextlib.suppress(Exception):
                     await aclose()
-        self._complete = True
+        self._pumped = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    async def _keepalive(self, send: Send, interval: float) -> None:
+    def _arm_keepalive(self, send: Send, interval: float, delay: float) -> None:
+        """Check in `delay` s whether the stream has been idle `interval` s; if so, send a
+        comment. A timer, not a task: most streams never need one."""
         loop = asyncio.get_running_loop()
-        while not self._complete:
-            idle = loop.time() - self._last_send
-            if idle < interval:
-                await asyncio.sleep(interval - idle)
-                continue
-            try:
-                await send({"type": "http.response.body", "body": KEEPALIVE, "more_body": True})
-            except RuntimeError:  # the pump ended the response while this send waited to drain
+
+        def check() -> None:
+            if self._complete or self._pumped:
                 return
-            self._last_send = loop.time()
+            idle = loop.time() - self._last_send
+            if idle >= interval:
+                if not self._keepalive_sends:  # else the last one still waits to drain
+                    task = asyncio.ensure_future(self._send_keepalive(send))
+                    self._keepalive_sends.add(task)
+                    task.add_done_callback(self._keepalive_sends.discard)
+                idle = 0.0
+            self._arm_keepalive(send, interval, interval - idle)
+
+        self._keepalive_timer = loop.call_later(delay, check)
+
+    async def _send_keepalive(self, send: Send) -> None:
+        try:
+            await send({"type": "http.response.body", "body": KEEPALIVE, "more_body": True})
+        except (RuntimeError, OSError):  # the pump ended the response while this send waited
+            return
+        self._last_send = asyncio.get_running_loop().time()
 
 
-def _shutdown_deadline(scope: Scope) -> asyncio.Event | None:
-    """Set by the server when --shutdown-timeout runs out after SIGTERM (ServerState)."""
+def _shutdown_deadline(scope: Scope) -> asyncio.Future[Any] | None:
+    """Done once the server's --shutdown-timeout ran out after SIGTERM (ServerState); shared
+    by every stream, so a stream must never cancel it."""
     app_state = getattr(scope.get("app"), "state", None)
     server_state = getattr(app_state, "asyncserve", None)
-    event = getattr(server_state, "shutdown_deadline", None)
-    return event if isinstance(event, asyncio.Event) else None
+    waiter = getattr(server_state, "shutdown_deadline_waiter", None)
+    return waiter() if callable(waiter) else None
 
 
 _END = object()

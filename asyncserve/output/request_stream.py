@@ -38,11 +38,16 @@ def merge_delta(pending: RequestOutput, new: RequestOutput) -> RequestOutput:
 
 
 class RequestStream:
+    """Written by the step loop, read by one `generate()`, both on the event loop's thread.
+
+    The reader waits on a bare future rather than an asyncio.Event: this runs once per
+    request per step, hundreds of times a step when serving many streams."""
+
     def __init__(self, request_id: str, output_kind: RequestOutputKind) -> None:
         self.request_id = request_id
         self.output_kind = output_kind
         self._pending: RequestOutput | None = None
-        self._ready = asyncio.Event()
+        self._waiter: asyncio.Future[None] | None = None
         self.finished = False
 
     def put(self, output: RequestOutput) -> None:
@@ -51,12 +56,16 @@ class RequestStream:
         else:
             self._pending = output
         self.finished = output.finished
-        self._ready.set()
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():  # a reader cancelled while waiting left it cancelled
+                waiter.set_result(None)
 
     async def get(self) -> RequestOutput:
-        await self._ready.wait()
-        self._ready.clear()
+        while self._pending is None:
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            await waiter
         output = self._pending
         self._pending = None
-        assert output is not None
         return output

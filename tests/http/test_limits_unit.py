@@ -47,6 +47,49 @@ def test_ticket_watch_releases_once_the_stream_started() -> None:
     asyncio.run(main())
 
 
+def test_ticket_watch_cancelled_before_the_first_output_cleans_up() -> None:
+    """A client gone while the request waits for its first step: the place goes back, the
+    pending first read is cancelled and closing the stream closes the engine's."""
+    events: list[str] = []
+
+    async def stream() -> AsyncIterator[int]:
+        try:
+            await asyncio.sleep(10)
+            yield 1
+        finally:
+            events.append("engine stream closed")
+
+    async def main() -> None:
+        admission = Admission()
+        ticket = admission.admit(0, None, count=1)
+        watched = ticket.watch(stream())
+        reader = asyncio.ensure_future(watched.__anext__())
+        await asyncio.sleep(0.01)
+        assert admission.pending == 0  # released after the first pass of the loop
+        reader.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        assert events == ["engine stream closed"]  # the first read was cancelled with it
+        await watched.aclose()  # type: ignore[attr-defined]
+        assert admission.pending == 0
+
+    asyncio.run(main())
+
+
+def test_ticket_watch_of_an_empty_stream_ends() -> None:
+    async def stream() -> AsyncIterator[int]:
+        return
+        yield  # an async generator with no items
+
+    async def main() -> None:
+        admission = Admission()
+        ticket = admission.admit(0, None, count=1)
+        assert [i async for i in ticket.watch(stream())] == []
+        assert admission.pending == 0
+
+    asyncio.run(main())
+
+
 def test_bounds() -> None:
     check_prompt_chars("a" * 16, 2)
     with pytest.raises(APIError, match="characters per token"):

@@ -215,3 +215,34 @@ def test_event_stream_disconnect_cancels_the_body() -> None:
 
     asyncio.run(main())
     assert closed == [True]
+
+
+def test_event_stream_body_goes_to_the_servers_own_send() -> None:
+    """The start goes through the middlewares (they add headers); body messages skip them."""
+    from asyncserve.http.sse import RAW_SEND_KEY, EventStreamResponse
+
+    async def body() -> AsyncIterator[bytes]:
+        yield b"data: 1\n\n"
+
+    async def main() -> tuple[list[str], list[str]]:
+        wrapped: list[str] = []
+        raw: list[str] = []
+
+        async def server_send(message: dict[str, Any]) -> None:
+            raw.append(message["type"])
+
+        async def middleware_send(message: dict[str, Any]) -> None:
+            wrapped.append(message["type"])
+            await server_send(message)
+
+        async def receive() -> dict[str, Any]:
+            await asyncio.sleep(10)
+            return {"type": "http.disconnect"}
+
+        scope = {"type": "http", RAW_SEND_KEY: server_send}
+        await EventStreamResponse(body())(scope, receive, middleware_send)  # type: ignore[arg-type]
+        return wrapped, raw
+
+    wrapped, raw = asyncio.run(main())
+    assert wrapped == ["http.response.start"]
+    assert raw == ["http.response.start", "http.response.body", "http.response.body"]

@@ -1,0 +1,31 @@
+"""The server's startup heap leaves the collector's view; garbage at that moment is freed."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+from asyncserve.gc_heap import MIDDLE_THRESHOLD, YOUNG_THRESHOLD, freeze_startup_heap
+
+
+class _Node:
+    def __init__(self) -> None:
+        self.me = self  # a reference cycle: only the collector frees it
+
+
+def test_freeze_startup_heap_collects_then_freezes() -> None:
+    thresholds = gc.get_threshold()
+    garbage = _Node()
+    dead = weakref.ref(garbage)
+    del garbage
+    alive = [_Node()]
+    try:
+        frozen = freeze_startup_heap()
+        assert dead() is None  # collected before the freeze, not frozen with the rest
+        assert frozen == gc.get_freeze_count() > 0
+        tracked = {id(o) for o in gc.get_objects()}
+        assert id(alive) not in tracked  # out of the collector's view
+        assert gc.get_threshold() == (YOUNG_THRESHOLD, MIDDLE_THRESHOLD, thresholds[2])
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*thresholds)
