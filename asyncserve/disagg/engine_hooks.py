@@ -13,21 +13,23 @@ from asyncserve.sampling_params import SamplingParams
 
 
 def make_kv_transfer(
-    config: EngineConfig, scheduler: Scheduler, executor: Executor
+    config: EngineConfig, scheduler: Scheduler, executor: Executor, num_kv_heads: int
 ) -> KVTransfer | None:
+    """The engine's KVTransfer; any tensor-parallel size on either side (blocks travel with
+    all the model's KV heads), one pipeline stage."""
     kv = config.kv_transfer
     if kv is None:
         return None
-    if config.parallel.tensor_parallel_size != 1:
+    if config.parallel.pipeline_parallel_size != 1:
         raise ValueError(
-            "kv_transfer_config: disaggregated prefill runs with tensor_parallel_size 1 "
-            "(a tensor-parallel pool holds each rank's heads apart)"
+            "kv_transfer_config: disaggregated prefill runs with pipeline_parallel_size 1 "
+            "(each pipeline stage holds only its own layers' KV blocks)"
         )
     if not config.cache.enable_prefix_caching:
         raise ValueError(
             "kv_transfer_config needs prefix caching: pulled blocks join the prefix cache"
         )
-    return KVTransfer(kv, scheduler.kv_cache_manager, executor)
+    return KVTransfer(kv, scheduler.kv_cache_manager, executor, num_kv_heads)
 
 
 def check_kv_transfer_params(transfer: KVTransfer | None, params: SamplingParams) -> None:
