@@ -16,15 +16,10 @@ def make_kv_transfer(
     config: EngineConfig, scheduler: Scheduler, executor: Executor, num_kv_heads: int
 ) -> KVTransfer | None:
     """The engine's KVTransfer; any tensor-parallel size on either side (blocks travel with
-    all the model's KV heads), one pipeline stage."""
+    all the model's KV heads; EngineConfig.checked refuses pipeline stages)."""
     kv = config.kv_transfer
     if kv is None:
         return None
-    if config.parallel.pipeline_parallel_size != 1:
-        raise ValueError(
-            "kv_transfer_config: disaggregated prefill runs with pipeline_parallel_size 1 "
-            "(each pipeline stage holds only its own layers' KV blocks)"
-        )
     if not config.cache.enable_prefix_caching:
         raise ValueError(
             "kv_transfer_config needs prefix caching: pulled blocks join the prefix cache"

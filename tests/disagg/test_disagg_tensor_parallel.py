@@ -14,6 +14,7 @@ import httpx
 import pytest
 from safetensors.torch import save_file
 
+from asyncserve.config import EngineConfig
 from tests.disagg.test_disaggregated_prefill import _counter
 from tests.http.conftest import ServerProcess
 from tests.models.test_loader import random_state, write_config
@@ -133,3 +134,16 @@ def test_a_different_model_is_a_clear_error(
         assert _complete(servers["consumer"], [5, 6, 7])["choices"][0]["finish_reason"]
     finally:
         other.stop()
+
+
+def test_pipeline_stages_and_replicas_are_refused_before_any_start() -> None:
+    kv = {"kv_connector": "TCPConnector", "kv_role": "kv_consumer"}
+    with pytest.raises(
+        ValueError, match="disaggregated prefill runs with pipeline_parallel_size 1"
+    ):
+        EngineConfig.from_engine_args(kv_transfer_config=kv, pipeline_parallel_size=2,
+                                      distributed_executor_backend="ray")  # fmt: skip
+    with pytest.raises(ValueError, match=r"one engine per instance \(data_parallel_size 1\)"):
+        EngineConfig.from_engine_args(kv_transfer_config=kv, data_parallel_size=2)
+    # Any tensor-parallel size is fine.
+    assert EngineConfig.from_engine_args(kv_transfer_config=kv, tensor_parallel_size=2)
