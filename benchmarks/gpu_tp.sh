@@ -5,6 +5,7 @@
 #   w2_tp1.json, w2_tp2.json  W2: batch-1 ms per output token, dummy Llama-3-8B bf16, same call
 #   allreduce_latency.json NCCL all-reduce latency at decode sizes (eager and in a CUDA graph)
 #   tp_broadcast.json      per-step cost of the shared-memory step broadcast vs pickled pipes
+#   logits_gather.json     the LM head's logits: all-gather to every rank vs gather to rank 0
 # Run from the repository root: bash benchmarks/gpu_tp.sh
 set -u
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -30,4 +31,5 @@ except (OSError, KeyError) as e:
 PY
 step allreduce 120 python3 benchmarks/allreduce_latency.py --ranks 2 --hidden 4096
 TAIL=4 step tp_broadcast 200 python3 benchmarks/tp_broadcast.py --ranks 2 --steps 2000
+TAIL=12 step logits_gather 120 python3 benchmarks/logits_gather.py --ranks 2 --vocab 128256 --output-json $OUT/logits_gather.json
 TAIL=6 step tp_equality 400 python3 benchmarks/tp_equality.py --device cuda

@@ -171,4 +171,9 @@ class EngineConfig:
                 "kv_transfer_config: disaggregated prefill runs one engine per instance "
                 "(data_parallel_size 1); run one instance per replica instead"
             )
+        if self.kv_transfer is not None and self.parallel.pipeline_parallel_size > 1:
+            raise ValueError(
+                "kv_transfer_config: disaggregated prefill runs with pipeline_parallel_size 1 "
+                "(each pipeline stage holds only its own layers' KV blocks)"
+            )
         return self

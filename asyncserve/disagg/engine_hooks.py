@@ -13,21 +13,18 @@ from asyncserve.sampling_params import SamplingParams
 
 
 def make_kv_transfer(
-    config: EngineConfig, scheduler: Scheduler, executor: Executor
+    config: EngineConfig, scheduler: Scheduler, executor: Executor, num_kv_heads: int
 ) -> KVTransfer | None:
+    """The engine's KVTransfer; any tensor-parallel size on either side (blocks travel with
+    all the model's KV heads; EngineConfig.checked refuses pipeline stages)."""
     kv = config.kv_transfer
     if kv is None:
         return None
-    if config.parallel.tensor_parallel_size != 1:
-        raise ValueError(
-            "kv_transfer_config: disaggregated prefill runs with tensor_parallel_size 1 "
-            "(a tensor-parallel pool holds each rank's heads apart)"
-        )
     if not config.cache.enable_prefix_caching:
         raise ValueError(
             "kv_transfer_config needs prefix caching: pulled blocks join the prefix cache"
         )
-    return KVTransfer(kv, scheduler.kv_cache_manager, executor)
+    return KVTransfer(kv, scheduler.kv_cache_manager, executor, num_kv_heads)
 
 
 def check_kv_transfer_params(transfer: KVTransfer | None, params: SamplingParams) -> None:

@@ -6,7 +6,9 @@ end), so the consumer asks only for what its own prefix cache misses, and the pu
 simply join that cache: the request then finds its prompt there as a prefix hit and computes
 only the last, partial block. The transport is HTTP between the two servers (TCP, works on
 CPU and across hosts); the payload is one safetensors blob, [blocks, layers, 2, block_size,
-kv_heads, head_dim] in the pool's dtype.
+kv_heads, head_dim] in the pool's dtype, with all the model's KV heads: under tensor
+parallelism the producer joins its ranks' head slices and each consumer rank writes its own
+(worker/kv_blocks.py), so the two may run different tensor-parallel sizes.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from safetensors.torch import save as save_safetensors
 from asyncserve.config import KVTransferConfig
 from asyncserve.core.kv_cache_manager import KVCacheManager
 from asyncserve.executor.abstract import Executor
+from asyncserve.worker.kv_blocks import merge_rank_heads
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +43,13 @@ class KVTransferError(RuntimeError):
 
 
 class KVTransfer:
-    def __init__(self, config: KVTransferConfig, kv: KVCacheManager, executor: Executor) -> None:
+    def __init__(
+        self, config: KVTransferConfig, kv: KVCacheManager, executor: Executor, num_kv_heads: int
+    ) -> None:
         self.config = config
         self.kv = kv
         self.executor = executor
+        self.num_kv_heads = num_kv_heads
         self.engine_id = uuid.uuid4().hex[:16]
         # Sent with pulls when the server has one (both ends of a pair share it).
         self.api_key: str | None = None
@@ -79,9 +85,8 @@ class KVTransfer:
             data = torch.empty(0)
             if found:
                 ids = [b.block_id for _, b in found]
-                data = (await asyncio.wrap_future(self.executor.submit_rpc("read_kv_blocks", ids)))[
-                    0
-                ]
+                parts = await asyncio.wrap_future(self.executor.submit_rpc("read_kv_blocks", ids))
+                data = merge_rank_heads(parts, self.num_kv_heads)
         finally:
             self.kv.release_export(request_id)
             self._expiry.pop(request_id, None)
@@ -135,15 +140,16 @@ class KVTransfer:
             return 0
         try:
             ids = [b.block_id for b in blocks]
-            await asyncio.wrap_future(
+            # Every rank writes its heads, or all say the blocks do not fit (the same check).
+            problems = await asyncio.wrap_future(
                 self.executor.submit_rpc("write_kv_blocks", ids, tensors["kv"])
             )
-        except ValueError as exc:
-            self.kv.block_pool.free_blocks(blocks)
-            raise KVTransferError(f"KV transfer from {url}: {exc}") from exc
         except BaseException:
             self.kv.block_pool.free_blocks(blocks)
             raise
+        if any(problems):
+            self.kv.block_pool.free_blocks(blocks)
+            raise KVTransferError(f"KV transfer from {url}: {next(p for p in problems if p)}")
         self.kv.register_imported(blocks, hashes)
         self.blocks_received += len(hashes)
         return len(hashes)

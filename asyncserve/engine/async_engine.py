@@ -89,7 +89,9 @@ class AsyncEngine:
             sliding_window=loaded.arch.kv_sliding_window,
             num_lookahead_tokens=spec.num_lookahead_tokens if spec is not None else 0,
         )
-        self.kv_transfer = make_kv_transfer(config, self.scheduler, executor)
+        self.kv_transfer = make_kv_transfer(
+            config, self.scheduler, executor, loaded.arch.num_key_value_heads
+        )
         self.tracer = make_tracer(config, self.model_path)
         self.output_processor = OutputProcessor(
             self.tokenizer, config.stream_interval, metrics, self.tracer

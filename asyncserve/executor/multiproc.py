@@ -218,6 +218,10 @@ class MultiProcExecutor(Executor):
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         return self._thread.submit(self._rpc, method, args).result()
 
+    def submit_rpc(self, method: str, *args: Any) -> Future[list[Any]]:
+        # Behind the steps sent so far, and without blocking the caller (the event loop).
+        return self._thread.submit(self._rpc, method, args)
+
     def _rpc(self, method: str, args: tuple[Any, ...]) -> list[Any]:
         self._send(encode_rpc(method, args))
         return self._replies()

@@ -11,8 +11,8 @@ Differences from Llama:
   scores by query_pre_attn_scalar ** -0.5, and the final logits soft-capped when the
   config sets final_logit_softcapping (attn_logit_softcapping is ignored, as HF ignores it:
   Gemma 3 has q/k norms instead). The MLP is GELU (tanh) gated.
-Tensor parallelism splits it as Llama (models/parallel.py); the soft cap applies to the
-gathered logits.
+Tensor parallelism splits it as Llama (models/parallel.py); each rank soft-caps its own
+vocabulary slice of the logits (the cap is elementwise).
 """
 
 from __future__ import annotations
@@ -150,7 +150,11 @@ class Gemma3ForCausalLM(CausalLM):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.all_gather_last(compute_logits(hidden, self.lm_head.weight))
+        return self.tp.all_gather_last(self.local_logits(hidden))
+
+    def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # The soft cap is elementwise: each rank caps its own vocabulary slice.
+        logits = compute_logits(hidden, self.lm_head.weight)
         cap = self.config.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -270,9 +270,12 @@ class LlamaForCausalLM(CausalLM):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] float32."""
-        # Each rank has its vocabulary slice's logits; every rank gets all of them.
-        logits = self.tp.all_gather_last(compute_logits(hidden, self.lm_head.weight))
+        """[N, hidden] -> [N, vocab] float32, on every rank."""
+        return self.tp.all_gather_last(self.local_logits(hidden))
+
+    def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, this rank's vocabulary slice] float32."""
+        logits = compute_logits(hidden, self.lm_head.weight)
         if self.config.logits_scaling != 1.0:
             logits = logits / self.config.logits_scaling
         return logits

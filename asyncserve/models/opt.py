@@ -180,7 +180,10 @@ class OPTForCausalLM(CausalLM):
         return self.model.decoder(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_gather_last(compute_logits(hidden, self.lm_head.weight))
+        return self.tp.all_gather_last(self.local_logits(hidden))
+
+    def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return compute_logits(hidden, self.lm_head.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_checkpoint(self, weights, self.route)

@@ -78,11 +78,28 @@ class TensorParallel:
         dist.all_gather(parts, x, group=self.group)
         return torch.cat(parts, dim=-1)
 
+    def gather_last_to_first(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's `x` concatenated along the last dim on the group's first rank (the
+        driver, which samples); None on the others, which never hold the whole of it."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        first = self._first()
+        if self.rank != 0:
+            dist.gather(x, None, dst=first, group=self.group)
+            return None
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.gather(x, parts, dst=first, group=self.group)
+        return torch.cat(parts, dim=-1)
+
+    def _first(self) -> int:
+        """The global rank of this group's rank 0."""
+        return 0 if self.group is None else dist.get_global_rank(self.group, 0)
+
     def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's `x` on every rank, in place (the sampled ids: only rank 0 samples)."""
         if self.size > 1:
-            first = 0 if self.group is None else dist.get_global_rank(self.group, 0)
-            dist.broadcast(x, src=first, group=self.group)
+            dist.broadcast(x, src=self._first(), group=self.group)
         return x
 
 

@@ -76,7 +76,8 @@ class DecodeGraphs:
         hidden = self.model(
             self.input_ids[:size], self.positions[:size], self.kv_caches, self._meta(size)
         )
-        return self.model.compute_logits(hidden)
+        # This rank's vocabulary slice: the gather to the driver runs after the replay.
+        return self.model.local_logits(hidden)
 
     def _capture(self, size: int) -> None:
         start = time.perf_counter()
@@ -96,7 +97,8 @@ class DecodeGraphs:
         )
 
     def run(self, inputs: StepInputs) -> torch.Tensor:
-        """Logits [num_reqs, vocab] of a pure-decode step, by graph replay."""
+        """Logits [num_reqs, this rank's vocabulary slice] of a pure-decode step, by graph
+        replay."""
         n = len(inputs.request_ids)
         size = self.padded_size(n)
         assert size is not None

@@ -1,7 +1,10 @@
 """Copying whole KV blocks out of and into the paged pool (disaggregated prefill).
 
 The layout on the wire is [blocks, layers, 2 (key, value), block_size, kv_heads, head_dim] in
-the pool's dtype, on the CPU: what a consumer with the same model and block size writes back.
+the pool's dtype, on the CPU, with the whole model's KV heads whatever the tensor-parallel
+size: a rank reads its own heads' slice (read_blocks), the engine joins the ranks' slices
+(merge_rank_heads), and each rank of the receiving instance writes the heads it holds
+(rank_heads, write_blocks). So a producer and a consumer may split the heads differently.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import torch
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+_HEADS_DIM = 4
 
 
 def read_blocks(kv_caches: KVCaches, block_ids: list[int]) -> torch.Tensor:
@@ -18,6 +22,30 @@ def read_blocks(kv_caches: KVCaches, block_ids: list[int]) -> torch.Tensor:
     per_layer = [torch.stack((k.index_select(0, index), v.index_select(0, index)), 1)
                  for k, v in kv_caches]  # fmt: skip
     return torch.stack(per_layer, 1).cpu()
+
+
+def merge_rank_heads(parts: list[torch.Tensor], num_kv_heads: int) -> torch.Tensor:
+    """The ranks' slices (read_blocks of each, in rank order) as the whole model's heads.
+    With fewer KV heads than ranks each head is on several ranks: its first one gives it."""
+    size = len(parts)
+    if size == 1:
+        return parts[0]
+    if num_kv_heads >= size:
+        return torch.cat(parts, dim=_HEADS_DIM)
+    # Rank r holds head r * num_kv_heads // size (models/parallel.py, kv_heads).
+    return torch.cat([parts[h * size // num_kv_heads] for h in range(num_kv_heads)], _HEADS_DIM)
+
+
+def rank_heads(data: torch.Tensor, first: int, count: int, num_kv_heads: int) -> torch.Tensor:
+    """This rank's heads [first, first + count) of blocks carrying all `num_kv_heads`."""
+    if data.dim() != 6 or data.shape[_HEADS_DIM] != num_kv_heads:
+        raise ValueError(
+            f"KV blocks of shape {tuple(data.shape)} do not carry this model's {num_kv_heads} "
+            "KV heads: the two instances must serve the same model"
+        )
+    if count == num_kv_heads:
+        return data
+    return data.narrow(_HEADS_DIM, first, count)
 
 
 def write_blocks(kv_caches: KVCaches, block_ids: list[int], data: torch.Tensor) -> None:
@@ -38,3 +66,20 @@ def write_blocks(kv_caches: KVCaches, block_ids: list[int], data: torch.Tensor) 
         v.index_copy_(0, index, data[:, layer, 1])
     if key0.is_cuda:
         torch.cuda.current_stream(key0.device).synchronize()  # written before any step reads
+
+
+def write_rank_blocks(
+    kv_caches: KVCaches,
+    block_ids: list[int],
+    data: torch.Tensor,
+    heads: tuple[int, int],
+    num_kv_heads: int,
+) -> str | None:
+    """A rank's write of blocks carrying all the KV heads (its `heads`: first, count); the
+    reason when they do not fit, nothing written (an error would end a tensor-parallel
+    engine: every rank finds the same reason instead)."""
+    try:
+        write_blocks(kv_caches, block_ids, rank_heads(data, *heads, num_kv_heads))
+    except ValueError as exc:
+        return str(exc)
+    return None

@@ -129,5 +129,5 @@ def _profile_run(
     with torch.inference_mode():
         hidden = model(ids, pos, caches, meta)
         rows = min(config.scheduler.max_num_seqs, num_tokens)
-        model.compute_logits(hidden[:rows])
+        model.driver_logits(hidden[:rows])
     del caches, hidden

@@ -63,8 +63,11 @@ def prompt_logprobs(
         if k is None or start >= last:
             offset += count
             continue
-        rows = hidden[offset : offset + (last - start)]
-        logprobs = torch.log_softmax(model.compute_logits(rows), dim=-1)
+        logits = model.driver_logits(hidden[offset : offset + (last - start)])
+        if logits is None:  # a tensor-parallel rank other than the driver: no result here
+            offset += count
+            continue
+        logprobs = torch.log_softmax(logits, dim=-1)
         targets = torch.tensor(state.prompt_token_ids[start + 1 : last + 1], device=logprobs.device)
         ids, vals, ranks = gather_logprobs(logprobs, targets, k)
         entries = [

@@ -57,6 +57,7 @@ from asyncserve.worker.runner_steps import LaunchedStep as LaunchedStep
 from asyncserve.worker.runner_steps import step_seed
 from asyncserve.worker.sampler import Sampler, SamplerOutput
 from asyncserve.worker.sampling_metadata import SamplingMetadata, SamplingRow
+from asyncserve.worker.vocab_watch import FullVocabWatch, switch_watch
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +120,7 @@ class ModelRunner:
         if is_multimodal(self.model):
             rows = max(config.scheduler.max_num_batched_tokens, 8192)
             self.embedder = StepEmbedder(self.model, EncoderCache(rows))  # type: ignore[arg-type]
+        self._vocab_watch: FullVocabWatch | None = None
         spec = config.speculative
         self.proposer: NgramProposer | DraftProposer | EagleProposer | None = None
         if spec is not None and spec.method == "ngram":
@@ -181,12 +183,20 @@ class ModelRunner:
                 self.device,
             )
 
+    def watch_full_vocab(self, on: bool) -> int:
+        """Start or stop counting this rank's full-vocabulary-wide tensors; the count so far."""
+        self._vocab_watch, count = switch_watch(self._vocab_watch, on, self.vocab_size)
+        return count
+
     def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """Whole blocks of the pool, on the CPU (a consumer pulls them; see worker/kv_blocks.py)."""
+        """Whole blocks of this rank's heads, on the CPU (see worker/kv_blocks.py)."""
         return kv_blocks.read_blocks(self.kv_caches, block_ids)
 
-    def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        kv_blocks.write_blocks(self.kv_caches, block_ids, data)
+    def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor) -> str | None:
+        """Blocks carrying every KV head: this rank writes its own; None or why they do not fit."""
+        total = self.arch.num_key_value_heads
+        return kv_blocks.write_rank_blocks(self.kv_caches, block_ids, data,
+                                           self.tp.kv_heads(total), total)  # fmt: skip
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -318,10 +328,12 @@ class ModelRunner:
             sampler_out = SamplerOutput(self.pp.broadcast_sampled(ids))
         elif inputs.sample_request_ids:
             if forwarded.logits is not None:
-                logits = forwarded.logits
+                local = forwarded.logits
             else:
                 assert forwarded.hidden is not None
-                logits = self.model.compute_logits(forwarded.hidden[inputs.logits_indices])
+                local = self.model.local_logits(forwarded.hidden[inputs.logits_indices])
+            # Only the driver, which samples, receives the whole vocabulary's logits.
+            logits = self.tp.gather_last_to_first(local)
             sampler_out = self._sample(
                 logits, inputs.sample_request_ids, grammar, inputs.spec_token_ids
             )
@@ -334,7 +346,7 @@ class ModelRunner:
 
     def _sample(
         self,
-        logits: torch.Tensor,
+        logits: torch.Tensor | None,
         request_ids: list[str],
         grammar: Future[GrammarBitmask | None] | None,
         spec: list[list[int]] | None = None,
@@ -343,6 +355,7 @@ class ModelRunner:
         ranks feed the same tokens to the next step. With proposals (`spec`, per request)
         the logits hold k + 1 rows per request and the ids come back as [B, K + 1]."""
         if self.tp.rank == 0:
+            assert logits is not None  # the driver gathered them
             # Filled on the grammar thread while the forward ran.
             bitmask = grammar.result() if grammar is not None else None
             if bitmask is not None:

@@ -40,7 +40,8 @@ class ForwardedStep:
     """A step whose forward pass is enqueued; `launch_sampling` samples from it."""
 
     inputs: StepInputs | None = None
-    # The last hidden states (eager forward) or the sampled rows' logits (replayed graph).
+    # The last hidden states (eager forward) or the sampled rows' logits (replayed graph;
+    # this rank's vocabulary slice).
     hidden: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     step: LaunchedStep = field(default_factory=LaunchedStep)

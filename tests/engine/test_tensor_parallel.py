@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ from safetensors.torch import save_file
 
 from asyncserve import LLM, RequestOutput, SamplingParams
 from asyncserve.executor.multiproc import MultiProcExecutor, check_devices
+from asyncserve.sampling_params import StructuredOutputsParams
 from tests.models.test_families import save_tiny_family
 from tests.models.test_loader import random_state, write_config
 
@@ -98,6 +100,42 @@ def test_tp2_logprobs_come_from_rank_0(single_llm: LLM, tp_llm: LLM) -> None:
         for token, entry in (want_row or {}).items():
             assert got_row is not None
             assert got_row[token].logprob == pytest.approx(entry.logprob, abs=1e-4)
+
+
+def test_tp2_seeded_sampling_and_n_equal_one_device(single_llm: LLM, tp_llm: LLM) -> None:
+    params = SamplingParams(temperature=0.9, top_p=0.9, n=2, seed=17, max_tokens=8,
+                            ignore_eos=True)  # fmt: skip
+    prompts = [list(range(60, 75)), [9, 8, 7, 6]]
+    want = single_llm.generate(prompts, params, use_tqdm=False)
+    got = tp_llm.generate(prompts, params, use_tqdm=False)
+    for w, g in zip(want, got, strict=True):
+        assert [o.token_ids for o in g.outputs] == [o.token_ids for o in w.outputs]
+
+
+def test_tp2_structured_output_equals_one_device(single_llm: LLM, tp_llm: LLM) -> None:
+    pattern = r"[a-d]{3}-[0-9]{2}"
+    params = SamplingParams(temperature=0.0, max_tokens=12,
+                            structured_outputs=StructuredOutputsParams(regex=pattern))  # fmt: skip
+    (want,) = single_llm.generate([list(range(20, 30))], params, use_tqdm=False)
+    (got,) = tp_llm.generate([list(range(20, 30))], params, use_tqdm=False)
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert re.fullmatch(pattern, got.outputs[0].text), got.outputs[0].text
+
+
+def test_only_the_driver_materialises_full_vocab_logits(single_llm: LLM, tp_llm: LLM) -> None:
+    # Every op on each rank is watched (worker/vocab_watch.py): rank 1 sends its slice of
+    # the logits to rank 0 and never holds a tensor as wide as the vocabulary.
+    executor = tp_llm.engine.executor
+    params = SamplingParams(temperature=0.7, seed=3, max_tokens=4, logprobs=2, prompt_logprobs=1)
+    executor.collective_rpc("watch_full_vocab", True)
+    try:
+        (got,) = tp_llm.generate([list(range(50, 62))], params, use_tqdm=False)
+    finally:
+        counts = executor.collective_rpc("watch_full_vocab", False)
+    assert counts[0] > 0 and counts[1] == 0, counts
+    (want,) = single_llm.generate([list(range(50, 62))], params, use_tqdm=False)
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert got.prompt_logprobs is not None and len(got.prompt_logprobs) == 12
 
 
 def test_workers_load_new_weights_from_a_directory(
