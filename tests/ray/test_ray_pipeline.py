@@ -99,10 +99,12 @@ def test_abort_of_a_request_in_flight(single: LLM, pp_llm: LLM) -> None:
         async for out in engine.generate(prompts[i], params, f"abort-{i}"):
             last = out
             if i == 1 and len(out.outputs[0].token_ids) >= 3 and not aborted_in_flight:
+                # Aborted once its next step is in the pipeline (the step loop launches
+                # it before this task runs, unless it was preempted meanwhile).
                 request = engine.scheduler.get_request("abort-1")
-                assert request is not None
-                aborted_in_flight.append(engine.scheduler.micro_batches.busy(request))
-                await engine.abort("abort-1")
+                if request is not None and engine.scheduler.micro_batches.busy(request):
+                    aborted_in_flight.append(True)
+                    await engine.abort("abort-1")
         assert last is not None
         return last
 
@@ -110,7 +112,6 @@ def test_abort_of_a_request_in_flight(single: LLM, pp_llm: LLM) -> None:
         return list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
 
     outs = pp_llm._loop.run_until_complete(run())
-    # The abort came while the request's next step was in the pipeline.
     assert aborted_in_flight == [True]
     victim = outs[1].outputs[0]
     assert victim.finish_reason == "abort"
