@@ -1,7 +1,8 @@
 """Pipeline parallelism over Ray actors (2 stages, gloo on CPU) with one micro-batch per stage
 in flight: greedy and seeded outputs equal one device token for token through chunked
 prefill, prefix hits and preemption; stop strings and an abort of a request whose step is
-in the pipeline end only that request; two steps are in flight at once."""
+in the pipeline end only that request; two steps are in flight at once; a stage that dies
+fails every running request with an error naming it."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import ray
 
 from asyncserve import LLM, RequestOutput, SamplingParams
+from asyncserve.executor.ray_executor import RayExecutor
 from tests.engine.test_tensor_parallel import ENGINE_ARGS, _generate, _prompts
 
 
@@ -124,3 +127,32 @@ def test_abort_of_a_request_in_flight(single: LLM, pp_llm: LLM) -> None:
     _assert_drained(pp_llm)
     # The engine goes on as before.
     assert _generate(pp_llm) == _generate(single)
+
+
+def test_killed_stage_ends_the_engine(pp_llm: LLM) -> None:
+    # Last in this module: it ends the shared engine. The first stage's actor dies while
+    # steps are in the pipeline; the second stage is left waiting on its hand-over.
+    executor = pp_llm.engine.executor
+    assert isinstance(executor, RayExecutor)
+    engine = pp_llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+
+    async def one(i: int) -> RequestOutput:
+        last = None
+        async for out in engine.generate(_prompts()[i], params, f"killed-{i}"):
+            if last is None and i == 0:
+                ray.kill(executor.workers[0])
+            last = out
+        assert last is not None
+        return last
+
+    async def run() -> list[RequestOutput]:
+        return list(await asyncio.gather(*(one(i) for i in range(3))))
+
+    outs = pp_llm._loop.run_until_complete(run())
+    for out in outs:
+        assert out.error is not None and "worker 0" in out.error and "died" in out.error
+        assert len(out.outputs[0].token_ids) < 50
+    group = executor._group
+    pp_llm.close()
+    assert ray.util.placement_group_table(group)["state"] == "REMOVED"
