@@ -42,10 +42,9 @@ class PipelineStage:
     num_stages: int
     start: int
     end: int
-    # Global ranks: the same tensor-parallel rank one stage back / ahead; the sampler.
+    # Global ranks: the same tensor-parallel rank one stage back / ahead.
     prev_rank: int
     next_rank: int
-    driver_rank: int
     # The last hand-over still being sent (its works, and its tensors kept alive until
     # then): a stage goes on to its next micro-batch while the next stage is still busy.
     _works: list[Any] = field(default_factory=list, compare=False, repr=False)
@@ -62,7 +61,6 @@ class PipelineStage:
             end=end,
             prev_rank=rank - tp_size,
             next_rank=rank + tp_size,
-            driver_rank=(num_stages - 1) * tp_size,
         )
 
     @property
