@@ -63,8 +63,7 @@ class Scheduler:
         """`max_loras`: most LoRA adapters one step may use (None: LoRA is off).
         `sliding_window`: set when every layer of the model attends through a window of
         that many positions; blocks behind it go back to the pool (KVCacheManager).
-        `max_concurrent_batches`: steps in flight with disjoint requests (the pipeline
-        parallel size; core/micro_batches.py)."""
+        `max_concurrent_batches`: pipeline parallelism's steps in flight (micro_batches.py)."""
         self.config = scheduler_config
         # Slots past each step's tokens for a draft model's proposals.
         self.num_lookahead_tokens = num_lookahead_tokens
