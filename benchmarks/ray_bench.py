@@ -7,9 +7,14 @@
   executor  W2 (batch 1, 128 in / 256 out, greedy) at tensor_parallel_size 2 with
             distributed_executor_backend "mp", then "ray", alternating: ms per output token
             and the Ray executor's overhead
+  pipeline  W1b's prompts (--input-len in / --output-len out, EOS ignored) through the Ray
+            executor at pipeline_parallel_size 2 (one stage per GPU, one micro-batch per
+            stage in flight), then 1 (one GPU): total tok/s, the speed-up, and how many
+            steps the engine kept in flight
 
     python benchmarks/ray_bench.py data --model benchmarks/configs/llama3-8b --out $OUT/ray_data.json
     python benchmarks/ray_bench.py executor --model benchmarks/configs/llama3-8b --out $OUT/ray_exec.json
+    python benchmarks/ray_bench.py pipeline --model benchmarks/configs/llama3-8b --out $OUT/ray_pp.json
 
 Weights are dummy (random), as in the other W1b / W2 runs. Both need two GPUs. The GPU
 machine has no Ray: benchmarks/ray_wheels.sh packs it in two parts for two calls.
@@ -114,16 +119,61 @@ def bench_executor(args: argparse.Namespace) -> dict[str, Any]:
     return {"ms_per_output_token": results, "overhead": overhead}
 
 
+def bench_pipeline(args: argparse.Namespace) -> dict[str, Any]:
+    prompts = random_prompts(args.num_prompts, args.input_len, _vocab(args.model))
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    device = {"device": args.device} if args.device else {}
+    report: dict[str, Any] = {"num_prompts": args.num_prompts, "runs": {}}
+    for pp in (2, 1):
+        llm = LLM(
+            args.model,
+            load_format="dummy",
+            max_model_len=args.max_model_len,
+            enable_prefix_caching=False,
+            pipeline_parallel_size=pp,
+            distributed_executor_backend="ray",
+            **device,  # type: ignore[arg-type]
+        )
+        try:
+            llm.generate(prompts[:8], warm, use_tqdm=False)
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            elapsed = time.perf_counter() - start
+            in_flight = llm.engine.step_loop.max_in_flight
+        finally:
+            llm.close()
+        tokens = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outs)
+        report["runs"][pp] = {
+            "seconds": elapsed,
+            "total_tok_per_s": tokens / elapsed,
+            "output_tok_per_s": sum(len(o.outputs[0].token_ids) for o in outs) / elapsed,
+            "max_steps_in_flight": in_flight,
+        }
+        print(
+            f"PP={pp}: {tokens / elapsed:,.0f} total tok/s ({elapsed:.1f} s), "
+            f"up to {in_flight} step(s) in flight"
+        )
+    report["speedup"] = report["runs"][2]["total_tok_per_s"] / report["runs"][1]["total_tok_per_s"]
+    print(f"PP=2 vs PP=1: {report['speedup']:.2f}x")
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", choices=["data", "executor"])
+    parser.add_argument("what", choices=["data", "executor", "pipeline"])
     parser.add_argument("--model", required=True, help="a config directory (dummy weights)")
     parser.add_argument("--num-prompts", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=2, help="executor: mp/ray alternations")
     parser.add_argument("--iters", type=int, default=3, help="executor: timed runs per engine")
+    parser.add_argument("--input-len", type=int, default=256, help="pipeline: prompt tokens")
+    parser.add_argument("--output-len", type=int, default=256, help="pipeline: output tokens")
+    parser.add_argument("--max-model-len", type=int, default=2048, help="pipeline")
+    parser.add_argument("--device", default=None, help="pipeline: cpu for a small check")
     parser.add_argument("--out", default=None, help="JSON report path")
     args = parser.parse_args()
-    report = bench_data(args) if args.what == "data" else bench_executor(args)
+    benches = {"data": bench_data, "executor": bench_executor, "pipeline": bench_pipeline}
+    report = benches[args.what](args)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)

@@ -37,6 +37,7 @@ from collections.abc import Iterable
 from asyncserve.config import CacheConfig, SchedulerConfig
 from asyncserve.core.block_pool import BlockPool
 from asyncserve.core.kv_cache_manager import KVCacheManager
+from asyncserve.core.micro_batches import MicroBatches
 from asyncserve.core.request import Request, RequestStatus
 from asyncserve.core.step import NewRequestData, RunningRequestData, StepPlan, StepResult
 from asyncserve.core.step_budget import StepBudget
@@ -57,10 +58,12 @@ class Scheduler:
         max_loras: int | None = None,
         sliding_window: int | None = None,
         num_lookahead_tokens: int = 0,
+        max_concurrent_batches: int = 1,
     ) -> None:
         """`max_loras`: most LoRA adapters one step may use (None: LoRA is off).
         `sliding_window`: set when every layer of the model attends through a window of
-        that many positions; blocks behind it go back to the pool (KVCacheManager)."""
+        that many positions; blocks behind it go back to the pool (KVCacheManager).
+        `max_concurrent_batches`: pipeline parallelism's steps in flight (micro_batches.py)."""
         self.config = scheduler_config
         # Slots past each step's tokens for a draft model's proposals.
         self.num_lookahead_tokens = num_lookahead_tokens
@@ -92,6 +95,7 @@ class Scheduler:
         self.step_time = StepTimeModel()
         self._latency_target_s = scheduler_config.decode_latency_target_ms / 1000.0
         self.spec_stats = SpecDecodeStats()
+        self.micro_batches = MicroBatches(max_concurrent_batches)
 
     # ----------------------------------------------------------------- requests in and out
 
@@ -184,6 +188,7 @@ class Scheduler:
         """Plan one step: running requests first, then waiting ones (none if this step had
         to preempt), within the token and sequence budgets."""
         step = StepBudget(self.max_num_batched_tokens, self._prefill_budget())
+        step.max_requests = self.micro_batches.max_requests(len(self._requests), self.max_num_seqs)
         self._schedule_running(step)
         if not step.preempted:
             self._schedule_waiting(step)
@@ -206,8 +211,11 @@ class Scheduler:
         when blocks run out, preempt until they fit (the request itself, last)."""
         running = self._running
         index = 0
-        while index < len(running) and step.budget > 0:
+        while index < len(running) and step.budget > 0 and not step.full:
             request = running[index]
+            if self.micro_batches.busy(request):
+                index += 1  # its step is still in the pipeline
+                continue
             num_new = step.limit(_num_pending_tokens(request) - request.num_computed_tokens)
             if num_new <= 0 or at_length_limit(request, self.max_model_len):
                 index += 1
@@ -260,10 +268,10 @@ class Scheduler:
         # them waits, keeping its place in line, and the ones behind it may go first.
         loras = {r.lora_int_id for r in self._running if r.lora_int_id} if self.max_loras else set()
         skipped: list[Request] = []
-        while step.budget > 0 and len(self._running) < self.max_num_seqs:
+        while step.budget > 0 and len(self._running) < self.max_num_seqs and not step.full:
             request = waiting.peek()
-            if request is None:
-                break
+            if request is None or self.micro_batches.busy(request):
+                break  # (busy: preempted while in flight, admitted once its step is back)
             if request.num_output_placeholders:
                 # Preempted while its last token was in flight: admitted once it is known.
                 break
@@ -330,6 +338,7 @@ class Scheduler:
         )
         self._freed_ids = set()
         self._removed_loras = set()
+        self.micro_batches.launched(plan, step.running, step.new)
         # The plan carries the start positions; from here on the tokens count as computed,
         # and a request whose chunk reaches its last token awaits the token sampled now.
         for r in itertools.chain(step.running, step.new):
@@ -347,6 +356,7 @@ class Scheduler:
         finished (e.g. aborted) since the plan was made are skipped; one preempted since
         (async scheduling) still gets its token, which was computed before its K/V went.
         """
+        self.micro_batches.returned(plan)
         sampled = result.sampled_token_ids
         requests = self._requests
         updated: list[Request] = []
@@ -432,6 +442,7 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         del self._requests[request.request_id]
+        self.micro_batches.forget(request.request_id)
         self._freed_ids.add(request.request_id)
 
 

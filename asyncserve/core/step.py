@@ -36,6 +36,10 @@ class RunningRequestData:
     request_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    # Pipeline parallelism: its output tokens from index new_tokens_from on, sampled since
+    # it was last scheduled (only the last stage saw them); None otherwise.
+    new_token_ids: list[int] | None = None
+    new_tokens_from: int = 0
 
 
 @dataclass

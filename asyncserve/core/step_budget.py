@@ -17,12 +17,18 @@ class StepBudget:
     # Tokens left for chunks of more than one token (prefills); None: only `budget` counts.
     prefill_budget: int | None = None
     preempted: bool = False
+    # Requests this step may take (pipeline parallelism shares them among the steps in flight).
+    max_requests: int | None = None
     num_scheduled: dict[str, int] = field(default_factory=dict)
     running: list[Request] = field(default_factory=list)
     new: list[Request] = field(default_factory=list)
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
     # request id -> proposed tokens to verify (speculative decoding), within num_scheduled.
     spec: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def full(self) -> bool:
+        return self.max_requests is not None and len(self.num_scheduled) >= self.max_requests
 
     def limit(self, num_wanted: int) -> int:
         """Tokens a request wanting num_wanted gets: a decode (1) only needs the budget; a

@@ -88,6 +88,7 @@ class AsyncEngine:
             config.lora.max_loras if config.lora.enable_lora else None,
             sliding_window=loaded.arch.kv_sliding_window,
             num_lookahead_tokens=spec.num_lookahead_tokens if spec is not None else 0,
+            max_concurrent_batches=executor.max_concurrent_batches,
         )
         self.kv_transfer = make_kv_transfer(
             config, self.scheduler, executor, loaded.arch.num_key_value_heads

@@ -8,6 +8,10 @@ One loop for both scheduling modes, with up to `depth` steps in flight:
   are back, so the device never waits for the host between steps; N+1 reads N's tokens on
   the device (a token in flight is a placeholder, see core/scheduler.py). Then collect N,
   update, publish N while N+1 computes.
+- depth P (pipeline parallelism over P stages: Executor.max_concurrent_batches): P steps
+  in flight, each with requests the others do not hold (core/micro_batches.py), so every
+  stage works on one. This replaces async scheduling's one step ahead: a request's next
+  step cannot start on the first stage before the last stage has sampled its token.
 
 Where sampling N+1 needs N's tokens on the host (grammar masks, penalties, bad words), N+1's
 forward is still launched at once; its sampling is queued behind the collection of N, and
@@ -80,6 +84,10 @@ class StepLoop:
         self.core = core
         self.executor = executor
         self.depth = 2 if async_scheduling else 1
+        if executor.max_concurrent_batches > 1:
+            self.depth = executor.max_concurrent_batches
+        # The most steps that were in flight at once (pipeline stages kept busy).
+        self.max_in_flight = 0
         # Also charge each step's device time to its requests (detailed traces).
         self.time_steps = time_steps
         # When the last step's tokens were collected: a step queued behind another starts
@@ -101,6 +109,7 @@ class StepLoop:
                         prev = in_flight[-1] if in_flight else None
                         in_flight.append(await self._launch(loop, plan, prev))
                         launched = True
+                        self.max_in_flight = max(self.max_in_flight, len(in_flight))
                 if pending is not None:
                     # Overlap: publish the last step's tokens while this one computes.
                     self.core.publish(*pending)

@@ -29,6 +29,10 @@ MasksFuture = Future[GrammarBitmask | None]
 class Executor(ABC):
     """Runs StepPlans on the workers; every method returns without waiting for a device."""
 
+    # Steps with disjoint requests that may be in flight at once: the pipeline stages
+    # (each works on its own step); 1 without pipeline parallelism.
+    max_concurrent_batches: int = 1
+
     @abstractmethod
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         """Call `method(*args)` on every worker's runner, in step order; one result each."""

@@ -13,7 +13,11 @@ MultiProcExecutor worker reads from its pipe:
   launch_sampling  ("sample", bitmask)   rank 0 samples and the others take its ids
   collect                                one reply per rank: rank 0's is the StepResult
 
-The stages run in submission order on one thread here. An actor (or its node) that dies
+The stages run in submission order on one thread here. Under pipeline parallelism
+(executor/ray_pipeline.py has the whole picture) the engine keeps one step per pipeline
+stage in flight: "collect" follows each "sample" at once and the replies are read on a
+second thread, so the step thread goes on sending the next micro-batch to the first stage
+while the last one computes. An actor (or its node) that dies
 fails the stage waiting on it, and every later one, with an error naming the rank and its
 node; a watcher reports a death while the engine is idle. shutdown stops the actors, kills
 what is left and frees the placement group.
@@ -39,6 +43,7 @@ from asyncserve.core.step import StepPlan, StepResult
 from asyncserve.executor.abstract import Executor, MasksFuture
 from asyncserve.executor.multiproc import WorkerDied
 from asyncserve.executor.ray_cluster import connect, reserve
+from asyncserve.executor.ray_pipeline import driver_reply
 from asyncserve.executor.ray_worker import RayWorker, no_delay
 
 logger = logging.getLogger(__name__)
@@ -62,6 +67,11 @@ class RayExecutor(Executor):
         self.driver = (config.parallel.pipeline_parallel_size - 1) * (
             config.parallel.tensor_parallel_size
         )
+        self.max_concurrent_batches = config.parallel.pipeline_parallel_size
+        # Reads the replies under pipeline parallelism (None: the step thread reads them).
+        self._reader: ThreadPoolExecutor | None = None
+        if self.max_concurrent_batches > 1:
+            self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncserve-pp")
         self._failure: str | None = None
         self._closing = False
         self._failure_callbacks: list[Callable[[str], None]] = []
@@ -242,6 +252,8 @@ class RayExecutor(Executor):
 
     def _rpc(self, method: str, args: tuple[Any, ...]) -> list[Any]:
         self._send([("rpc", method, args)] * self.size)
+        if self._reader is not None:  # after the replies of the steps sent before
+            return self._reader.submit(self._replies).result()
         return self._replies()
 
     def launch_forward(self, plan: StepPlan, on_launched: Callable[[], None]) -> Future[Any]:
@@ -251,7 +263,19 @@ class RayExecutor(Executor):
         return job
 
     def launch_sampling(self, forwarded: Future[Any], masks: MasksFuture | None) -> Future[Any]:
+        if self._reader is not None:
+            return self._thread.submit(self._sample_and_collect, forwarded, masks)
         return self._thread.submit(self._sample, forwarded, masks)
+
+    def _sample_and_collect(
+        self, forwarded: Future[Any], masks: MasksFuture | None
+    ) -> Future[list[Any]]:
+        """Pipeline parallelism: sample and ask for the step's replies at once; they are
+        read on the reader thread (in the order asked), while this thread sends on."""
+        assert self._reader is not None
+        self._sample(forwarded, masks)
+        self._send([("collect",)] * self.size)
+        return self._reader.submit(self._replies)
 
     def _sample(self, forwarded: Future[Any], masks: MasksFuture | None) -> None:
         forwarded.result()  # ran before on this thread: raises if it failed
@@ -260,6 +284,8 @@ class RayExecutor(Executor):
         self._send([("sample", bitmask if r == self.driver else None) for r in range(self.size)])
 
     def collect(self, launched: Future[Any]) -> Future[StepResult]:
+        if self._reader is not None:
+            return driver_reply(launched, self.driver)
         return self._thread.submit(self._collect, launched)
 
     def _collect(self, launched: Future[Any]) -> StepResult:
@@ -272,6 +298,8 @@ class RayExecutor(Executor):
     def shutdown(self) -> None:
         self._closing = True
         self._thread.shutdown(wait=False, cancel_futures=True)
+        if self._reader is not None:
+            self._reader.shutdown(wait=False, cancel_futures=True)
         ray = self._ray
         for conn in self._conns:
             with contextlib.suppress(OSError):

@@ -4,12 +4,15 @@ The world of tensor_parallel_size x pipeline_parallel_size ranks is laid out sta
 (global rank = stage * tp + tp_rank). Stage s holds a contiguous run of layers (and their
 KV cache); its ranks receive the hidden states and residual from the same tensor-parallel
 rank of stage s - 1 and send theirs to stage s + 1 (point-to-point over the world group).
-The last stage's first rank samples; the sampled ids go to every rank.
+The last stage's first rank samples; the other stages learn the sampled ids from the
+engine's next plan (core/micro_batches.py), so a stage never waits for the ones after it and
+runs the next step's micro-batch while they run this one's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,10 +42,13 @@ class PipelineStage:
     num_stages: int
     start: int
     end: int
-    # Global ranks: the same tensor-parallel rank one stage back / ahead; the sampler.
+    # Global ranks: the same tensor-parallel rank one stage back / ahead.
     prev_rank: int
     next_rank: int
-    driver_rank: int
+    # The last hand-over still being sent (its works, and its tensors kept alive until
+    # then): a stage goes on to its next micro-batch while the next stage is still busy.
+    _works: list[Any] = field(default_factory=list, compare=False, repr=False)
+    _sending: list[torch.Tensor] = field(default_factory=list, compare=False, repr=False)
 
     @classmethod
     def of(cls, rank: int, tp_size: int, num_stages: int, num_layers: int) -> PipelineStage:
@@ -55,7 +61,6 @@ class PipelineStage:
             end=end,
             prev_rank=rank - tp_size,
             next_rank=rank + tp_size,
-            driver_rank=(num_stages - 1) * tp_size,
         )
 
     @property
@@ -84,13 +89,18 @@ class PipelineStage:
         return hidden, residual
 
     def send(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
-        dist.send(hidden.contiguous(), dst=self.next_rank)
-        dist.send(residual.contiguous(), dst=self.next_rank)
+        """Start sending (hidden, residual) to the next stage; the send before is waited
+        for first (the messages between two ranks arrive in order)."""
+        self.wait_sent()
+        tensors = [hidden.contiguous(), residual.contiguous()]
+        self._works.extend(dist.isend(t, dst=self.next_rank) for t in tensors)
+        self._sending.extend(tensors)
 
-    def broadcast_sampled(self, ids: torch.Tensor) -> torch.Tensor:
-        """The sampler's ids on every rank of the world, in place."""
-        dist.broadcast(ids, src=self.driver_rank)
-        return ids
+    def wait_sent(self) -> None:
+        for work in self._works:
+            work.wait()
+        self._works.clear()
+        self._sending.clear()
 
 
 class MissingLayer(nn.Module):

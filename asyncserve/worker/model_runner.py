@@ -226,6 +226,10 @@ class ModelRunner:
             state = self.states[running.request_id]
             state.block_ids.extend(running.new_block_ids)
             state.num_computed_tokens = running.num_computed_tokens
+            if running.new_token_ids is not None:
+                # Pipeline stages: the last stage's sampled tokens (which it holds already).
+                del state.output_token_ids[running.new_tokens_from :]
+                state.output_token_ids.extend(running.new_token_ids)
 
     def _generator(self, state: CachedRequestState) -> torch.Generator | None:
         seed = state.sampling_params.seed
@@ -322,11 +326,8 @@ class ModelRunner:
         if inputs is None:
             return step
         sampler_out: SamplerOutput | None = None
-        if inputs.sample_request_ids and self.pp is not None and not self.pp.is_last:
-            # An earlier stage has no logits: it takes the last stage's sampled ids.
-            ids = torch.empty(len(inputs.sample_request_ids), dtype=torch.int64, device=self.device)
-            sampler_out = SamplerOutput(self.pp.broadcast_sampled(ids))
-        elif inputs.sample_request_ids:
+        # A stage before the last has no logits: the next plan brings the sampled ids.
+        if inputs.sample_request_ids and (self.pp is None or self.pp.is_last):
             if forwarded.logits is not None:
                 local = forwarded.logits
             else:
@@ -350,9 +351,10 @@ class ModelRunner:
         request_ids: list[str],
         grammar: Future[GrammarBitmask | None] | None,
         spec: list[list[int]] | None = None,
-    ) -> SamplerOutput:
+    ) -> SamplerOutput | None:
         """Rank 0 samples; under tensor parallelism every other rank takes its ids, so all
-        ranks feed the same tokens to the next step. With proposals (`spec`, per request)
+        ranks feed the same tokens to the next step (under pipeline parallelism the next
+        plan brings them: None here). With proposals (`spec`, per request)
         the logits hold k + 1 rows per request and the ids come back as [B, K + 1]."""
         if self.tp.rank == 0:
             assert logits is not None  # the driver gathered them
@@ -374,12 +376,12 @@ class ModelRunner:
                         for rid, s in zip(request_ids, spec, strict=True)
                     ]
                 out = verify(logits, rows, spec, self.vocab_size, self.device, draft_probs)
+        elif self.pp is not None:
+            return None  # the next plan brings the sampled ids (core/micro_batches.py)
         else:
             shape = [len(request_ids)] + ([] if spec is None else [max(map(len, spec)) + 1])
             out = SamplerOutput(torch.empty(shape, dtype=torch.int64, device=self.device))
-        if self.pp is not None:
-            self.pp.broadcast_sampled(out.sampled_token_ids)
-        else:
+        if self.pp is None:
             self.tp.broadcast_from_first(out.sampled_token_ids)
         return out
 

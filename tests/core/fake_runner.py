@@ -168,6 +168,7 @@ def make_scheduler(
     max_model_len: int = 1024,
     sliding_window: int | None = None,
     decode_latency_target_ms: float = 0.0,
+    max_concurrent_batches: int = 1,
 ) -> tuple[Scheduler, FakeRunner]:
     """decode_latency_target_ms is off by default here: these schedulers get no step times
     unless a test reports them."""
@@ -182,6 +183,7 @@ def make_scheduler(
         num_blocks=num_blocks,
         max_model_len=max_model_len,
         sliding_window=sliding_window,
+        max_concurrent_batches=max_concurrent_batches,
     )
     return scheduler, FakeRunner(num_blocks, BS, VOCAB, sliding_window)
 
