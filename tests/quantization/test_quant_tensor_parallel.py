@@ -5,7 +5,9 @@ two 64-wide heads instead of one 128-wide head so that two ranks can split them;
 and group scales re-expressed losslessly at 64 columns (each scale repeated over the
 sub-blocks it covers), so that each rank holds whole groups. Online `--quantization fp8`,
 HF per-tensor FP8, GPTQ and AWQ on the fixtures' unquantized model. A group or block that a
-rank's slice would cut is a one-line error."""
+rank's slice would cut is a one-line error. GGUF files kept quantized (`quantization="gguf"`)
+slice whole blocks; a row-parallel layer whose per-rank inputs are not whole blocks is
+dequantized at load."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType as T
 from safetensors.torch import load_file, save_file
 
 from asyncserve import LLM, SamplingParams
@@ -29,7 +32,9 @@ from asyncserve.models.loader import load_model
 from asyncserve.models.parallel import SINGLE, TensorParallel
 from asyncserve.models.weights import param_source
 from asyncserve.quantization.base import set_weight_attrs
+from asyncserve.quantization.gguf import GGUFLinearMethod
 from tests.models.tp_ranks import logits
+from tests.quantization.test_gguf_quantized import gguf_linear, write_gguf
 from tests.quantization.test_int4_checkpoints import AWQ_ORDER, pack_cols, pack_rows, quantize
 from tests.quantization.tp_quant_ranks import load, rank_main
 
@@ -53,6 +58,10 @@ CHANNEL = ("fp8-online", "fp8-channel", "fp8-per-tensor")
 CHANNEL_TOL = 0.06
 CHANNEL_MEAN_TOL = 0.01
 GROUP = 64  # of the GPTQ / AWQ checkpoints: a row-parallel rank's 64 columns hold one
+# Tiny GGUF Llamas (tests/quantization/test_gguf_quantized.py), name -> (type, hidden size):
+# Q8_0 at 64 (o_proj: 32 inputs per rank, one block; down_proj: 48, dequantized) and Q4_K at
+# 512 (256 inputs per rank: one super-block each).
+GGUF_CASES = {"gguf-q8_0": (T.Q8_0, 64), "gguf-q4_k": (T.Q4_K, 512)}
 
 
 def two_heads(src: Path, dst: Path, regroup: str | None = None) -> None:
@@ -125,7 +134,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     for name, (fixture, _, regroup) in CASES.items():
         two_heads(FIXTURES / fixture, root / name, regroup)
         paths[name] = str(root / name)
+    for name, (qtype, width) in GGUF_CASES.items():
+        paths[name] = str(write_gguf(root / f"{name}.gguf", gguf_linear(qtype), width))
     jobs = [(name, paths[name], CASES[name][1]) for name in CASES]
+    jobs += [(name, paths[name], "gguf") for name in GGUF_CASES]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -151,9 +163,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     return Runs(paths, tp2)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [*CASES, *GGUF_CASES])
 def test_two_ranks_equal_one_device(runs: Runs, name: str) -> None:
-    expected = logits(load(runs.paths[name], SINGLE, CASES[name][1]), SINGLE)
+    quantization = CASES[name][1] if name in CASES else "gguf"
+    expected = logits(load(runs.paths[name], SINGLE, quantization), SINGLE)
     got = runs.tp2[name]
     if name in CHANNEL:
         # Within the activation rounding (a wrong slice or scale is off by the logits' span).
@@ -179,6 +192,24 @@ def test_groups_that_straddle_ranks_are_refused(tmp_path: Path, fixture: str, me
     with pytest.raises(ValueError, match=re.escape(message)):
         # Refused while building, before any collective: no process group needed.
         load_model(config, torch.device("cpu"), TensorParallel(0, 2))
+
+
+def test_gguf_row_parallel_layers_cut_inside_blocks_are_dequantized(
+    runs: Runs, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Q8_0 at hidden 64 under two ranks: o_proj's 32 inputs per rank are one block (kept,
+    this rank's blocks only); down_proj's 48 are not whole blocks (dequantized, logged)."""
+    config = ModelConfig(model=runs.paths["gguf-q8_0"], dtype="float32", quantization="gguf")
+    with caplog.at_level("INFO", logger="asyncserve.quantization.gguf"):
+        # Reading GGUF slices needs no collective: no process group.
+        model = load_model(config, torch.device("cpu"), TensorParallel(0, 2)).model
+    layer = model.model.layers[0]
+    assert isinstance(layer.self_attn.o_proj.quant_method, GGUFLinearMethod)
+    assert layer.self_attn.o_proj.gguf_qweight.shape == (64, 32)
+    assert isinstance(layer.mlp.gate_up_proj.quant_method, GGUFLinearMethod)
+    assert layer.mlp.down_proj.quant_method is None
+    assert layer.mlp.down_proj.weight.shape == (64, 48)
+    assert "down_proj: 48 input columns are not whole Q8_0 blocks of 32" in caplog.text
 
 
 def test_gptq_act_order_is_refused(tmp_path: Path) -> None:
