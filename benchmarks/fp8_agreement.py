@@ -7,6 +7,8 @@ model's linear layers, one factor at a time:
 - weights: none, per output channel (ours), per tensor of the fused layer (vLLM's online
   fp8: one scale for q/k/v together), per tensor of each checkpoint tensor;
 - activations: none, per token dynamic (ours), per tensor dynamic;
+- weights "jitterN": per channel with each scale raised by up to 10% at random: the noise
+  of the measure (as accurate, rounded elsewhere);
 - rounding: round to nearest even (torch's cast, as the GPU's), or truncation toward zero;
 - which layers: all projections, or all but the attention's (to see where the loss sits).
 The engine's own `quantization="fp8"` run is measured too, to check that the emulation of
@@ -44,6 +46,7 @@ PROMPTS = [
 # Output rows of each checkpoint tensor in a fused layer (SmolLM2-135M: 9 q heads, 3 kv
 # heads of 64; intermediate 1536).
 FUSED_PARTS = {"qkv_proj": (576, 192, 192), "gate_up_proj": (1536, 1536)}
+ERRORS: list[float] = []  # relative weight error of each layer quantized in a variant
 # Every non-negative finite e4m3 value, ascending.
 E4M3_GRID = torch.arange(0, 127, dtype=torch.uint8).view(FP8_DTYPE).float()
 
@@ -60,6 +63,13 @@ def to_fp8(x: torch.Tensor, scale: torch.Tensor, rounding: str) -> torch.Tensor:
 
 def weight_scale(w: torch.Tensor, name: str, granularity: str) -> torch.Tensor:
     a = w.abs()
+    if granularity.startswith("jitter"):
+        # Per channel, each scale raised by up to 10% at random (seeded): as accurate, but
+        # every weight rounds at another place on the grid. The spread of these runs is the
+        # measure's noise.
+        gen = torch.Generator().manual_seed(int(granularity[6:]) * 1000 + len(name))
+        factor = 1 + 0.1 * torch.rand(w.shape[0], 1, generator=gen)
+        return (a.amax(dim=1, keepdim=True) * factor / FP8_MAX).clamp(min=FP8_MIN_SCALE)
     if granularity == "channel":
         amax = a.amax(dim=1, keepdim=True)
     elif granularity == "tensor":
@@ -102,25 +112,28 @@ def quantize_model(
             module.original_weight = w.clone()
         w = module.original_weight
         if weights != "none":
-            w = to_fp8(w, weight_scale(w, name, weights), rounding)
+            q = to_fp8(w, weight_scale(w, name, weights), rounding)
+            ERRORS.append(((q - w).norm() / w.norm()).item())
+            w = q
         module.quant_method = FakeQuant(w, activations, rounding)  # type: ignore[assignment]
 
 
-def agreement(llm: LLM, reference: list[RequestOutput]) -> int:
+def agreement(llm: LLM, reference: list[RequestOutput]) -> tuple[int, list[float]]:
     sequences = [[*o.prompt_token_ids, *o.outputs[0].token_ids] for o in reference]
     scored = llm.generate(
         [{"prompt_token_ids": ids} for ids in sequences],
         SamplingParams(max_tokens=1, prompt_logprobs=0),
         use_tqdm=False,
     )
-    agree = 0
+    agree, logprobs = 0, []
     for out, other in zip(reference, scored, strict=True):
         generated = out.outputs[0].token_ids
         assert other.prompt_logprobs is not None
         for token, entry in zip(generated, other.prompt_logprobs[-len(generated) :], strict=True):
             assert entry is not None
             agree += entry[token].rank == 1
-    return agree
+            logprobs.append(entry[token].logprob)
+    return agree, logprobs
 
 
 def main() -> None:
@@ -136,8 +149,15 @@ def main() -> None:
     total = sum(len(o.outputs[0].token_ids) for o in reference)
     model = llm.engine.loaded.model
 
-    def report(label: str, agree: int) -> None:
-        print(f"{label:58s} {agree}/{total} = {100 * agree / total:.1f}%", flush=True)
+    base = agreement(llm, reference)[1]
+
+    def report(label: str, result: tuple[int, list[float]]) -> None:
+        agree, logprobs = result
+        drift = sum(abs(a - b) for a, b in zip(logprobs, base, strict=True)) / total
+        werr = sum(ERRORS) / len(ERRORS) if ERRORS else 0.0
+        ERRORS.clear()
+        print(f"{label:62s} {agree}/{total} = {100 * agree / total:.1f}%  "
+              f"mean |dlogprob| {drift:.4f}  weight rel. error {werr:.4f}", flush=True)  # fmt: skip
 
     report("unquantized (sanity)", agreement(llm, reference))
     attention = lambda name: ".self_attn." in name  # noqa: E731
@@ -151,6 +171,10 @@ def main() -> None:
         ("channel", "token", "zero", "all"),
         ("channel", "token", "nearest", "mlp"),
         ("channel", "token", "nearest", "attention"),
+        ("jitter1", "token", "nearest", "all"),
+        ("jitter2", "token", "nearest", "all"),
+        ("jitter3", "token", "nearest", "all"),
+        ("jitter4", "token", "nearest", "all"),
     ]
     for weights, acts, rounding, layers in variants:
         if layers == "all":

@@ -129,23 +129,33 @@ class GPTQLinearMethod(Int4LinearMethod):
         self.zeros_minus_one = zeros_minus_one
 
     def check_row_parallel(self, prefix: str, in_features: int, tp_size: int) -> None:
-        if self.desc_act:
-            # Act order scatters a group's columns over the input: no rank holds whole groups.
-            raise ValueError(
-                f"{prefix}: GPTQ act-order (desc_act) checkpoints need tensor_parallel_size 1"
-            )
-        super().check_row_parallel(prefix, in_features, tp_size)
+        if not self.desc_act:
+            super().check_row_parallel(prefix, in_features, tp_size)
+        elif in_features % 8:
+            # Act order: a rank's columns draw on any group (all scales are kept, below),
+            # but its packed qweight rows hold eight columns each.
+            self.check_divides(prefix, in_features, tp_size, 8, "packing of 8 columns")
 
     def create_weights(
         self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype
     ) -> None:
-        groups = self.groups(in_features)
         if out_features % 8:
             raise ValueError(f"a GPTQ layer's outputs ({out_features}) must be a multiple of 8")
         gs = self.group_size
+        # Of the linear layers only row-parallel ones (models/parallel.py) hold a `tp`.
+        tp = getattr(layer, "tp", None)
+        ranks = tp.size if tp is not None else 1
+        # The scales and zeros cover the groups of the rank's columns. With act order (g_idx)
+        # a group's columns are scattered over the whole input: a row-parallel rank keeps
+        # every group's scales and zeros and its slice of g_idx picks them, as vLLM does.
+        scattered = self.desc_act and ranks > 1
+        groups = in_features * ranks // gs if scattered else self.groups(in_features)
+        if scattered and (in_features * ranks) % gs:
+            self.groups(in_features * ranks)  # the one-line error
+        group_dim, group_cols = (-1, 1) if scattered else (0, gs)
         layer.qweight = _new((in_features // 8, out_features), torch.int32, 1, 1, 0, 8)
-        layer.qzeros = _new((groups, out_features // 8), torch.int32, 1, 8, 0, gs)
-        layer.scales = _new((groups, out_features), dtype, 1, 1, 0, gs)
+        layer.qzeros = _new((groups, out_features // 8), torch.int32, 1, 8, group_dim, group_cols)
+        layer.scales = _new((groups, out_features), dtype, 1, 1, group_dim, group_cols)
         # One g_idx per layer: q/k/v (gate/up) see the same inputs, so share their order.
         layer.g_idx = _new((in_features,), torch.int32, -1, 1, 0, 1)
 

@@ -71,6 +71,16 @@ def quantize(w: torch.Tensor, groups_of: torch.Tensor, num_groups: int, sym: boo
     return q.to(torch.int32), scale, zero.to(torch.int32)
 
 
+def act_order_g_idx(name: str, k: int, group: int) -> torch.Tensor:
+    """GPTQ's desc_act: columns join groups in a permuted order (g_idx [k]); projections of
+    the same input (q/k/v, gate/up) share the order (and the Hessian it comes from)."""
+    shared = name.replace("k_proj", "q_proj").replace("v_proj", "q_proj")
+    gen = torch.Generator().manual_seed(sum(map(ord, shared.replace("up_", "gate_"))))
+    g_idx = torch.empty(k, dtype=torch.int64)
+    g_idx[torch.randperm(k, generator=gen)] = torch.arange(k) // group
+    return g_idx
+
+
 def write_checkpoint(root: Path, tensors: dict[str, torch.Tensor], qc: dict[str, Any]) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     config = json.loads((FIXTURES / "llama-bf16" / "config.json").read_text())
@@ -121,14 +131,8 @@ def test_gptq(tmp_path: Path, sym: bool, desc_act: bool) -> None:
             continue
         w = t.float()
         k = w.shape[1]
-        # Act order: columns join groups in a permuted order (g_idx), as GPTQ's desc_act;
-        # projections of the same input (q/k/v, gate/up) share the order (and the Hessian
-        # it comes from).
-        shared = name.replace("k_proj", "q_proj").replace("v_proj", "q_proj")
-        gen = torch.Generator().manual_seed(sum(map(ord, shared.replace("up_", "gate_"))))
-        order = torch.randperm(k, generator=gen) if desc_act else torch.arange(k)
-        g_idx = torch.empty(k, dtype=torch.int32)
-        g_idx[order] = torch.arange(k, dtype=torch.int32) // group
+        g_idx = act_order_g_idx(name, k, group) if desc_act else torch.arange(k) // group
+        g_idx = g_idx.to(torch.int32)
         q, scale, zero = quantize(w, g_idx, k // group, sym)
         base = name[: -len(".weight")]
         tensors[base + ".qweight"] = pack_rows(q.t())

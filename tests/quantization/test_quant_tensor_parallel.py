@@ -4,7 +4,7 @@ activations). Checkpoints: the llmcompressor fixtures (tests/fixtures/quantized)
 two 64-wide heads instead of one 128-wide head so that two ranks can split them; the block
 and group scales re-expressed losslessly at 64 columns (each scale repeated over the
 sub-blocks it covers), so that each rank holds whole groups. Online `--quantization fp8`,
-HF per-tensor FP8, GPTQ and AWQ on the fixtures' unquantized model. A group or block that a
+HF per-tensor FP8, GPTQ (also with act order) and AWQ on the fixtures' unquantized model. A group or block that a
 rank's slice would cut is a one-line error. GGUF files kept quantized (`quantization="gguf"`)
 slice whole blocks; a row-parallel layer whose per-rank inputs are not whole blocks is
 dequantized at load."""
@@ -35,7 +35,13 @@ from asyncserve.quantization.base import set_weight_attrs
 from asyncserve.quantization.gguf import GGUFLinearMethod
 from tests.models.tp_ranks import logits
 from tests.quantization.test_gguf_quantized import gguf_linear, write_gguf
-from tests.quantization.test_int4_checkpoints import AWQ_ORDER, pack_cols, pack_rows, quantize
+from tests.quantization.test_int4_checkpoints import (
+    AWQ_ORDER,
+    act_order_g_idx,
+    pack_cols,
+    pack_rows,
+    quantize,
+)
 from tests.quantization.tp_quant_ranks import load, rank_main
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "quantized"
@@ -49,6 +55,8 @@ CASES: dict[str, tuple[str, str | None, str | None]] = {
     # test_fp8_checkpoints.py and test_int4_checkpoints.py).
     "fp8-per-tensor": ("llama-bf16", None, "hf-fp8"),
     "gptq": ("llama-bf16", None, "gptq"),
+    # Act order: a row-parallel rank's columns draw on every group (scattered by g_idx).
+    "gptq-act-order": ("llama-bf16", None, "gptq-act-order"),
     "awq": ("llama-bf16", None, "awq"),
 }
 # Per-token activation quantization (channel and per-tensor FP8) sees a row-parallel rank's
@@ -104,8 +112,10 @@ def quantized(
             out[name], out[name + "_scale"] = (w / scale).to(FP8_DTYPE), scale.reshape(())
             continue
         g_idx = torch.arange(w.shape[1]) // GROUP
-        q, scale, zero = quantize(w, g_idx, w.shape[1] // GROUP, sym=scheme == "gptq")
-        if scheme == "gptq":
+        if scheme == "gptq-act-order":
+            g_idx = act_order_g_idx(name, w.shape[1], GROUP)
+        q, scale, zero = quantize(w, g_idx, w.shape[1] // GROUP, sym=scheme != "awq")
+        if scheme != "awq":
             out[base + ".qweight"] = pack_rows(q.t())
             out[base + ".qzeros"] = pack_cols((zero - 1).t(), list(range(8)))
             out[base + ".g_idx"] = g_idx.to(torch.int32)
@@ -116,9 +126,10 @@ def quantized(
     if scheme == "hf-fp8":
         return out, {"quant_method": "fp8", "activation_scheme": "dynamic"}
     qc: dict[str, Any] = {"quant_method": scheme, "bits": 4, "group_size": GROUP}
-    if scheme == "gptq":
-        return out, {**qc, "desc_act": False, "sym": True}
-    return out, {**qc, "zero_point": True, "version": "gemm"}
+    if scheme == "awq":
+        return out, {**qc, "zero_point": True, "version": "gemm"}
+    desc_act = scheme == "gptq-act-order"
+    return out, {**qc, "quant_method": "gptq", "desc_act": desc_act, "sym": True}
 
 
 @dataclass
@@ -212,15 +223,20 @@ def test_gguf_row_parallel_layers_cut_inside_blocks_are_dequantized(
     assert "down_proj: 48 input columns are not whole Q8_0 blocks of 32" in caplog.text
 
 
-def test_gptq_act_order_is_refused(tmp_path: Path) -> None:
-    two_heads(FIXTURES / "llama-bf16", tmp_path / "model", "gptq")
-    config_path = tmp_path / "model" / "config.json"
-    config = json.loads(config_path.read_text())
-    config["quantization_config"]["desc_act"] = True
-    config_path.write_text(json.dumps(config))
-    config = ModelConfig(model=str(tmp_path / "model"), dtype="float32")
-    with pytest.raises(ValueError, match="GPTQ act-order .* need tensor_parallel_size 1"):
-        load_model(config, torch.device("cpu"), TensorParallel(0, 2))
+def test_gptq_act_order_rank_keeps_every_group(runs: Runs) -> None:
+    """A row-parallel rank of an act-order checkpoint: its 64 columns of the packed weight
+    and of g_idx, every group's scales and zeros (its columns draw on both groups)."""
+    config = ModelConfig(model=runs.paths["gptq-act-order"], dtype="float32")
+    # Loading 4-bit slices needs no collective: no process group.
+    model = load_model(config, torch.device("cpu"), TensorParallel(1, 2)).model
+    o_proj = model.model.layers[0].self_attn.o_proj
+    assert o_proj.w4_qweight.shape == (128, 64 // 8)
+    assert o_proj.w4_scales.shape == o_proj.w4_zeros.shape == (128, 128 // GROUP)
+    g_idx = load_file(str(Path(runs.paths["gptq-act-order"]) / "model.safetensors"))[
+        "model.layers.0.self_attn.o_proj.g_idx"
+    ]
+    assert torch.equal(o_proj.w4_g_idx, g_idx[64:])
+    assert set(g_idx[64:].tolist()) == {0, 1}
 
 
 def test_slices_in_a_quantized_layout() -> None:
