@@ -7,14 +7,15 @@ model's linear layers, one factor at a time:
 - weights: none, per output channel (ours), per tensor of the fused layer (vLLM's online
   fp8: one scale for q/k/v together), per tensor of each checkpoint tensor;
 - activations: none, per token dynamic (ours), per tensor dynamic;
-- weights "jitterN": per channel with each scale raised by up to 10% at random: the noise
-  of the measure (as accurate, rounded elsewhere);
+- weights "jitterN" / "tensor-jitterN": per channel / per tensor with each scale raised by
+  up to 10% at random: the noise of the measure (as accurate, rounded elsewhere);
 - rounding: round to nearest even (torch's cast, as the GPU's), or truncation toward zero;
 - which layers: all projections, or all but the attention's (to see where the loss sits).
 The engine's own `quantization="fp8"` run is measured too, to check that the emulation of
 "per channel + per token" gives its number.
 
-    python benchmarks/fp8_agreement.py            # prints one line per variant
+    python benchmarks/fp8_agreement.py                 # prints one line per variant
+    python benchmarks/fp8_agreement.py --noise 10 --only-noise
 """
 
 from __future__ import annotations
@@ -63,13 +64,16 @@ def to_fp8(x: torch.Tensor, scale: torch.Tensor, rounding: str) -> torch.Tensor:
 
 def weight_scale(w: torch.Tensor, name: str, granularity: str) -> torch.Tensor:
     a = w.abs()
-    if granularity.startswith("jitter"):
-        # Per channel, each scale raised by up to 10% at random (seeded): as accurate, but
-        # every weight rounds at another place on the grid. The spread of these runs is the
-        # measure's noise.
-        gen = torch.Generator().manual_seed(int(granularity[6:]) * 1000 + len(name))
-        factor = 1 + 0.1 * torch.rand(w.shape[0], 1, generator=gen)
-        return (a.amax(dim=1, keepdim=True) * factor / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+    if "jitter" in granularity:
+        # Per channel ("jitterN") or per tensor ("tensor-jitterN"), each scale raised by up
+        # to 10% at random (seeded): as accurate, but every weight rounds at another place
+        # on the grid. The spread of these runs is the measure's noise.
+        seed = int(granularity.rpartition("jitter")[2])
+        gen = torch.Generator().manual_seed(seed * 1000 + len(name))
+        per_tensor = granularity.startswith("tensor")
+        factor = 1 + 0.1 * torch.rand(1 if per_tensor else w.shape[0], 1, generator=gen)
+        amax = a.amax().expand(w.shape[0], 1) if per_tensor else a.amax(dim=1, keepdim=True)
+        return (amax * factor / FP8_MAX).clamp(min=FP8_MIN_SCALE)
     if granularity == "channel":
         amax = a.amax(dim=1, keepdim=True)
     elif granularity == "tensor":
@@ -139,6 +143,8 @@ def agreement(llm: LLM, reference: list[RequestOutput]) -> tuple[int, list[float
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=None)
+    parser.add_argument("--noise", type=int, default=4, help="jittered runs of each scale")
+    parser.add_argument("--only-noise", action="store_true", help="only the jittered runs")
     args = parser.parse_args()
     torch.set_num_threads(1)
     common = {"device": "cpu", "max_model_len": 512, "kv_cache_memory": 64 << 20,
@@ -171,11 +177,11 @@ def main() -> None:
         ("channel", "token", "zero", "all"),
         ("channel", "token", "nearest", "mlp"),
         ("channel", "token", "nearest", "attention"),
-        ("jitter1", "token", "nearest", "all"),
-        ("jitter2", "token", "nearest", "all"),
-        ("jitter3", "token", "nearest", "all"),
-        ("jitter4", "token", "nearest", "all"),
     ]
+    variants += [(f"jitter{i}", "token", "nearest", "all") for i in range(1, args.noise + 1)]
+    variants += [(f"tensor-jitter{i}", "token", "nearest", "all") for i in range(1, args.noise + 1)]
+    if args.only_noise:
+        variants = variants[-2 * args.noise :]
     for weights, acts, rounding, layers in variants:
         if layers == "all":
             skip: Callable[[str], bool] = lambda name: False  # noqa: E731

@@ -89,12 +89,19 @@ def write_checkpoint(root: Path, tensors: dict[str, torch.Tensor], qc: dict[str,
     return root
 
 
-def check(path: Path, dequantized: dict[str, torch.Tensor], group: int) -> None:
+def check(
+    path: Path, dequantized: dict[str, torch.Tensor], group: int, rounded: bool = True
+) -> None:
+    """rounded: each weight rounded to its nearest level (else GPTQ moved it to compensate
+    its neighbours' errors: the whole tensor still close, a misread layout is not)."""
     original = {k: v.float() for k, v in read_tensors(FIXTURES / "llama-bf16").items()}
     for name, w in dequantized.items():
         # Within half a quantization step of the original: the layout was read right.
         step = (original[name].abs().amax() * 2 / 15).item()
-        assert (w - original[name]).abs().max() <= step, name
+        if rounded:
+            assert (w - original[name]).abs().max() <= step, name
+        else:
+            assert (w - original[name]).norm() <= 0.2 * original[name].norm(), name
     loaded = load_model(ModelConfig(model=str(path), dtype="float32"), CPU)
     params = dict(loaded.model.named_parameters())
     assert params["model.layers.0.self_attn.qkv_proj.w4_qweight"].shape == (384, 128 // 8)
@@ -104,8 +111,11 @@ def check(path: Path, dequantized: dict[str, torch.Tensor], group: int) -> None:
     )
 
 
-def test_compressed_tensors_w4a16() -> None:
-    path = FIXTURES / "llama-w4a16"
+@pytest.mark.parametrize("fixture", ["llama-w4a16", "llama-w4a16-gptq"])
+def test_compressed_tensors_w4a16(fixture: str) -> None:
+    """llmcompressor's W4A16: round to nearest (QuantizationModifier) and GPTQ (GPTQModifier,
+    activation order "weight", calibrated; its weights move to compensate the error)."""
+    path = FIXTURES / fixture
     qc = json.loads((path / "config.json").read_text())["quantization_config"]
     group = qc["config_groups"]["group_0"]["weights"]["group_size"]
     dequantized = {}
@@ -117,7 +127,7 @@ def test_compressed_tensors_w4a16() -> None:
             w = (q.float() - 8) * scale.repeat_interleave(group, 1)
             dequantized[name.replace("weight_packed", "weight")] = w
     assert len(dequantized) == 14
-    check(path, dequantized, group)
+    check(path, dequantized, group, rounded=fixture == "llama-w4a16")
 
 
 @pytest.mark.parametrize(("sym", "desc_act"), [(True, False), (False, True)])
