@@ -1,5 +1,6 @@
-"""4-bit weight-only checkpoints: compressed-tensors W4A16 (saved by llmcompressor), GPTQ
-(sym / asym, act order) and AWQ written here following the published packing code
+"""4-bit weight-only checkpoints: compressed-tensors W4A16 (saved by llmcompressor: round to
+nearest and GPTQ; with activation order "group", which llmcompressor no longer writes,
+written here), GPTQ (sym / asym, act order) and AWQ written here following the published packing code
 (AutoGPTQ's QuantLinear.pack, AutoAWQ's WQLinear_GEMM.from_linear). Each test unpacks the
 checkpoint independently of asyncserve (nibble by nibble, as the format describes it),
 checks the result against the original weights, and compares asyncserve's logits with
@@ -81,6 +82,35 @@ def act_order_g_idx(name: str, k: int, group: int) -> torch.Tensor:
     return g_idx
 
 
+def compressed_tensors_act_order(
+    tensors: dict[str, torch.Tensor], group: int
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, torch.Tensor]]:
+    """An unquantized checkpoint's projections as compressed-tensors W4A16 with activation
+    order "group" (as llmcompressor wrote it before 0.14, and vLLM reads it): weight_packed
+    (nibble i of word j = column 8j + i, signed values + 8), weight_scale [N, groups],
+    weight_g_idx [K], weight_shape. Returns (tensors, quantization_config, dequantized)."""
+    out: dict[str, torch.Tensor] = {}
+    dequantized = {}
+    for name, t in tensors.items():
+        if not name.endswith("proj.weight"):
+            out[name] = t
+            continue
+        w, base = t.float(), name[: -len(".weight")]
+        g_idx = act_order_g_idx(name, w.shape[1], group)
+        q, scale, zero = quantize(w, g_idx, w.shape[1] // group, sym=True)
+        assert (zero == 8).all()
+        out[base + ".weight_packed"] = pack_cols(q, list(range(8)))
+        out[base + ".weight_scale"] = scale.to(torch.bfloat16)
+        out[base + ".weight_g_idx"] = g_idx.to(torch.int32)
+        out[base + ".weight_shape"] = torch.tensor(list(w.shape))
+        s16 = scale.to(torch.bfloat16).float()
+        dequantized[name] = (q - 8).float() * s16[:, g_idx]
+    config = json.loads((FIXTURES / "llama-w4a16" / "config.json").read_text())
+    qc = config["quantization_config"]
+    qc["config_groups"]["group_0"]["weights"].update(actorder="group", group_size=group)
+    return out, qc, dequantized
+
+
 def write_checkpoint(root: Path, tensors: dict[str, torch.Tensor], qc: dict[str, Any]) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     config = json.loads((FIXTURES / "llama-bf16" / "config.json").read_text())
@@ -128,6 +158,13 @@ def test_compressed_tensors_w4a16(fixture: str) -> None:
             dequantized[name.replace("weight_packed", "weight")] = w
     assert len(dequantized) == 14
     check(path, dequantized, group, rounded=fixture == "llama-w4a16")
+
+
+def test_compressed_tensors_w4a16_group_act_order(tmp_path: Path) -> None:
+    tensors, qc, dequantized = compressed_tensors_act_order(
+        read_tensors(FIXTURES / "llama-bf16"), 64
+    )
+    check(write_checkpoint(tmp_path / "ct", tensors, qc), dequantized, 64)
 
 
 @pytest.mark.parametrize(("sym", "desc_act"), [(True, False), (False, True)])

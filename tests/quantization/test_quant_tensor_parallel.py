@@ -4,7 +4,8 @@ activations). Checkpoints: the llmcompressor fixtures (tests/fixtures/quantized)
 two 64-wide heads instead of one 128-wide head so that two ranks can split them; the block
 and group scales re-expressed losslessly at 64 columns (each scale repeated over the
 sub-blocks it covers), so that each rank holds whole groups. Online `--quantization fp8`,
-HF per-tensor FP8, GPTQ (also with act order) and AWQ on the fixtures' unquantized model. A group or block that a
+HF per-tensor FP8, GPTQ and compressed-tensors W4A16 with act order (g_idx), GPTQ and AWQ on
+the fixtures' unquantized model. A group or block that a
 rank's slice would cut is a one-line error. GGUF files kept quantized (`quantization="gguf"`)
 slice whole blocks; a row-parallel layer whose per-rank inputs are not whole blocks is
 dequantized at load."""
@@ -38,6 +39,7 @@ from tests.quantization.test_gguf_quantized import gguf_linear, write_gguf
 from tests.quantization.test_int4_checkpoints import (
     AWQ_ORDER,
     act_order_g_idx,
+    compressed_tensors_act_order,
     pack_cols,
     pack_rows,
     quantize,
@@ -57,6 +59,7 @@ CASES: dict[str, tuple[str, str | None, str | None]] = {
     "gptq": ("llama-bf16", None, "gptq"),
     # Act order: a row-parallel rank's columns draw on every group (scattered by g_idx).
     "gptq-act-order": ("llama-bf16", None, "gptq-act-order"),
+    "w4a16-act-order": ("llama-bf16", None, "ct-act-order"),  # compressed-tensors "group"
     "awq": ("llama-bf16", None, "awq"),
 }
 # Per-token activation quantization (channel and per-tensor FP8) sees a row-parallel rank's
@@ -75,7 +78,8 @@ GGUF_CASES = {"gguf-q8_0": (T.Q8_0, 64), "gguf-q4_k": (T.Q4_K, 512)}
 def two_heads(src: Path, dst: Path, regroup: str | None = None) -> None:
     """`src` read as two 64-wide heads; with `regroup` "block" / "group", its 128-column
     block or group scales repeated at 64 columns (the same dequantized weights); with
-    "hf-fp8" / "gptq" / "awq", its weights quantized in that format."""
+    "hf-fp8" / "gptq" / "gptq-act-order" / "awq" / "ct-act-order", its weights quantized
+    in that format."""
     shutil.copytree(src, dst)
     config = json.loads((dst / "config.json").read_text())
     config.update(num_attention_heads=2, num_key_value_heads=2, head_dim=64)
@@ -91,6 +95,8 @@ def two_heads(src: Path, dst: Path, regroup: str | None = None) -> None:
             if name.endswith(".weight_scale"):
                 t = t.repeat_interleave(2, dim=1)
                 tensors[name] = t.repeat_interleave(2, dim=0) if regroup == "block" else t
+    elif regroup == "ct-act-order":
+        tensors, config["quantization_config"], _ = compressed_tensors_act_order(tensors, GROUP)
     elif regroup is not None:
         tensors, config["quantization_config"] = quantized(tensors, regroup)
     (dst / "config.json").write_text(json.dumps(config))
