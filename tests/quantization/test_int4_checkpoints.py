@@ -1,6 +1,7 @@
 """4-bit weight-only checkpoints: compressed-tensors W4A16 (saved by llmcompressor: round to
 nearest and GPTQ; with activation order "group", which llmcompressor no longer writes,
-written here), GPTQ (sym / asym, act order) and AWQ written here following the published packing code
+written here), GPTQ as AutoRound exports it (asymmetric), GPTQ (sym / asym, act order) and
+AWQ written here following the published packing code
 (AutoGPTQ's QuantLinear.pack, AutoAWQ's WQLinear_GEMM.from_linear). Each test unpacks the
 checkpoint independently of asyncserve (nibble by nibble, as the format describes it),
 checks the result against the original weights, and compares asyncserve's logits with
@@ -165,6 +166,37 @@ def test_compressed_tensors_w4a16_group_act_order(tmp_path: Path) -> None:
         read_tensors(FIXTURES / "llama-bf16"), 64
     )
     check(write_checkpoint(tmp_path / "ct", tensors, qc), dequantized, 64)
+
+
+def test_autoround_gptq() -> None:
+    """AutoRound's export in AutoGPTQ's format (asymmetric, group 64), decoded as the format
+    describes it: qweight [K / 8, N] with input 8j + i in nibble i of row j, qzeros
+    [groups, N / 8] with output 8j + i in nibble i of word j, stored minus one."""
+    path = FIXTURES / "llama-gptq"
+    qc = json.loads((path / "config.json").read_text())["quantization_config"]
+    assert (qc["quant_method"], qc["sym"], qc["desc_act"]) == ("gptq", False, False)
+    group = qc["group_size"]
+    tensors = read_tensors(path)
+    original = read_tensors(FIXTURES / "llama-bf16")
+    dequantized = {}
+    for name, qweight in tensors.items():
+        if not name.endswith(".qweight"):
+            continue
+        base = name[: -len(".qweight")]
+        q = torch.stack([nibbles(qweight, i) for i in range(8)], dim=1).flatten(0, 1)  # [K, N]
+        zeros = torch.stack([nibbles(tensors[base + ".qzeros"], i) for i in range(8)], dim=-1)
+        zeros = zeros.flatten(1) + 1  # [groups, N]
+        scales = tensors[base + ".scales"].float()
+        g_idx = tensors[base + ".g_idx"].long()
+        assert torch.equal(g_idx, torch.arange(q.shape[0]) // group)
+        w = ((q - zeros[g_idx]).float() * scales[g_idx]).t()
+        # Round to nearest: every weight within half its group's step, give or take the
+        # fp16 rounding of the stored scale (a zero point off by one is a step off).
+        err = (w - original[base + ".weight"].float()).abs()
+        assert (err <= scales[g_idx].t() * 0.6).all(), name
+        dequantized[base + ".weight"] = w
+    assert len(dequantized) == 14
+    check(path, dequantized, group)
 
 
 @pytest.mark.parametrize(("sym", "desc_act"), [(True, False), (False, True)])

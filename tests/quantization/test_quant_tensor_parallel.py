@@ -1,6 +1,6 @@
 """Quantized models under tensor parallelism: two gloo ranks, each holding its slice of the
 quantized weights and of their scales, compute the same logits as one device (fp32
-activations). Checkpoints: the llmcompressor fixtures (tests/fixtures/quantized), read as
+activations). Checkpoints: the llmcompressor and AutoRound fixtures (tests/fixtures/quantized), read as
 two 64-wide heads instead of one 128-wide head so that two ranks can split them; the block
 and group scales re-expressed losslessly at 64 columns (each scale repeated over the
 sub-blocks it covers), so that each rank holds whole groups. Online `--quantization fp8`,
@@ -53,6 +53,7 @@ CASES: dict[str, tuple[str, str | None, str | None]] = {
     "fp8-channel": ("llama-fp8-dynamic", None, None),
     "fp8-block": ("llama-fp8-block", None, "block"),
     "w4a16": ("llama-w4a16", None, "group"),
+    "gptq-autoround": ("llama-gptq", None, None),  # group 64 already
     # Written here from the unquantized model in the published layouts (as in
     # test_fp8_checkpoints.py and test_int4_checkpoints.py).
     "fp8-per-tensor": ("llama-bf16", None, "hf-fp8"),
