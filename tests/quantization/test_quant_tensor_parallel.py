@@ -1,11 +1,11 @@
 """Quantized models under tensor parallelism: two gloo ranks, each holding its slice of the
 quantized weights and of their scales, compute the same logits as one device (fp32
 activations). Checkpoints: the llmcompressor and AutoRound fixtures
-(tests/fixtures/quantized), read as two 64-wide heads instead of one 128-wide head so that two ranks can split them; the block
-and group scales re-expressed losslessly at 64 columns (each scale repeated over the
-sub-blocks it covers), so that each rank holds whole groups. Online `--quantization fp8`,
-HF per-tensor FP8, GPTQ and compressed-tensors W4A16 with act order (g_idx), GPTQ and AWQ on
-the fixtures' unquantized model. A group or block that a
+(tests/fixtures/quantized), read as two 64-wide heads instead of one 128-wide head so that
+two ranks can split them; the block and group scales re-expressed losslessly at 64 columns
+(each scale repeated over the sub-blocks it covers), so that each rank holds whole groups.
+Online `--quantization fp8`, HF per-tensor FP8, GPTQ and AWQ, and GPTQ and compressed-tensors
+W4A16 with act order (g_idx) on the fixtures' unquantized model. A group or block that a
 rank's slice would cut is a one-line error. GGUF files kept quantized (`quantization="gguf"`)
 slice whole blocks; a row-parallel layer whose per-rank inputs are not whole blocks is
 dequantized at load."""
