@@ -295,7 +295,8 @@ def iter_gguf_weights(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, fp32 CPU tensor) one tensor at a time, dequantized and unpermuted,
     under the names config.architecture's checkpoints use. Tensors whose HF name `raw`
-    accepts come as their GGUF blocks instead: uint8 [rows, row bytes], rows unpermuted."""
+    accepts come as their GGUF blocks instead: uint8 [rows, blocks, block bytes], rows
+    unpermuted."""
     permuted = g.architecture in _PERMUTED_QK
     family = config.architecture
     # GraniteMoE: a layer's stacked gate (or up) experts wait for the other half.
@@ -336,8 +337,10 @@ def iter_gguf_weights(
 
 
 def _raw_rows(t: Any, name: str, config: ArchConfig, permuted: bool) -> np.ndarray:
-    """A quantized tensor's blocks, row by row ([rows, row bytes]); q/k rows unpermuted."""
-    rows = np.asarray(t.data).reshape(int(t.shape[-1]), -1)
+    """A quantized tensor's blocks, row by row ([rows, blocks, block bytes], so that a
+    tensor-parallel rank can take whole blocks of each row); q/k rows unpermuted."""
+    block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(t.tensor_type)][1]
+    rows = np.asarray(t.data).reshape(int(t.shape[-1]), -1, block_bytes)
     if permuted and ".self_attn.q_proj." in name:
         rows = _unpermute(rows, config.num_attention_heads)
     elif permuted and ".self_attn.k_proj." in name:

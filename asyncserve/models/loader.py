@@ -331,8 +331,6 @@ def load_model(
         quant = GGUFConfig(linear_tensor_types(gguf_file))
     else:
         quant = resolve_quant_config(config.quantization, hf_config, device)
-    if isinstance(quant, GGUFConfig) and tp.size > 1:
-        raise ValueError("GGUF weights kept quantized need tensor_parallel_size 1")
     tokenizer = _load_tokenizer(config, root, gguf_file, arch)
     logger.info("tokenizer ready (%.1f s); building %s in %s", time.monotonic() - start,
                 arch.architecture, dtype)  # fmt: skip

@@ -4,7 +4,8 @@ targeting "Linear" or regexes over layer names, plus an ignore list.
 
 Supported: float-quantized FP8 weights (strategy tensor, channel or block) with dynamic FP8
 activations (per token, or per group for block weights); pack-quantized int4 weights,
-symmetric, per group, without activation quantization (W4A16).
+symmetric, per group (activation order "weight", or "group" with a g_idx), without
+activation quantization (W4A16).
 """
 
 from __future__ import annotations
@@ -119,10 +120,11 @@ def _w4a16_method(w: dict[str, Any]) -> LinearMethod:
     """pack-quantized int4 weights, symmetric, per group (or per channel)."""
     if not w.get("symmetric", True):
         raise ValueError("compressed-tensors W4A16 with asymmetric weights is not supported")
-    if w.get("actorder") not in (None, "weight"):
-        raise ValueError(
-            f"compressed-tensors W4A16 actorder {w.get('actorder')!r} is not supported"
-        )
+    # "weight" (alias "static") only orders GPTQ's work: the groups stay contiguous. "group"
+    # (alias "dynamic") stores each input column's group in weight_g_idx.
+    actorder = w.get("actorder")
+    if actorder not in (None, False, "weight", "static", "group", "dynamic"):
+        raise ValueError(f"compressed-tensors W4A16 actorder {actorder!r} is not supported")
     strategy = w.get("strategy")
     if strategy == "group":
         group = w.get("group_size")
@@ -130,5 +132,5 @@ def _w4a16_method(w: dict[str, Any]) -> LinearMethod:
             raise ValueError(
                 f"compressed-tensors group_size must be a multiple of 8, got {group!r}"
             )
-        return PackQuantizedLinearMethod(group)
+        return PackQuantizedLinearMethod(group, act_order=actorder in ("group", "dynamic"))
     raise ValueError(f"compressed-tensors W4A16 strategy {strategy!r} is not supported")

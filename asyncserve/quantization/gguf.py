@@ -1,7 +1,10 @@
 """GGUF Q8_0, Q4_K and Q4_1 linear weights kept quantized (`quantization="gguf"`).
 
-The loader copies each kept tensor's raw GGUF rows (uint8 [N, K / block * block_bytes]) into
-the layer's `weight`, fused projections row by row as usual; once loaded, the blocks are
+The loader copies each kept tensor's raw GGUF blocks (uint8 [N, K / block, block_bytes]) into
+the layer's `weight`, fused projections row by row as usual; a tensor-parallel rank reads
+whole rows of a column-parallel layer and whole blocks of a row-parallel one (its inputs in
+blocks along dim 1). A row-parallel layer whose per-rank inputs are not a whole number of
+blocks is dequantized at load instead (logged). Once loaded, the blocks are
 repacked into the layout of kernels/quant_reference.py (dequant_gguf), which holds the same
 numbers without the byte-level interleaving (fp16 scales as their own tensors, nibbles in
 column order), so the kernel reads aligned tensors:
@@ -17,6 +20,7 @@ copy, made once. Other tensor types (Q6_K, F16, ...) and embeddings are dequanti
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -25,7 +29,9 @@ from torch import nn
 
 from asyncserve.kernels import quant_reference as reference
 from asyncserve.kernels.quant_reference import pack_int4
-from asyncserve.quantization.base import LinearMethod, QuantConfig
+from asyncserve.quantization.base import LinearMethod, QuantConfig, set_weight_attrs
+
+logger = logging.getLogger(__name__)
 
 # Kept types: (elements per block, bytes per block).
 BLOCKS = {T.Q8_0: (32, 34), T.Q4_1: (32, 20), T.Q4_K: (256, 144)}
@@ -66,7 +72,8 @@ class GGUFLayout:
 
 
 def repack(raw: torch.Tensor, qtype: T, in_features: int) -> GGUFLayout:
-    """Raw GGUF rows uint8 [N, row bytes] of type `qtype` -> the repacked layout."""
+    """Raw GGUF blocks uint8 [N, K / block, block bytes] (or [N, row bytes]) of type `qtype`
+    -> the repacked layout."""
     block, nbytes = BLOCKS[qtype]
     n = raw.shape[0]
     blocks = raw.view(n, in_features // block, nbytes)
@@ -105,8 +112,10 @@ class GGUFLinearMethod(LinearMethod):
         block, nbytes = BLOCKS[self.qtype]
         if in_features % block:
             raise ValueError(f"a {self.qtype.name} layer's inputs must be a multiple of {block}")
-        shape = (out_features, in_features // block * nbytes)
-        layer.weight = nn.Parameter(torch.empty(shape, dtype=torch.uint8), False)
+        shape = (out_features, in_features // block, nbytes)
+        weight = nn.Parameter(torch.empty(shape, dtype=torch.uint8), False)
+        # One entry along dim 1 is one block of `block` input columns.
+        layer.weight = set_weight_attrs(weight, in_dim=1, cols_per_entry=block)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         weight: torch.Tensor = getattr(layer, "weight")  # noqa: B009 (typed as Module else)
@@ -167,7 +176,14 @@ class GGUFConfig(QuantConfig):
         if len(found) != 1:
             return None
         (qtype,) = found
-        if qtype not in BLOCKS or in_features % BLOCKS[qtype][0]:
+        if qtype not in BLOCKS:
+            return None
+        if in_features % BLOCKS[qtype][0]:
+            # A row-parallel rank's share of the inputs would cut the blocks.
+            logger.info(
+                "%s: %d input columns are not whole %s blocks of %d: dequantized at load",
+                prefix, in_features, qtype.name, BLOCKS[qtype][0],
+            )  # fmt: skip
             return None
         self.kept.update(f"{p}.weight" for p in parts)
         return GGUFLinearMethod(qtype)

@@ -49,8 +49,9 @@ def _new(
 class Int4LinearMethod(LinearMethod):
     """Shared by the formats: the converted layout and the matmul."""
 
-    def __init__(self, group_size: int) -> None:
+    def __init__(self, group_size: int, act_order: bool = False) -> None:
         self.group_size = group_size
+        self.act_order = act_order  # a g_idx gives each input column's group
 
     def groups(self, in_features: int) -> int:
         if in_features % self.group_size or in_features % 8:
@@ -61,7 +62,25 @@ class Int4LinearMethod(LinearMethod):
         return in_features // self.group_size
 
     def check_row_parallel(self, prefix: str, in_features: int, tp_size: int) -> None:
-        self.check_divides(prefix, in_features, tp_size, self.group_size, "group size")
+        if not self.act_order:
+            self.check_divides(prefix, in_features, tp_size, self.group_size, "group size")
+        elif in_features % 8:
+            # Act order: a rank's columns draw on any group (all scales are kept, below),
+            # but packed weights hold eight columns an entry.
+            self.check_divides(prefix, in_features, tp_size, 8, "packing of 8 columns")
+
+    def scale_groups(self, layer: nn.Module, in_features: int) -> tuple[int, int, int]:
+        """(groups, in_dim, cols_per_entry) of the layer's [N, groups] scales and zeros: in_dim
+        1 (the groups run along dim 1, cols_per_entry inputs each) or -1 (not sliced).
+        With act order a group's columns are scattered over the whole input: a row-parallel
+        rank keeps every group's scales and zeros, and its slice of g_idx picks them (as
+        vLLM does); else a rank holds the groups of its columns."""
+        # Of the linear layers only row-parallel ones (models/parallel.py) hold a `tp`.
+        tp = getattr(layer, "tp", None)
+        ranks = tp.size if tp is not None else 1
+        if self.act_order and ranks > 1:
+            return self.groups(in_features * ranks), -1, 1
+        return self.groups(in_features), 1, self.group_size
 
     def set_layout(
         self,
@@ -111,41 +130,39 @@ class PackQuantizedLinearMethod(Int4LinearMethod):
     def create_weights(
         self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype
     ) -> None:
-        groups = self.groups(in_features)
+        groups, group_dim, group_cols = self.scale_groups(layer, in_features)
         layer.weight_packed = _new((out_features, in_features // 8), torch.int32, 0, 1, 1, 8)
-        layer.weight_scale = _new((out_features, groups), dtype, 0, 1, 1, self.group_size)
+        layer.weight_scale = _new((out_features, groups), dtype, 0, 1, group_dim, group_cols)
+        if self.act_order:
+            # actorder "group": the group of each input column; q/k/v (gate/up) share it.
+            layer.weight_g_idx = _new((in_features,), torch.int32, -1, 1, 0, 1)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         scales = _param(layer, "weight_scale")
         values = unpack_int4(_param(layer, "weight_packed"))
         zeros = torch.full_like(scales, 8.0)
-        self.set_layout(layer, values, scales, zeros, None, ("weight_packed", "weight_scale"))
+        names: tuple[str, ...] = ("weight_packed", "weight_scale")
+        g_idx = _param(layer, "weight_g_idx") if self.act_order else None
+        if g_idx is not None:
+            names += ("weight_g_idx",)
+        self.set_layout(layer, values, scales, zeros, g_idx, names)
 
 
 class GPTQLinearMethod(Int4LinearMethod):
     def __init__(self, group_size: int, desc_act: bool, zeros_minus_one: bool) -> None:
-        super().__init__(group_size)
-        self.desc_act = desc_act
+        super().__init__(group_size, act_order=desc_act)
         self.zeros_minus_one = zeros_minus_one
-
-    def check_row_parallel(self, prefix: str, in_features: int, tp_size: int) -> None:
-        if self.desc_act:
-            # Act order scatters a group's columns over the input: no rank holds whole groups.
-            raise ValueError(
-                f"{prefix}: GPTQ act-order (desc_act) checkpoints need tensor_parallel_size 1"
-            )
-        super().check_row_parallel(prefix, in_features, tp_size)
 
     def create_weights(
         self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype
     ) -> None:
-        groups = self.groups(in_features)
         if out_features % 8:
             raise ValueError(f"a GPTQ layer's outputs ({out_features}) must be a multiple of 8")
-        gs = self.group_size
+        groups, group_dim, group_cols = self.scale_groups(layer, in_features)
+        group_dim = 0 if group_dim == 1 else -1  # GPTQ's [groups, N]: the groups along dim 0
         layer.qweight = _new((in_features // 8, out_features), torch.int32, 1, 1, 0, 8)
-        layer.qzeros = _new((groups, out_features // 8), torch.int32, 1, 8, 0, gs)
-        layer.scales = _new((groups, out_features), dtype, 1, 1, 0, gs)
+        layer.qzeros = _new((groups, out_features // 8), torch.int32, 1, 8, group_dim, group_cols)
+        layer.scales = _new((groups, out_features), dtype, 1, 1, group_dim, group_cols)
         # One g_idx per layer: q/k/v (gate/up) see the same inputs, so share their order.
         layer.g_idx = _new((in_features,), torch.int32, -1, 1, 0, 1)
 
@@ -155,7 +172,7 @@ class GPTQLinearMethod(Int4LinearMethod):
         if self.zeros_minus_one:
             zeros = zeros + 1
         scales = _param(layer, "scales").t()
-        g_idx = _param(layer, "g_idx") if self.desc_act else None
+        g_idx = _param(layer, "g_idx") if self.act_order else None
         self.set_layout(
             layer, values, scales, zeros, g_idx, ("qweight", "qzeros", "scales", "g_idx")
         )

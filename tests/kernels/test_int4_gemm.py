@@ -25,6 +25,22 @@ def _weight(n: int, k: int, group: int, act_order: bool, device: torch.device): 
     return qweight, scales.to(device), zeros.to(device), g_idx
 
 
+def test_act_order_rank_slice_matches_reference(device: torch.device) -> None:
+    """A row-parallel rank of an act-order layer: its 64 of 128 columns draw on all the
+    layer's groups (scales and zeros [N, 128 / group], g_idx of its columns only)."""
+    n, k, group = 64, 128, 32
+    qweight, scales, zeros, _ = _weight(n, k, group, False, device)
+    g_idx = torch.randperm(k, generator=torch.Generator().manual_seed(3)) // group
+    half = reference.pack_int4(reference.unpack_int4(qweight)[:, 64:]).contiguous()
+    g_half = g_idx[64:].to(torch.int32).to(device)
+    assert g_half.unique().numel() == k // group  # the slice reaches every group
+    for m in (1, 20):  # the GEMV and the GEMM
+        x = torch.randn(m, 64, generator=torch.Generator().manual_seed(m)).to(device)
+        out = int4_matmul(x, half, scales, zeros, g_half, group)
+        ref = reference.int4_matmul(x, half, scales, zeros, g_half, group)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("m", [1, GEMV_MAX_TOKENS, 20])
 @pytest.mark.parametrize(
     ("n", "k", "group", "act_order"),

@@ -26,12 +26,12 @@ from tests.quantization.conftest import greedy_agreement
 LOGITS_ATOL = 1e-4
 
 
-def _linear(qtype: T) -> Callable[[str], T | None]:
+def gguf_linear(qtype: T) -> Callable[[str], T | None]:
     """Every attention and MLP projection (and the embedding) in `qtype`; norms in F32."""
     return lambda name: qtype if name.endswith(".weight") and "norm" not in name else None
 
 
-def _write(path: Path, tensor_type: Callable[[str], T | None], width: int = 64) -> Path:
+def write_gguf(path: Path, tensor_type: Callable[[str], T | None], width: int = 64) -> Path:
     """A random 2-layer Llama, hidden size `width` (Q4_K's super-blocks need 256)."""
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
@@ -65,7 +65,7 @@ def _write(path: Path, tensor_type: Callable[[str], T | None], width: int = 64) 
 
 @pytest.fixture(scope="module")
 def q8_0_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _write(tmp_path_factory.mktemp("gguf") / "q8_0.gguf", _linear(T.Q8_0))
+    return write_gguf(tmp_path_factory.mktemp("gguf") / "q8_0.gguf", gguf_linear(T.Q8_0))
 
 
 def _logits(path: Path, quantization: str | None) -> tuple[torch.Tensor, torch.nn.Module]:
@@ -82,7 +82,9 @@ def test_kept_quantized_logits_match_dequantized_load(
     qtype: T, q8_0_file: Path, tmp_path: Path
 ) -> None:
     width = 256 if qtype == T.Q4_K else 64
-    path = q8_0_file if qtype == T.Q8_0 else _write(tmp_path / "q.gguf", _linear(qtype), width)
+    path = (
+        q8_0_file if qtype == T.Q8_0 else write_gguf(tmp_path / "q.gguf", gguf_linear(qtype), width)
+    )
     expected, _ = _logits(path, None)
     ours, model = _logits(path, "gguf")
     torch.testing.assert_close(ours, expected, atol=LOGITS_ATOL, rtol=0)
@@ -100,9 +102,9 @@ def test_mixed_types_keep_only_uniform_layers(tmp_path: Path) -> None:
     """k_proj in F32: the fused qkv projection is dequantized, the rest stay Q8_0."""
 
     def types(name: str) -> T | None:
-        return None if "attn_k." in name else _linear(T.Q8_0)(name)
+        return None if "attn_k." in name else gguf_linear(T.Q8_0)(name)
 
-    path = _write(tmp_path / "mixed.gguf", types)
+    path = write_gguf(tmp_path / "mixed.gguf", types)
     expected, _ = _logits(path, None)
     ours, model = _logits(path, "gguf")
     torch.testing.assert_close(ours, expected, atol=LOGITS_ATOL, rtol=0)

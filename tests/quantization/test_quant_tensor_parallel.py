@@ -1,11 +1,14 @@
 """Quantized models under tensor parallelism: two gloo ranks, each holding its slice of the
 quantized weights and of their scales, compute the same logits as one device (fp32
-activations). Checkpoints: the llmcompressor fixtures (tests/fixtures/quantized), read as
-two 64-wide heads instead of one 128-wide head so that two ranks can split them; the block
-and group scales re-expressed losslessly at 64 columns (each scale repeated over the
-sub-blocks it covers), so that each rank holds whole groups. Online `--quantization fp8`,
-HF per-tensor FP8, GPTQ and AWQ on the fixtures' unquantized model. A group or block that a
-rank's slice would cut is a one-line error."""
+activations). Checkpoints: the llmcompressor and AutoRound fixtures
+(tests/fixtures/quantized), read as two 64-wide heads instead of one 128-wide head so that
+two ranks can split them; the block and group scales re-expressed losslessly at 64 columns
+(each scale repeated over the sub-blocks it covers), so that each rank holds whole groups.
+Online `--quantization fp8`, HF per-tensor FP8, GPTQ and AWQ, and GPTQ and compressed-tensors
+W4A16 with act order (g_idx) on the fixtures' unquantized model. A group or block that a
+rank's slice would cut is a one-line error. GGUF files kept quantized (`quantization="gguf"`)
+slice whole blocks; a row-parallel layer whose per-rank inputs are not whole blocks is
+dequantized at load."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType as T
 from safetensors.torch import load_file, save_file
 
 from asyncserve import LLM, SamplingParams
@@ -29,8 +33,17 @@ from asyncserve.models.loader import load_model
 from asyncserve.models.parallel import SINGLE, TensorParallel
 from asyncserve.models.weights import param_source
 from asyncserve.quantization.base import set_weight_attrs
+from asyncserve.quantization.gguf import GGUFLinearMethod
 from tests.models.tp_ranks import logits
-from tests.quantization.test_int4_checkpoints import AWQ_ORDER, pack_cols, pack_rows, quantize
+from tests.quantization.test_gguf_quantized import gguf_linear, write_gguf
+from tests.quantization.test_int4_checkpoints import (
+    AWQ_ORDER,
+    act_order_g_idx,
+    compressed_tensors_act_order,
+    pack_cols,
+    pack_rows,
+    quantize,
+)
 from tests.quantization.tp_quant_ranks import load, rank_main
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "quantized"
@@ -40,10 +53,14 @@ CASES: dict[str, tuple[str, str | None, str | None]] = {
     "fp8-channel": ("llama-fp8-dynamic", None, None),
     "fp8-block": ("llama-fp8-block", None, "block"),
     "w4a16": ("llama-w4a16", None, "group"),
+    "gptq-autoround": ("llama-gptq", None, None),  # group 64 already
     # Written here from the unquantized model in the published layouts (as in
     # test_fp8_checkpoints.py and test_int4_checkpoints.py).
     "fp8-per-tensor": ("llama-bf16", None, "hf-fp8"),
     "gptq": ("llama-bf16", None, "gptq"),
+    # Act order: a row-parallel rank's columns draw on every group (scattered by g_idx).
+    "gptq-act-order": ("llama-bf16", None, "gptq-act-order"),
+    "w4a16-act-order": ("llama-bf16", None, "ct-act-order"),  # compressed-tensors "group"
     "awq": ("llama-bf16", None, "awq"),
 }
 # Per-token activation quantization (channel and per-tensor FP8) sees a row-parallel rank's
@@ -53,12 +70,17 @@ CHANNEL = ("fp8-online", "fp8-channel", "fp8-per-tensor")
 CHANNEL_TOL = 0.06
 CHANNEL_MEAN_TOL = 0.01
 GROUP = 64  # of the GPTQ / AWQ checkpoints: a row-parallel rank's 64 columns hold one
+# Tiny GGUF Llamas (tests/quantization/test_gguf_quantized.py), name -> (type, hidden size):
+# Q8_0 at 64 (o_proj: 32 inputs per rank, one block; down_proj: 48, dequantized) and Q4_K at
+# 512 (256 inputs per rank: one super-block each).
+GGUF_CASES = {"gguf-q8_0": (T.Q8_0, 64), "gguf-q4_k": (T.Q4_K, 512)}
 
 
 def two_heads(src: Path, dst: Path, regroup: str | None = None) -> None:
     """`src` read as two 64-wide heads; with `regroup` "block" / "group", its 128-column
     block or group scales repeated at 64 columns (the same dequantized weights); with
-    "hf-fp8" / "gptq" / "awq", its weights quantized in that format."""
+    "hf-fp8" / "gptq" / "gptq-act-order" / "awq" / "ct-act-order", its weights quantized
+    in that format."""
     shutil.copytree(src, dst)
     config = json.loads((dst / "config.json").read_text())
     config.update(num_attention_heads=2, num_key_value_heads=2, head_dim=64)
@@ -74,6 +96,8 @@ def two_heads(src: Path, dst: Path, regroup: str | None = None) -> None:
             if name.endswith(".weight_scale"):
                 t = t.repeat_interleave(2, dim=1)
                 tensors[name] = t.repeat_interleave(2, dim=0) if regroup == "block" else t
+    elif regroup == "ct-act-order":
+        tensors, config["quantization_config"], _ = compressed_tensors_act_order(tensors, GROUP)
     elif regroup is not None:
         tensors, config["quantization_config"] = quantized(tensors, regroup)
     (dst / "config.json").write_text(json.dumps(config))
@@ -95,8 +119,10 @@ def quantized(
             out[name], out[name + "_scale"] = (w / scale).to(FP8_DTYPE), scale.reshape(())
             continue
         g_idx = torch.arange(w.shape[1]) // GROUP
-        q, scale, zero = quantize(w, g_idx, w.shape[1] // GROUP, sym=scheme == "gptq")
-        if scheme == "gptq":
+        if scheme == "gptq-act-order":
+            g_idx = act_order_g_idx(name, w.shape[1], GROUP)
+        q, scale, zero = quantize(w, g_idx, w.shape[1] // GROUP, sym=scheme != "awq")
+        if scheme != "awq":
             out[base + ".qweight"] = pack_rows(q.t())
             out[base + ".qzeros"] = pack_cols((zero - 1).t(), list(range(8)))
             out[base + ".g_idx"] = g_idx.to(torch.int32)
@@ -107,9 +133,10 @@ def quantized(
     if scheme == "hf-fp8":
         return out, {"quant_method": "fp8", "activation_scheme": "dynamic"}
     qc: dict[str, Any] = {"quant_method": scheme, "bits": 4, "group_size": GROUP}
-    if scheme == "gptq":
-        return out, {**qc, "desc_act": False, "sym": True}
-    return out, {**qc, "zero_point": True, "version": "gemm"}
+    if scheme == "awq":
+        return out, {**qc, "zero_point": True, "version": "gemm"}
+    desc_act = scheme == "gptq-act-order"
+    return out, {**qc, "quant_method": "gptq", "desc_act": desc_act, "sym": True}
 
 
 @dataclass
@@ -125,7 +152,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     for name, (fixture, _, regroup) in CASES.items():
         two_heads(FIXTURES / fixture, root / name, regroup)
         paths[name] = str(root / name)
+    for name, (qtype, width) in GGUF_CASES.items():
+        paths[name] = str(write_gguf(root / f"{name}.gguf", gguf_linear(qtype), width))
     jobs = [(name, paths[name], CASES[name][1]) for name in CASES]
+    jobs += [(name, paths[name], "gguf") for name in GGUF_CASES]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -151,9 +181,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     return Runs(paths, tp2)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [*CASES, *GGUF_CASES])
 def test_two_ranks_equal_one_device(runs: Runs, name: str) -> None:
-    expected = logits(load(runs.paths[name], SINGLE, CASES[name][1]), SINGLE)
+    quantization = CASES[name][1] if name in CASES else "gguf"
+    expected = logits(load(runs.paths[name], SINGLE, quantization), SINGLE)
     got = runs.tp2[name]
     if name in CHANNEL:
         # Within the activation rounding (a wrong slice or scale is off by the logits' span).
@@ -181,15 +212,38 @@ def test_groups_that_straddle_ranks_are_refused(tmp_path: Path, fixture: str, me
         load_model(config, torch.device("cpu"), TensorParallel(0, 2))
 
 
-def test_gptq_act_order_is_refused(tmp_path: Path) -> None:
-    two_heads(FIXTURES / "llama-bf16", tmp_path / "model", "gptq")
-    config_path = tmp_path / "model" / "config.json"
-    config = json.loads(config_path.read_text())
-    config["quantization_config"]["desc_act"] = True
-    config_path.write_text(json.dumps(config))
-    config = ModelConfig(model=str(tmp_path / "model"), dtype="float32")
-    with pytest.raises(ValueError, match="GPTQ act-order .* need tensor_parallel_size 1"):
-        load_model(config, torch.device("cpu"), TensorParallel(0, 2))
+def test_gguf_row_parallel_layers_cut_inside_blocks_are_dequantized(
+    runs: Runs, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Q8_0 at hidden 64 under two ranks: o_proj's 32 inputs per rank are one block (kept,
+    this rank's blocks only); down_proj's 48 are not whole blocks (dequantized, logged)."""
+    config = ModelConfig(model=runs.paths["gguf-q8_0"], dtype="float32", quantization="gguf")
+    with caplog.at_level("INFO", logger="asyncserve.quantization.gguf"):
+        # Reading GGUF slices needs no collective: no process group.
+        model = load_model(config, torch.device("cpu"), TensorParallel(0, 2)).model
+    layer = model.model.layers[0]
+    assert isinstance(layer.self_attn.o_proj.quant_method, GGUFLinearMethod)
+    assert layer.self_attn.o_proj.gguf_qweight.shape == (64, 32)
+    assert isinstance(layer.mlp.gate_up_proj.quant_method, GGUFLinearMethod)
+    assert layer.mlp.down_proj.quant_method is None
+    assert layer.mlp.down_proj.weight.shape == (64, 48)
+    assert "down_proj: 48 input columns are not whole Q8_0 blocks of 32" in caplog.text
+
+
+def test_gptq_act_order_rank_keeps_every_group(runs: Runs) -> None:
+    """A row-parallel rank of an act-order checkpoint: its 64 columns of the packed weight
+    and of g_idx, every group's scales and zeros (its columns draw on both groups)."""
+    config = ModelConfig(model=runs.paths["gptq-act-order"], dtype="float32")
+    # Loading 4-bit slices needs no collective: no process group.
+    model = load_model(config, torch.device("cpu"), TensorParallel(1, 2)).model
+    o_proj = model.model.layers[0].self_attn.o_proj
+    assert o_proj.w4_qweight.shape == (128, 64 // 8)
+    assert o_proj.w4_scales.shape == o_proj.w4_zeros.shape == (128, 128 // GROUP)
+    g_idx = load_file(str(Path(runs.paths["gptq-act-order"]) / "model.safetensors"))[
+        "model.layers.0.self_attn.o_proj.g_idx"
+    ]
+    assert torch.equal(o_proj.w4_g_idx, g_idx[64:])
+    assert set(g_idx[64:].tolist()) == {0, 1}
 
 
 def test_slices_in_a_quantized_layout() -> None:
