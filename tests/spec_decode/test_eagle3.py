@@ -43,7 +43,12 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def expected(target: Path) -> list[list[int]]:
     llm = _llm(target, None)
     try:
-        return _generate(llm)
+        outputs = _generate(llm)
+        # Without an EAGLE-3 head the target keeps no auxiliary hidden states.
+        assert llm.engine.runner is not None
+        model = llm.engine.runner.model.model
+        assert not model.aux_hidden_state_layers and not model.aux_hidden_states
+        return outputs
     finally:
         llm.close()
 
@@ -96,8 +101,10 @@ def _save_head(path: Path, tensors: dict[str, torch.Tensor], **overrides: object
     from safetensors.torch import save_file
 
     config = transformers.LlamaConfig(**{**CONFIG, "num_hidden_layers": 1}).to_dict()
+    draft_vocab = len(tensors["d2t"]) if "d2t" in tensors else VOCAB
     config.update(architectures=["LlamaForCausalLMEagle3"], tie_word_embeddings=False,
-                  draft_vocab_size=tensors["lm_head.weight"].shape[0], **overrides)  # fmt: skip
+                  draft_vocab_size=draft_vocab)  # fmt: skip
+    config.update(overrides)
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(config))
@@ -235,3 +242,76 @@ def test_proposals_equal_an_eagle3_reference(target: Path, tmp_path: Path) -> No
     for tokens, drafts in seen:
         assert set(drafts) <= allowed
         assert drafts == reference.proposals(tokens, 3)
+
+
+def test_eagle3_config_holds_lookahead_slots() -> None:
+    from asyncserve.spec_decode.config import SpeculativeConfig
+
+    spec = SpeculativeConfig.from_value(_spec("/heads/eagle3", 4))
+    assert (spec.method, spec.model, spec.num_lookahead_tokens) == ("eagle3", "/heads/eagle3", 4)
+
+
+def test_missing_d2t_fails_at_start(target: Path, tmp_path: Path) -> None:
+    tensors = _head_tensors(target, 3, _draft_ids(3))
+    draft_vocab = len(tensors.pop("d2t"))
+    head = _save_head(tmp_path / "head", tensors, draft_vocab_size=draft_vocab)
+    with pytest.raises(ValueError, match=r"draft_vocab_size \(1\d\d\) differs from vocab_size "
+                       r"\(320\) but it has no d2t tensor"):  # fmt: skip
+        _llm(target, _spec(head))
+
+
+def _load(path: str) -> object:
+    from asyncserve.models.arch_config import ArchConfig
+    from asyncserve.spec_decode.eagle3_head import load_eagle3_head
+
+    arch = ArchConfig.from_hf_dict(transformers.LlamaConfig(**CONFIG).to_dict())
+    return load_eagle3_head(path, arch, torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    ("edit", "overrides", "message"),
+    [
+        (None, {"target_hidden_size": 32},
+         r"target_hidden_size \(32\) differs from the target's hidden_size \(64\)"),
+        (None, {"vocab_size": 300}, r"vocab_size \(300\) differs from the target's \(320\)"),
+        (None, {"eagle_aux_hidden_state_layer_ids": [1, 5, 5]},
+         r"fc.weight has shape \(64, 192\); the target layers \[1, 5\] give 128 inputs"),
+        (None, {"eagle_aux_hidden_state_layer_ids": [1, 3, 7]}, r"not all in \[0, 7\)"),
+        (None, {"num_hidden_layers": 2}, "has one decoder layer, got num_hidden_layers 2"),
+        ("d2t", {}, r"d2t maps draft ids outside the target vocabulary \[0, 320\)"),
+        ("lm_head", {}, "is missing 1 weights: lm_head.weight"),
+    ],
+)  # fmt: skip
+def test_bad_heads_are_one_line_errors(
+    target: Path, tmp_path: Path, edit: str | None, overrides: dict[str, object], message: str
+) -> None:
+    tensors = _head_tensors(target, 4, _draft_ids(4))
+    if edit == "d2t":
+        tensors["d2t"][-1] = VOCAB
+    elif edit == "lm_head":
+        del tensors["lm_head.weight"]
+    head = _save_head(tmp_path / "head", tensors, **overrides)
+    with pytest.raises(ValueError, match=message) as info:
+        _load(head)
+    assert "\n" not in str(info.value) and str(info.value).startswith("speculative_config:")
+
+
+def test_layer_ids_from_the_config_and_pytorch_bin(target: Path, tmp_path: Path) -> None:
+    """A head trained on other layers names them; a .bin checkpoint (with `layers.0.`
+    names) loads the same weights as the safetensors one."""
+    from asyncserve.spec_decode.eagle3_head import Eagle3Head
+
+    tensors = _head_tensors(target, 5, _draft_ids(5))
+    head = _load(_save_head(tmp_path / "st", tensors, eagle_aux_hidden_state_layer_ids=[6, 0, 3]))
+    assert isinstance(head, Eagle3Head) and head.aux_layers == (0, 3, 6)
+    renamed = {n.replace("midlayer.", "layers.0."): t for n, t in tensors.items()}
+    (tmp_path / "bin").mkdir()
+    torch.save(renamed, tmp_path / "bin" / "pytorch_model.bin")
+    config = json.loads((tmp_path / "st" / "config.json").read_text())
+    (tmp_path / "bin" / "config.json").write_text(json.dumps(config))
+    from_bin = _load(str(tmp_path / "bin"))
+    assert isinstance(from_bin, Eagle3Head) and from_bin.aux_layers == (0, 3, 6)
+    for (name, a), (_, b) in zip(
+        head.state_dict().items(), from_bin.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), name
