@@ -117,7 +117,8 @@ class Eagle3Head(nn.Module):
     def target_states(self, target: LlamaForCausalLM, hidden: torch.Tensor) -> torch.Tensor:
         """The head's input hidden states [T, H] for the target forward that just ran."""
         del hidden  # the final hidden states are EAGLE-1's input, not this head's
-        return self.fc(torch.cat(target.model.aux_hidden_states, dim=-1))
+        aux, target.model.aux_hidden_states = target.model.aux_hidden_states, []
+        return self.fc(torch.cat(aux, dim=-1))
 
     def forward(
         self,
@@ -181,6 +182,10 @@ def load_eagle3_head(
     if eagle_config.get("use_aux_hidden_state", True) is False:
         raise ValueError(f"{_ERR}s without auxiliary hidden states are not supported")
     tensors = _read_tensors(root, path)
+    if not any(name.startswith("midlayer.") for name in tensors):
+        raise ValueError(
+            f"{_ERR} {path!r} has no midlayer.* tensors (for an EAGLE-1 head, use method 'eagle')"
+        )
     aux_layers = _aux_layers(config, eagle_config, target_arch.num_hidden_layers)
     fc = tensors.get("fc.weight")
     if fc is None or fc.dim() != 2 or fc.shape[1] != len(aux_layers) * target_hidden:

@@ -87,8 +87,11 @@ def load_eagle_head(
     config_file = root / "config.json"
     if not config_file.is_file():
         raise ValueError(f"speculative_config: EAGLE head {path!r} has no config.json")
+    own_config = json.loads(config_file.read_text())
+    if any("Eagle3" in str(name) for name in own_config.get("architectures") or ()):
+        raise ValueError(f"speculative_config: {path!r} is an EAGLE-3 head: use method 'eagle3'")
     # Heads name their own class (EagleLlamaForCausalLM) or the target's: a Llama layer.
-    hf_config = {**json.loads(config_file.read_text()), "architectures": ["LlamaForCausalLM"]}
+    hf_config = {**own_config, "architectures": ["LlamaForCausalLM"]}
     arch = ArchConfig.from_hf_dict(hf_config)
     for key in ("hidden_size", "vocab_size"):
         own, target = getattr(arch, key), getattr(target_arch, key)

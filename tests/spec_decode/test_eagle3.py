@@ -280,6 +280,7 @@ def _load(path: str) -> object:
         (None, {"num_hidden_layers": 2}, "has one decoder layer, got num_hidden_layers 2"),
         ("d2t", {}, r"d2t maps draft ids outside the target vocabulary \[0, 320\)"),
         ("lm_head", {}, "is missing 1 weights: lm_head.weight"),
+        ("midlayer", {}, r"has no midlayer.\* tensors \(for an EAGLE-1 head, use method 'eagle'\)"),
     ],
 )  # fmt: skip
 def test_bad_heads_are_one_line_errors(
@@ -290,6 +291,8 @@ def test_bad_heads_are_one_line_errors(
         tensors["d2t"][-1] = VOCAB
     elif edit == "lm_head":
         del tensors["lm_head.weight"]
+    elif edit == "midlayer":
+        tensors = {n: t for n, t in tensors.items() if not n.startswith("midlayer.")}
     head = _save_head(tmp_path / "head", tensors, **overrides)
     with pytest.raises(ValueError, match=message) as info:
         _load(head)
@@ -315,3 +318,13 @@ def test_layer_ids_from_the_config_and_pytorch_bin(target: Path, tmp_path: Path)
         head.state_dict().items(), from_bin.state_dict().items(), strict=True
     ):
         assert torch.equal(a, b), name
+
+
+def test_an_eagle3_head_needs_method_eagle3(target: Path, tmp_path: Path) -> None:
+    from asyncserve.models.arch_config import ArchConfig
+    from asyncserve.spec_decode.eagle_head import load_eagle_head
+
+    head = _save_head(tmp_path / "head", _head_tensors(target, 6, None))
+    arch = ArchConfig.from_hf_dict(transformers.LlamaConfig(**CONFIG).to_dict())
+    with pytest.raises(ValueError, match="is an EAGLE-3 head: use method 'eagle3'"):
+        load_eagle_head(head, arch, torch.float32, torch.device("cpu"))
