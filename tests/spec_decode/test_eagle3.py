@@ -328,3 +328,26 @@ def test_an_eagle3_head_needs_method_eagle3(target: Path, tmp_path: Path) -> Non
     arch = ArchConfig.from_hf_dict(transformers.LlamaConfig(**CONFIG).to_dict())
     with pytest.raises(ValueError, match="is an EAGLE-3 head: use method 'eagle3'"):
         load_eagle_head(head, arch, torch.float32, torch.device("cpu"))
+
+
+def test_sampling_outside_the_draft_vocabulary(target: Path, tmp_path: Path) -> None:
+    """Allowed tokens none of which the head can propose: its proposals come from a uniform
+    q and are rejected, and the output keeps to the allowed tokens."""
+    allowed = [261, 262, 263]
+    draft_ids = torch.tensor([i for i in range(VOCAB) if i not in allowed])
+    head = _save_head(tmp_path / "head", _head_tensors(target, 7, draft_ids))
+    llm = _llm(target, _spec(head))
+    try:
+        params = [
+            SamplingParams(temperature=0.7, max_tokens=6, seed=i, ignore_eos=True,
+                           allowed_token_ids=allowed)
+            for i in range(4)
+        ]  # fmt: skip
+        outputs = llm.generate(PROMPTS[:1] * 4, params, use_tqdm=False)
+        stats = llm.engine.scheduler.spec_stats
+        assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == 0, stats
+    finally:
+        llm.close()
+    for out in outputs:
+        tokens = out.outputs[0].token_ids
+        assert len(tokens) == 6 and set(tokens) <= set(allowed), tokens
