@@ -48,7 +48,7 @@ class EngineConfig:
             and spec.model is not None
             and (parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1)
         ):
-            what = "an EAGLE head" if spec.method == "eagle" else "a draft model"
+            what = "an EAGLE head" if spec.method in ("eagle", "eagle3") else "a draft model"
             raise ValueError(
                 f"speculative_config: {what} needs tensor_parallel_size 1 and "
                 "pipeline_parallel_size 1"

@@ -188,6 +188,11 @@ class LlamaModel(nn.Module):
         self.pp = pp
         start, end = (0, len(mlps)) if pp is None else (pp.start, pp.end)
         self.local_layers = [self.layers[i] for i in range(start, end)]
+        # EAGLE-3: the residual stream entering these layers (vLLM's layer ids: 0 is the
+        # embedding output) is kept in `aux_hidden_states` by each forward, in layer order.
+        # Empty unless an EAGLE-3 head is configured.
+        self.aux_hidden_state_layers: frozenset[int] = frozenset()
+        self.aux_hidden_states: list[torch.Tensor] = []
 
     def forward(
         self,
@@ -211,8 +216,11 @@ class LlamaModel(nn.Module):
             like = self.norm.weight.new_empty(input_ids.shape[0], self.norm.weight.shape[0])
             hidden, residual = pp.recv(like)
         # The KV caches are this stage's layers' only.
-        for layer, kv_cache in zip(self.local_layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        if self.aux_hidden_state_layers:
+            hidden, residual = self._forward_capturing(positions, hidden, residual, kv_caches, meta)
+        else:
+            for layer, kv_cache in zip(self.local_layers, kv_caches, strict=True):
+                hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
         if pp is not None and not pp.is_last:
             assert residual is not None
             pp.send(hidden, residual)
@@ -221,6 +229,24 @@ class LlamaModel(nn.Module):
             return self.norm(hidden)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def _forward_capturing(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer loop, keeping the residual stream entering the auxiliary layers (one
+        stage only: an EAGLE-3 head needs pipeline_parallel_size 1)."""
+        captured: list[torch.Tensor] = []
+        for i, (layer, kv_cache) in enumerate(zip(self.local_layers, kv_caches, strict=True)):
+            if i in self.aux_hidden_state_layers:
+                captured.append(hidden if residual is None else hidden + residual)
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        self.aux_hidden_states = captured
+        return hidden, residual
 
 
 class LlamaForCausalLM(CausalLM):

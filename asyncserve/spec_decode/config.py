@@ -12,7 +12,7 @@ from typing import Any
 
 from asyncserve.sampling_params import SamplingParams
 
-METHODS = ("ngram", "draft_model", "eagle")
+METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 MAX_SPECULATIVE_TOKENS = 32
 _KEYS = frozenset(
     {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
@@ -32,7 +32,7 @@ class SpeculativeConfig:
     @property
     def num_lookahead_tokens(self) -> int:
         """Slots the scheduler holds past each step for the proposer to write K/V into."""
-        return self.num_speculative_tokens if self.method in ("draft_model", "eagle") else 0
+        return self.num_speculative_tokens if self.method != "ngram" else 0
 
     @classmethod
     def from_value(cls, value: SpeculativeConfig | dict[str, Any] | str) -> SpeculativeConfig:

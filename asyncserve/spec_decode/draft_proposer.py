@@ -199,6 +199,9 @@ def _choose(
     if meta.all_greedy:
         assert greedy is not None
         return greedy, None
+    # A row left with no token (an EAGLE-3 draft vocabulary disjoint from the request's
+    # allowed tokens) proposes from the uniform distribution: a valid q, always rejected.
+    logits = logits.masked_fill(torch.isneginf(logits).all(dim=-1, keepdim=True), 0.0)
     q = target_probs(logits, meta)
     token = sample_from(q, meta)
     if greedy is not None:

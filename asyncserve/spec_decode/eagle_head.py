@@ -25,7 +25,7 @@ from asyncserve.kernels.ops import select_ops
 from asyncserve.models.arch_config import ArchConfig
 from asyncserve.models.attention import AttentionMetadata
 from asyncserve.models.layers import GatedMLP, RotaryEmbedding
-from asyncserve.models.llama import LlamaDecoderLayer, fused_target
+from asyncserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, fused_target
 from asyncserve.models.weights import Target, load_checkpoint
 
 # Tensors of a published head that the engine takes from the target instead.
@@ -53,6 +53,10 @@ class EagleHead(nn.Module):
         layer.input_layernorm = nn.Identity()  # type: ignore[assignment]
         self.layers = nn.ModuleList([layer])
 
+    def target_states(self, target: LlamaForCausalLM, hidden: torch.Tensor) -> torch.Tensor:
+        """The head's input hidden states for a target forward: its output."""
+        return hidden
+
     def forward(
         self,
         embeds: torch.Tensor,
@@ -60,11 +64,13 @@ class EagleHead(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """Token embeddings and hidden states [T, H] at `positions` -> next hidden [T, H]."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token embeddings and hidden states [T, H] at `positions` -> the next hidden
+        state [T, H], twice: read through the target's lm_head and fed back."""
         x = self.fc(torch.cat([embeds, hidden.to(embeds.dtype)], dim=-1))
         x, residual = self.layers[0](positions, x, None, kv_caches[0], meta)
-        return x + residual
+        out = x + residual
+        return out, out
 
     def route(self, hf_name: str) -> Target | None:
         name = hf_name.removeprefix("model.")
@@ -81,8 +87,11 @@ def load_eagle_head(
     config_file = root / "config.json"
     if not config_file.is_file():
         raise ValueError(f"speculative_config: EAGLE head {path!r} has no config.json")
+    own_config = json.loads(config_file.read_text())
+    if any("Eagle3" in str(name) for name in own_config.get("architectures") or ()):
+        raise ValueError(f"speculative_config: {path!r} is an EAGLE-3 head: use method 'eagle3'")
     # Heads name their own class (EagleLlamaForCausalLM) or the target's: a Llama layer.
-    hf_config = {**json.loads(config_file.read_text()), "architectures": ["LlamaForCausalLM"]}
+    hf_config = {**own_config, "architectures": ["LlamaForCausalLM"]}
     arch = ArchConfig.from_hf_dict(hf_config)
     for key in ("hidden_size", "vocab_size"):
         own, target = getattr(arch, key), getattr(target_arch, key)

@@ -1,4 +1,6 @@
-"""EAGLE proposer: an EAGLE head proposes k tokens from the target's hidden states.
+"""EAGLE proposer: an EAGLE-1 or EAGLE-3 head proposes k tokens from the target's hidden
+states (its output for EAGLE-1; for EAGLE-3, three layers' inputs joined by the head's
+`fc`, see eagle3_head.py).
 
 The head keeps its own one-layer paged KV cache, read through the target's block tables
 (block b of a request holds the same positions in both pools). Head position p is fed the
@@ -24,7 +26,8 @@ from asyncserve.models.attention import AttentionMetadata
 from asyncserve.models.llama import LlamaForCausalLM
 from asyncserve.spec_decode.config import SpeculativeConfig
 from asyncserve.spec_decode.draft_proposer import _block_tables, _choose, proposal_sampling
-from asyncserve.spec_decode.eagle_head import load_eagle_head
+from asyncserve.spec_decode.eagle3_head import Eagle3Head, load_eagle3_head
+from asyncserve.spec_decode.eagle_head import EagleHead, load_eagle_head
 from asyncserve.worker.input_batch import CachedRequestState
 from asyncserve.worker.kv_pool import allocate_kv_caches, kv_block_bytes
 
@@ -65,11 +68,22 @@ class EagleProposer:
         assert spec.model is not None
         if not isinstance(target, LlamaForCausalLM):
             raise ValueError(
-                "speculative_config: method 'eagle' needs a Llama-family target, got "
+                f"speculative_config: method {spec.method!r} needs a Llama-family target, got "
                 f"{type(target).__name__}"
             )
         self.target = target
-        self.head = load_eagle_head(spec.model, target.config, dtype, device)
+        self.head: EagleHead | Eagle3Head
+        self.embed_tokens: torch.nn.Module = target.model.embed_tokens
+        self.compute_logits = target.compute_logits
+        if spec.method == "eagle3":
+            self.head = load_eagle3_head(spec.model, target.config, dtype, device)
+            # The target keeps the residual stream entering these layers from now on.
+            target.model.aux_hidden_state_layers = frozenset(self.head.aux_layers)
+            if self.head.embed_tokens is not None:
+                self.embed_tokens = self.head.embed_tokens
+            self.compute_logits = self.head.compute_logits
+        else:
+            self.head = load_eagle_head(spec.model, target.config, dtype, device)
         self.arch = self.head.arch
         self.dtype = dtype
         self.device = device
@@ -108,7 +122,9 @@ class EagleProposer:
         counts: list[int],
         hidden: torch.Tensor,
     ) -> None:
-        """Keep one target forward's hidden states [T, H] (rows in request order)."""
+        """Keep the head's input hidden states [T, H] of one target forward (`hidden`: its
+        output; rows in request order)."""
+        hidden = self.head.target_states(self.target, hidden)
         offset = 0
         for rid, start, count in zip(request_ids, starts, counts, strict=True):
             rows = hidden[offset : offset + count]
@@ -151,15 +167,15 @@ class EagleProposer:
         for state, start, end in zip(chosen, starts, ends, strict=True):
             token_ids.extend(state.token_slice(start + 1, end + 1))
         ids = torch.tensor(token_ids, dtype=torch.int64).to(self.device)
-        hidden = self._forward(ids, torch.cat(hidden_rows), starts, ends, tables)
+        out, hidden = self._forward(ids, torch.cat(hidden_rows), starts, ends, tables)
         drafts: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
         for step in range(self.k):
             if step:
                 positions = [end + step - 1 for end in ends]
                 after = [p + 1 for p in positions]
-                hidden = self._forward(drafts[-1], hidden, positions, after, tables)
-            token, q = _choose(self.target.compute_logits(hidden), meta)
+                out, hidden = self._forward(drafts[-1], hidden, positions, after, tables)
+            token, q = _choose(self.compute_logits(out), meta)
             drafts.append(token)
             if q is not None:
                 probs.append(q)
@@ -172,8 +188,8 @@ class EagleProposer:
             for i, state in enumerate(chosen):
                 if not state.sampling_params.greedy:
                     self._probs[state.request_id] = stacked[i]
-        out = torch.stack(drafts, dim=1).tolist()
-        return {state.request_id: out[i] for i, state in enumerate(chosen)}
+        proposed = torch.stack(drafts, dim=1).tolist()
+        return {state.request_id: proposed[i] for i, state in enumerate(chosen)}
 
     def _forward(
         self,
@@ -182,9 +198,9 @@ class EagleProposer:
         starts: list[int],
         ends: list[int],
         block_tables: torch.Tensor,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One head forward over positions [start, end) of each request; returns the head's
-        output hidden state at each request's last position."""
+        output at each request's last position: for the logits, and fed back."""
         counts = np.asarray(ends, dtype=np.int64) - np.asarray(starts, dtype=np.int64)
         cu = np.zeros(len(counts) + 1, dtype=np.int64)
         np.cumsum(counts, out=cu[1:])
@@ -204,6 +220,7 @@ class EagleProposer:
             max_seqlen_q=int(counts.max()),
             max_seqlen_k=max(ends),
         )
-        embeds = self.target.model.embed_tokens(token_ids)
-        out = self.head(embeds, hidden, pos_t, self.kv_caches, meta)
-        return out[torch.from_numpy(cu[1:] - 1).to(device)]
+        embeds = self.embed_tokens(token_ids)
+        out, fed_back = self.head(embeds, hidden, pos_t, self.kv_caches, meta)
+        last = torch.from_numpy(cu[1:] - 1).to(device)
+        return out[last], fed_back[last]

@@ -127,7 +127,7 @@ class ModelRunner:
             self.proposer = NgramProposer(
                 spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
             )
-        elif spec is not None and spec.method == "eagle":
+        elif spec is not None and spec.method in ("eagle", "eagle3"):
             self.proposer = EagleProposer(
                 spec, self.model, self.dtype, device, config.cache.block_size
             )

@@ -62,12 +62,13 @@ def _exact_joint(model: object) -> dict[tuple[int, ...], float]:
     return joint
 
 
-@pytest.mark.parametrize("method", ["ngram", "eagle"])
+@pytest.mark.parametrize("method", ["ngram", "eagle", "eagle3"])
 def test_sampled_tokens_follow_the_target_distribution(
     tiny_llama: tuple[Path, object], tmp_path: Path, method: str
 ) -> None:
     """With EAGLE (a random head) the proposals are drawn from the head's own distribution
-    q, which the rejection sampler must correct to the target's."""
+    q, which the rejection sampler must correct to the target's; the EAGLE-3 head's draft
+    vocabulary lacks one of the allowed tokens (q is 0 there)."""
     path, model = tiny_llama
     spec: dict[str, object] = {"method": "ngram", "num_speculative_tokens": 2,
                                "prompt_lookup_min": 1, "prompt_lookup_max": 2}  # fmt: skip
@@ -77,6 +78,17 @@ def test_sampled_tokens_follow_the_target_distribution(
         torch.manual_seed(4)
         head = _save_head(tmp_path / "head", max_position_embeddings=128)
         spec = {"method": "eagle", "model": head, "num_speculative_tokens": 2}
+    elif method == "eagle3":
+        from tests.spec_decode.test_eagle3 import _head_tensors
+        from tests.spec_decode.test_eagle3 import _save_head as save_eagle3
+
+        draft_ids = torch.tensor([i for i in range(320) if i != ALLOWED[2]])
+        tensors = _head_tensors(path, 4, draft_ids)
+        # Two target layers: the head reads the residual stream entering both.
+        tensors["fc.weight"] = tensors["fc.weight"][:, :128].contiguous()
+        head = save_eagle3(tmp_path / "head", tensors, max_position_embeddings=128,
+                           eagle_aux_hidden_state_layer_ids=[0, 1])  # fmt: skip
+        spec = {"method": "eagle3", "model": head, "num_speculative_tokens": 2}
     llm = LLM(
         str(path),
         device="cpu",

@@ -66,7 +66,47 @@ def smollm2_eagle_head(gguf_path: Path, path: Path) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft", "eagle"])
+def smollm2_eagle3_head(gguf_path: Path, path: Path) -> str:
+    """A random EAGLE-3 head with SmolLM2's shapes over a draft vocabulary of 8192 ids."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from asyncserve.models.gguf_loader import gguf_hf_config, open_gguf
+
+    config = {**gguf_hf_config(open_gguf(gguf_path)), "num_hidden_layers": 1}
+    hidden, vocab, inter = config["hidden_size"], config["vocab_size"], config["intermediate_size"]
+    head_dim = hidden // config["num_attention_heads"]
+    q, kv = hidden, config["num_key_value_heads"] * head_dim
+    draft_ids = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))[:8192].sort()[0]
+    g = torch.Generator().manual_seed(1)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) / shape[-1] ** 0.5
+
+    tensors = {
+        "fc.weight": randn(hidden, 3 * hidden),
+        "midlayer.self_attn.q_proj.weight": randn(q, 2 * hidden),
+        "midlayer.self_attn.k_proj.weight": randn(kv, 2 * hidden),
+        "midlayer.self_attn.v_proj.weight": randn(kv, 2 * hidden),
+        "midlayer.self_attn.o_proj.weight": randn(hidden, q),
+        "midlayer.mlp.gate_proj.weight": randn(inter, hidden),
+        "midlayer.mlp.up_proj.weight": randn(inter, hidden),
+        "midlayer.mlp.down_proj.weight": randn(hidden, inter),
+        "lm_head.weight": randn(len(draft_ids), hidden),
+        "d2t": draft_ids - torch.arange(len(draft_ids)),
+    }
+    for norm in ("midlayer.input_layernorm", "midlayer.hidden_norm",
+                 "midlayer.post_attention_layernorm", "norm"):  # fmt: skip
+        tensors[f"{norm}.weight"] = torch.ones(hidden)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"))
+    config.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=len(draft_ids))
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft", "eagle", "eagle3"])
 def test_gpu_greedy_with_speculation(gguf_path: Path, tmp_path: Path, method: str) -> None:
     expected, base = _greedy(gguf_path, None)
     base.close()
@@ -74,6 +114,9 @@ def test_gpu_greedy_with_speculation(gguf_path: Path, tmp_path: Path, method: st
     if method == "eagle":
         head = smollm2_eagle_head(gguf_path, tmp_path / "head")
         spec = {"method": "eagle", "model": head, "num_speculative_tokens": 3}
+    elif method == "eagle3":
+        head = smollm2_eagle3_head(gguf_path, tmp_path / "head")
+        spec = {"method": "eagle3", "model": head, "num_speculative_tokens": 3}
     ours, llm = _greedy(gguf_path, spec)
     try:
         stats = llm.engine.scheduler.spec_stats
