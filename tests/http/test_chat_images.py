@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import base64
 import io
+import struct
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,18 @@ def data_url(image: Any, fmt: str = "PNG") -> str:
     image.save(buffer, format=fmt)
     mime = "jpeg" if fmt == "JPEG" else fmt.lower()
     return f"data:image/{mime};base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def png_header_url(width: int, height: int) -> str:
+    """A PNG data: URL whose header claims width x height (a decompression bomb's shape)."""
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        crc = zlib.crc32(kind + body) & 0xFFFFFFFF
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", crc)
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64))
+    return "data:image/png;base64," + base64.b64encode(png + chunk(b"IEND", b"")).decode()
 
 
 def image_part(url: str) -> dict[str, Any]:
@@ -99,6 +113,8 @@ def test_bad_image_parts_are_400s(llava_server: ServerProcess) -> None:
         ([image_part("http://127.0.0.1:1/cat.png"), QUESTION], "messages[0].content[0].image_url"),
         ([{"type": "image_url"}, QUESTION], "messages[0].content[0].image_url"),
         ([{"type": "input_audio"}, QUESTION], "messages[0].content[0].type"),
+        # Too large: a header claiming 20000 x 20000 pixels, refused before decoding.
+        ([QUESTION, image_part(png_header_url(20000, 20000))], "messages[0].content[1].image_url"),
     ]  # fmt: skip
     for content, param in cases:
         response = _chat(llava_server, content)
