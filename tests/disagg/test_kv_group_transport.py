@@ -43,19 +43,22 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
               "--shutdown-timeout", "2"]  # fmt: skip
     port = free_port()
 
-    def start(role: str, rank: int, connector: str) -> ServerProcess:
+    def start(role: str, rank: int, connector: str, tp: int = 1) -> ServerProcess:
         config = _group_config(role, rank, port, connector)
-        return ServerProcess([*common, "--kv-transfer-config", config], tmp)
+        return ServerProcess([*common, "-tp", str(tp), "--kv-transfer-config", config], tmp)
 
     # The consumer hosts the group's store (rank 0): it outlives a producer that dies.
-    servers = {"consumer": start("kv_consumer", 0, "PyNcclConnector"),
-               "producer": start("kv_producer", 1, "P2pNcclConnector")}  # fmt: skip
+    state: dict[str, Any] = {
+        "consumer": start("kv_consumer", 0, "PyNcclConnector"),
+        "producer": start("kv_producer", 1, "P2pNcclConnector"),
+        "start": lambda tp: start("kv_producer", 1, "PyNcclConnector", tp),
+    }
     try:
-        for server in servers.values():
-            server.wait_ready()
-        yield {**servers, "start": lambda: start("kv_producer", 1, "PyNcclConnector")}
+        state["consumer"].wait_ready()
+        state["producer"].wait_ready()
+        yield state
     finally:
-        for server in servers.values():
+        for server in (state["producer"], state["consumer"]):
             server.stop()
 
 
@@ -90,8 +93,9 @@ def test_dead_producer_fails_its_request_and_a_restarted_one_rejoins(
     assert lost["choices"][0]["finish_reason"] == "error"
     assert f"KV transfer from {producer.base_url} failed" in consumer.logs()
     assert _complete(consumer, [5, 6, 7])["choices"][0]["finish_reason"] == "length"
-    # A new producer takes rank 1: the pair forms again under the consumer's next token.
-    pair["producer"] = restarted = pair["start"]()
+    # A new producer takes rank 1: the pair forms again under the consumer's next token. It
+    # runs two tensor-parallel ranks, whose head slices it joins before sending.
+    pair["producer"] = restarted = pair["start"](2)
     restarted.wait_ready()
     prompt = list(range(110, 150))
     reference = _answer(_complete(restarted, prompt))
