@@ -128,6 +128,13 @@ class KVGroup:
             pg = dist.ProcessGroupGloo(store, self.rank, 2, self.timeout)
         with self._lock:
             self._pg, self.token = pg, token
+        if self.backend == "nccl":
+            # NCCL sets up its communicator at the first op and waits for the peer there:
+            # do it now, while the peer joins too, rather than inside a transfer.
+            with self._on_stream():
+                hello = torch.zeros(1, device=self.device)
+                op = pg.send if self.rank == 0 else pg.recv
+                self._wait(op([hello], self.peer, 2), "the group's setup")
         logger.info("KV group %s formed with rank %d (%s)", self.address, self.peer, self.backend)
 
     def _drop(self) -> None:
@@ -180,4 +187,6 @@ def _nccl_options(timeout: datetime.timedelta) -> Any:
     options = dist.ProcessGroupNCCL.Options()
     # The communicator's own watchdog fires a little after the host-side deadline.
     options._timeout = timeout * 2
+    # Set up without blocking the host, so a peer gone during setup is a deadline too.
+    options.config.blocking = False
     return options

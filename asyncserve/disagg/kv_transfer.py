@@ -219,10 +219,16 @@ class KVTransfer:
             if not isinstance(dtype, torch.dtype):
                 raise KVTransferError(f"KV transfer from {url}: unknown dtype {dtype_name!r}")
             received = self.group.recv(token, transfer_id, dtype)
+        # The group bounds each op; this bounds the wait behind earlier ones as well (and an
+        # NCCL communicator whose setup never returns).
+        limit = 3 * self.config.kv_group_timeout_s
         try:
-            data = await asyncio.wrap_future(received)
+            data = await asyncio.wait_for(asyncio.wrap_future(received), limit)
         except KVGroupError as exc:
             raise KVTransferError(f"KV transfer from {url} failed: {exc}") from exc
+        except TimeoutError as exc:
+            raise KVTransferError(f"KV transfer from {url} failed: no blocks over the KV "
+                                  f"group within {limit:g} s") from exc  # fmt: skip
         if len(data) != len(hashes):
             raise KVTransferError(f"KV transfer from {url}: {len(data)} blocks arrived for "
                                   f"{len(hashes)} named")  # fmt: skip

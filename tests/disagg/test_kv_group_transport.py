@@ -113,14 +113,23 @@ def test_a_pull_for_another_group_is_refused(pair: dict[str, Any]) -> None:
 # ---- the group on its own: two ranks in one process -------------------------------------
 
 
-@pytest.fixture()
-def groups() -> Iterator[tuple[KVGroup, KVGroup]]:
+# NCCL (one GPU per rank, both ranks in this process) where two GPUs are; gloo always.
+BACKENDS = [
+    "gloo",
+    pytest.param("nccl", marks=pytest.mark.skipif(
+        torch.cuda.device_count() < 2, reason="NCCL between two GPUs")),
+]  # fmt: skip
+
+
+@pytest.fixture(params=BACKENDS)
+def groups(request: pytest.FixtureRequest) -> Iterator[tuple[KVGroup, KVGroup]]:
     port = free_port()
     made = []
     for rank in (0, 1):
         config = KVTransferConfig.from_dict(json.loads(_group_config(
             "kv_consumer" if rank == 0 else "kv_producer", rank, port)))  # fmt: skip
-        made.append(KVGroup(replace(config, kv_group_timeout_s=1.0), torch.device("cpu")))
+        device = torch.device("cuda", rank) if request.param == "nccl" else torch.device("cpu")
+        made.append(KVGroup(replace(config, kv_group_timeout_s=1.0), device))
     try:
         yield made[0], made[1]
     finally:
@@ -137,16 +146,17 @@ def test_a_stalled_peer_times_out_then_the_pair_reforms(groups: tuple[KVGroup, K
     joined.result(5)
     again = consumer.new_token("p")
     assert again != token  # the failed group is gone: the next pull forms a new one
-    data = torch.randn(2, 2, 2, 4, 2, 8)
+    data = torch.randn(2, 2, 2, 4, 2, 8, device=producer.device)
     sent = producer.send(again, 2, data)
-    assert torch.equal(consumer.recv(again, 2, torch.float32).result(30), data)
+    got = consumer.recv(again, 2, torch.float32).result(30)
+    assert got.device == consumer.device and torch.equal(got.cpu(), data.cpu())
     sent.result(5)
 
 
 def test_an_out_of_step_payload_is_an_error(groups: tuple[KVGroup, KVGroup]) -> None:
     consumer, producer = groups
     token = consumer.new_token("p")
-    producer.send(token, 7, torch.zeros(1, 1, 2, 4, 2, 8))
+    producer.send(token, 7, torch.zeros(1, 1, 2, 4, 2, 8, device=producer.device))
     with pytest.raises(KVGroupError, match="transfer 7 arrived while 8 was expected"):
         consumer.recv(token, 8, torch.float32).result(30)
 
@@ -154,7 +164,7 @@ def test_an_out_of_step_payload_is_an_error(groups: tuple[KVGroup, KVGroup]) -> 
 def test_a_peer_that_goes_away_fails_the_transfer(groups: tuple[KVGroup, KVGroup]) -> None:
     consumer, producer = groups
     token = consumer.new_token("p")
-    sent = producer.send(token, 1, torch.zeros(1, 1, 2, 4, 2, 8))
+    sent = producer.send(token, 1, torch.zeros(1, 1, 2, 4, 2, 8, device=producer.device))
     assert consumer.recv(token, 1, torch.float32).result(30).shape == (1, 1, 2, 4, 2, 8)
     sent.result(30)
     pending = consumer.recv(token, 2, torch.float32)
