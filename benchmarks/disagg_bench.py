@@ -5,7 +5,8 @@ then for each of --num-requests distinct prompts of --input-len tokens: prefills
 producer (max_tokens 1, do_remote_decode), then times the consumer's request (max_tokens 1)
 that pulls the prompt's blocks and computes the last partial block. The consumer's own
 compute of one block is small, so that time is mostly the transfer. Reports the median and
-p90 and the payload's GB/s, in $OUT/disagg_<connector>.json and $OUT/disagg.json.
+p90, the payload's GB/s and how often the consumer's greedy first token equals the
+producer's (a check that the blocks arrived whole), in $OUT/disagg_<connector>.json and $OUT/disagg.json.
 
     python benchmarks/disagg_bench.py --out $OUT                       # TCPConnector and PyNcclConnector
     python benchmarks/disagg_bench.py --connector PyNcclConnector --input-len 4096 --out $OUT
@@ -94,6 +95,7 @@ def run(args: argparse.Namespace, connector: str, out: Path) -> dict[str, object
         rng = random.Random(0)
         vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
         times: list[float] = []
+        agree = 0  # the consumer's greedy first token equals the producer's
         for i in range(args.warmup + args.num_requests):
             prompt = [rng.randrange(vocab // 10, vocab) for _ in range(args.input_len)]
             prefilled = complete(p_base, prompt, kv_transfer_params={"do_remote_decode": True})
@@ -106,6 +108,7 @@ def run(args: argparse.Namespace, connector: str, out: Path) -> dict[str, object
                 raise RuntimeError(f"transfer failed; see {out}/{connector}_consumer.log")
             if i >= args.warmup:
                 times.append(elapsed)
+                agree += choice["text"] == prefilled["choices"][0]["text"]  # type: ignore[index]
     finally:
         for proc in (consumer, producer):
             proc.send_signal(signal.SIGTERM)
@@ -121,6 +124,7 @@ def run(args: argparse.Namespace, connector: str, out: Path) -> dict[str, object
         "pull_request_p90_ms": times[int(0.9 * (len(times) - 1))] * 1e3,
         "payload_mb": payload / 1e6,
         "payload_gb_per_s_at_median": payload / median / 1e9,
+        "first_token_agreement": agree / len(times),
     }
     (out / f"disagg_{connector}.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result))
