@@ -6,7 +6,9 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
-KV_CONNECTORS = ("TCPConnector",)
+KV_CONNECTORS = ("TCPConnector", "P2pNcclConnector", "PyNcclConnector")
+# Connectors whose payload travels over a torch.distributed group (disagg/kv_group.py).
+KV_GROUP_CONNECTORS = ("P2pNcclConnector", "PyNcclConnector")
 
 
 @dataclass(frozen=True)
@@ -14,7 +16,9 @@ class KVTransferConfig:
     """Disaggregated prefill (asyncserve/disagg/): vLLM's --kv-transfer-config keys. A
     producer prefills and keeps the request's KV blocks for a consumer to pull; a consumer
     pulls them before it decodes. `kv_rank` / `kv_parallel_size` are taken as vLLM names
-    them and describe the deployment; pulls go to the producer named in each request."""
+    them and describe the deployment; pulls go to the producer named in each request. The
+    group connectors (KV_GROUP_CONNECTORS) move the blocks over a process group of the pair
+    (ranks kv_rank, a TCPStore at kv_ip:kv_port), the control messages staying on HTTP."""
 
     kv_connector: str = "TCPConnector"
     kv_role: KVRole = "kv_both"
@@ -22,6 +26,12 @@ class KVTransferConfig:
     kv_parallel_size: int = 2
     # Seconds a producer keeps a finished request's blocks for its consumer to pull.
     kv_export_timeout_s: float = 120.0
+    kv_ip: str | None = None
+    kv_port: int | None = None
+    # "cuda": the group's payload stays on the GPU (NCCL); "cpu": it goes through gloo.
+    kv_buffer_device: str = "cuda"
+    # Seconds one group send or receive may take before that transfer fails.
+    kv_group_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.kv_connector not in KV_CONNECTORS:
@@ -36,6 +46,34 @@ class KVTransferConfig:
             raise ValueError(f"kv_parallel_size must be >= 1, got {self.kv_parallel_size}")
         if self.kv_export_timeout_s <= 0:
             raise ValueError(f"kv_export_timeout_s must be > 0, got {self.kv_export_timeout_s}")
+        if self.kv_buffer_device not in ("cuda", "cpu"):
+            raise ValueError(f"kv_buffer_device must be 'cuda' or 'cpu', got "
+                             f"{self.kv_buffer_device!r}")  # fmt: skip
+        if self.uses_group:
+            self._check_group()
+
+    @property
+    def uses_group(self) -> bool:
+        return self.kv_connector in KV_GROUP_CONNECTORS
+
+    def _check_group(self) -> None:
+        name = f"kv_transfer_config: {self.kv_connector}"
+        if not self.kv_ip or self.kv_port is None:
+            raise ValueError(f"{name} needs kv_ip and kv_port (where rank 0 hosts the group's "
+                             "store)")  # fmt: skip
+        if not 0 < self.kv_port < 65536:
+            raise ValueError(f"{name}: kv_port must be in 1..65535, got {self.kv_port}")
+        if self.kv_parallel_size != 2:
+            raise ValueError(f"{name} pairs one producer with one consumer: kv_parallel_size "
+                             f"must be 2, got {self.kv_parallel_size}")  # fmt: skip
+        if self.kv_rank is None or not 0 <= self.kv_rank < self.kv_parallel_size:
+            raise ValueError(f"{name}: kv_rank must be 0 or 1 (kv_parallel_size "
+                             f"{self.kv_parallel_size}), got {self.kv_rank}")  # fmt: skip
+        if self.kv_role == "kv_both":
+            raise ValueError(f"{name}: kv_role must be kv_producer or kv_consumer (one sends, "
+                             "the other receives); kv_both needs the TCPConnector")  # fmt: skip
+        if self.kv_group_timeout_s <= 0:
+            raise ValueError(f"kv_group_timeout_s must be > 0, got {self.kv_group_timeout_s}")
 
     @property
     def is_producer(self) -> bool:
@@ -49,8 +87,7 @@ class KVTransferConfig:
     def from_dict(cls, raw: dict[str, Any]) -> KVTransferConfig:
         known = {f.name for f in fields(cls)}
         extra = raw.get("kv_connector_extra_config") or {}
-        unknown = sorted(set(raw) - known - {"kv_connector_extra_config", "kv_buffer_size",
-                                             "kv_buffer_device", "kv_ip", "kv_port"})  # fmt: skip
+        unknown = sorted(set(raw) - known - {"kv_connector_extra_config", "kv_buffer_size"})
         if unknown:
             raise ValueError(f"kv_transfer_config: unknown keys {unknown}")
         if not isinstance(extra, dict):
@@ -58,6 +95,8 @@ class KVTransferConfig:
         args = {k: v for k, v in raw.items() if k in known}
         if "export_timeout_s" in extra:
             args["kv_export_timeout_s"] = float(extra["export_timeout_s"])
+        if "transfer_timeout_s" in extra:
+            args["kv_group_timeout_s"] = float(extra["transfer_timeout_s"])
         return cls(**args)
 
 

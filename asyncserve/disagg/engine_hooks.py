@@ -4,19 +4,28 @@ output of a request whose pull failed."""
 
 from __future__ import annotations
 
+import torch
+
 from asyncserve.config import EngineConfig
 from asyncserve.core.scheduler import Scheduler
+from asyncserve.disagg.kv_group import KVGroup
 from asyncserve.disagg.kv_transfer import KVTransfer
 from asyncserve.executor.abstract import Executor
+from asyncserve.executor.uniproc import UniProcExecutor
 from asyncserve.outputs import CompletionOutput, RequestOutput
 from asyncserve.sampling_params import SamplingParams
 
 
 def make_kv_transfer(
-    config: EngineConfig, scheduler: Scheduler, executor: Executor, num_kv_heads: int
+    config: EngineConfig,
+    scheduler: Scheduler,
+    executor: Executor,
+    num_kv_heads: int,
+    device: torch.device,
 ) -> KVTransfer | None:
     """The engine's KVTransfer; any tensor-parallel size on either side (blocks travel with
-    all the model's KV heads; EngineConfig.checked refuses pipeline stages)."""
+    all the model's KV heads; EngineConfig.checked refuses pipeline stages). A group
+    connector's group runs NCCL when the engine is on CUDA and kv_buffer_device is "cuda"."""
     kv = config.kv_transfer
     if kv is None:
         return None
@@ -24,7 +33,12 @@ def make_kv_transfer(
         raise ValueError(
             "kv_transfer_config needs prefix caching: pulled blocks join the prefix cache"
         )
-    return KVTransfer(kv, scheduler.kv_cache_manager, executor, num_kv_heads)
+    group = None
+    if kv.uses_group:
+        on_gpu = device.type == "cuda" and kv.kv_buffer_device == "cuda"
+        group = KVGroup(kv, device if on_gpu else torch.device("cpu"))
+    in_process = isinstance(executor, UniProcExecutor)
+    return KVTransfer(kv, scheduler.kv_cache_manager, executor, num_kv_heads, group, in_process)
 
 
 def check_kv_transfer_params(transfer: KVTransfer | None, params: SamplingParams) -> None:

@@ -91,7 +91,7 @@ class AsyncEngine:
             max_concurrent_batches=executor.max_concurrent_batches,
         )
         self.kv_transfer = make_kv_transfer(
-            config, self.scheduler, executor, loaded.arch.num_key_value_heads
+            config, self.scheduler, executor, loaded.arch.num_key_value_heads, self.device
         )
         self.tracer = make_tracer(config, self.model_path)
         self.output_processor = OutputProcessor(
@@ -219,6 +219,8 @@ class AsyncEngine:
         """Shut down, then stop the workers for good (worker processes end here)."""
         await self.shutdown(timeout=0)
         await asyncio.to_thread(self.executor.shutdown)
+        if self.kv_transfer is not None:
+            self.kv_transfer.close()
         if self.tracer is not None:
             self.tracer.shutdown()
 

@@ -16,9 +16,18 @@ from asyncserve.http.errors import APIError
 from asyncserve.http.serving import ServerState
 
 
+class GroupPull(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Where the blocks go instead of the reply: the pair's process group (kv_group.py)."""
+
+    address: str
+    token: str
+    transfer_id: int
+
+
 class PullRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     request_id: str
     block_hashes: list[int]
+    kv_group: GroupPull | None = None
 
 
 class TransferCounters:
@@ -42,7 +51,11 @@ def routes(state: ServerState) -> list[Route]:
         if transfer is None or not transfer.config.is_producer:
             raise APIError("this server is not a KV producer (--kv-transfer-config)", 400)
         body = await state.read_json(request, PullRequest)
-        blob = await transfer.serve_pull(body.request_id, body.block_hashes)
+        group = msgspec.structs.asdict(body.kv_group) if body.kv_group is not None else None
+        try:
+            blob = await transfer.serve_pull(body.request_id, body.block_hashes, group)
+        except ValueError as exc:
+            raise APIError(str(exc), 400) from exc
         return Response(blob, media_type="application/octet-stream")
 
     transfer = getattr(state.engine, "kv_transfer", None)

@@ -9,6 +9,8 @@ size: a rank reads its own heads' slice (read_blocks), the engine joins the rank
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -16,12 +18,27 @@ _HEADS_DIM = 4
 
 
 def read_blocks(kv_caches: KVCaches, block_ids: list[int]) -> torch.Tensor:
+    return _gather(kv_caches, block_ids).cpu()
+
+
+def read_blocks_on_device(kv_caches: KVCaches, block_ids: list[int]) -> tuple[torch.Tensor, Any]:
+    """The blocks on the pool's device, and a CUDA event recorded once they are gathered
+    (another stream waits on it before it reads them); None on the CPU."""
+    data = _gather(kv_caches, block_ids)
+    if not data.is_cuda:
+        return data, None
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(data.device))
+    return data, ready
+
+
+def _gather(kv_caches: KVCaches, block_ids: list[int]) -> torch.Tensor:
     if not kv_caches:
         raise RuntimeError("the KV pool is not allocated")
     index = torch.tensor(block_ids, dtype=torch.long, device=kv_caches[0][0].device)
     per_layer = [torch.stack((k.index_select(0, index), v.index_select(0, index)), 1)
                  for k, v in kv_caches]  # fmt: skip
-    return torch.stack(per_layer, 1).cpu()
+    return torch.stack(per_layer, 1)
 
 
 def merge_rank_heads(parts: list[torch.Tensor], num_kv_heads: int) -> torch.Tensor:

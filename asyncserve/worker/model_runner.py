@@ -17,6 +17,7 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -191,6 +192,11 @@ class ModelRunner:
     def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """Whole blocks of this rank's heads, on the CPU (see worker/kv_blocks.py)."""
         return kv_blocks.read_blocks(self.kv_caches, block_ids)
+
+    def read_kv_blocks_on_device(self, block_ids: list[int]) -> tuple[torch.Tensor, Any]:
+        """Whole blocks left on the pool's device, and the CUDA event they are ready at
+        (None on the CPU): a KV group sends them from there (disagg/kv_group.py)."""
+        return kv_blocks.read_blocks_on_device(self.kv_caches, block_ids)
 
     def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor) -> str | None:
         """Blocks carrying every KV head: this rank writes its own; None or why they do not fit."""
