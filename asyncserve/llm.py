@@ -18,6 +18,8 @@ from asyncserve.engine.async_engine import AsyncEngine
 from asyncserve.engine.dp_client import DataParallelClient
 from asyncserve.engine.dp_group import DataParallelGroup
 from asyncserve.engine.request_checks import check_token_params
+from asyncserve.llm_prompts import PromptType as PromptType
+from asyncserve.llm_prompts import as_prompt_list, chat_prompts, multimodal_inputs, split_prompt
 from asyncserve.lora.request import LoRARequest
 from asyncserve.multimodal.inputs import MultiModalInputs
 from asyncserve.outputs import CompletionOutput, RequestOutput
@@ -31,8 +33,6 @@ from asyncserve.pooling.outputs import (
 )
 from asyncserve.sampling_params import MODEL_SAMPLING_DEFAULTS, RequestOutputKind, SamplingParams
 from asyncserve.tokenizer import Tokenizer
-
-PromptType = str | list[int] | dict[str, Any]
 
 
 class LLM:
@@ -171,8 +171,8 @@ class LLM:
         """One pooled vector per prompt (normalized if the model says so), in input order."""
         pooling = self._pooling_engine()
         items: list[str | list[int]] = []
-        for prompt in _as_prompt_list(prompts):
-            text, prompt_ids = _split_prompt(prompt)
+        for prompt in as_prompt_list(prompts):
+            text, prompt_ids = split_prompt(prompt)
             items.append(prompt_ids if prompt_ids is not None else text or "")
         vectors, ids = self._loop.run_until_complete(
             pooling.embed_inputs(items, truncate_prompt_tokens=truncate_prompt_tokens)
@@ -230,7 +230,7 @@ class LLM:
         `lora_request`: one adapter for every prompt, or one (or None) per prompt.
         """
         self._check_generates()
-        prompt_list = _as_prompt_list(prompts)
+        prompt_list = as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -270,20 +270,10 @@ class LLM:
         for lora in {id(r): r for r in loras if r is not None}.values():
             self._lora_engine().add_lora(lora)
         # Images are processed up front: a bad one raises before any work.
-        mm_list = [self._multimodal_inputs(p) for p in prompt_list]
+        mm_list = [multimodal_inputs(self.engine, p) for p in prompt_list]
         return self._loop.run_until_complete(
             self._run_all(prompt_list, params_list, priorities, use_tqdm, loras, mm_list)
         )
-
-    def _multimodal_inputs(self, prompt: PromptType) -> MultiModalInputs | None:
-        if not isinstance(prompt, dict) or prompt.get("multi_modal_data") is None:
-            return None
-        front_end = getattr(self.engine, "multimodal", None)
-        if front_end is None:
-            raise ValueError("multi_modal_data is not supported with data parallelism")
-        text, ids = _split_prompt(prompt)
-        source: str | list[int] = ids if ids is not None else (text or "")
-        return front_end.process(source, prompt["multi_modal_data"])  # type: ignore[no-any-return]
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Validate and register an adapter ahead of its first request."""
@@ -313,36 +303,9 @@ class LLM:
         """Apply the model's chat template to each conversation and generate; `tools`
         (OpenAI's shape) reach the template as its `tools` variable, as in vLLM."""
         self._check_generates()
-        conversations: list[list[dict[str, Any]]]
-        if messages and isinstance(messages[0], dict):
-            conversations = [messages]  # type: ignore[list-item]
-        else:
-            conversations = messages  # type: ignore[assignment]
-        tokenizer = self.engine.tokenizer
-        prompts: list[PromptType] = []
-        front_end = getattr(self.engine, "multimodal", None)
-        for conversation in conversations:
-
-            def render(messages: list[dict[str, Any]]) -> str:
-                return tokenizer.apply_chat_template(  # type: ignore[no-any-return]
-                    messages,
-                    add_generation_prompt=add_generation_prompt,
-                    tools=tools,
-                    **(chat_template_kwargs or {}),
-                )
-
-            if front_end is None:
-                text, images = render(conversation), []
-            else:
-                # Image parts (image_url, image_pil) become the template's image parts.
-                text, refs = front_end.render_chat(conversation, render)
-                images = front_end.load_images(refs, self.engine.config.multimodal.media_policy())
-            # The template already holds BOS where the model wants one.
-            ids = tokenizer.encode(text, add_special_tokens=False)
-            if images:
-                prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}})
-            else:
-                prompts.append(ids)
+        prompts = chat_prompts(
+            self.engine, messages, add_generation_prompt, chat_template_kwargs, tools
+        )
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def beam_search(
@@ -354,8 +317,8 @@ class LLM:
         """
         self._check_generates()
         token_prompts: list[list[int]] = []
-        for prompt in _as_prompt_list(prompts):
-            text, ids = _split_prompt(prompt)
+        for prompt in as_prompt_list(prompts):
+            text, ids = split_prompt(prompt)
             if ids is None:
                 ids = self.engine.tokenizer.encode(text or "", add_special_tokens=True)
             token_prompts.append(ids)
@@ -380,7 +343,7 @@ class LLM:
             prompt = prompts[index]
             params = params_list[index]
             final = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
-            text, ids = _split_prompt(prompt)
+            text, ids = split_prompt(prompt)
             request_id = str(next(self._ids))
             engine_prompt: str | list[int] = ids if ids is not None else (text or "")
             try:
@@ -420,30 +383,6 @@ class LLM:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
-
-
-def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
-    if isinstance(prompts, str | dict):
-        return [prompts]
-    prompt_list: list[Any] = list(prompts)
-    if prompt_list and all(isinstance(p, int) for p in prompt_list):
-        return [prompt_list]  # one token-id prompt
-    for i, p in enumerate(prompt_list):
-        if not isinstance(p, str | list | dict):
-            raise ValueError(f"prompts[{i}] must be a string, a list of token ids or a dict")
-    return prompt_list
-
-
-def _split_prompt(prompt: PromptType) -> tuple[str | None, list[int] | None]:
-    if isinstance(prompt, str):
-        return prompt, None
-    if isinstance(prompt, dict):
-        if "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        if "prompt" in prompt:
-            return str(prompt["prompt"]), None
-        raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
-    return None, list(prompt)
 
 
 def _error_output(

@@ -39,8 +39,9 @@ from asyncserve.core.block_pool import BlockPool
 from asyncserve.core.kv_cache_manager import KVCacheManager
 from asyncserve.core.micro_batches import MicroBatches
 from asyncserve.core.request import Request, RequestStatus
-from asyncserve.core.step import NewRequestData, RunningRequestData, StepPlan, StepResult
+from asyncserve.core.step import StepPlan, StepResult
 from asyncserve.core.step_budget import StepBudget
+from asyncserve.core.step_plan import build_step_plan
 from asyncserve.core.step_time import StepTimeModel
 from asyncserve.core.stop_rules import at_length_limit, check_stop
 from asyncserve.core.waiting_queue import WaitingQueue
@@ -307,35 +308,8 @@ class Scheduler:
             waiting.push_front(request)
 
     def _make_plan(self, step: StepBudget) -> StepPlan:
-        kv = self.kv_cache_manager
-        plan = StepPlan(
-            new_requests=[
-                NewRequestData(
-                    request_id=r.request_id,
-                    prompt_token_ids=r.prompt_token_ids,
-                    output_token_ids=list(r.output_token_ids),
-                    sampling_params=r.sampling_params,
-                    block_ids=kv.get_block_ids(r.request_id),
-                    num_computed_tokens=r.num_computed_tokens,
-                    lora_request=r.lora_request,
-                    mm_features=r.mm_features,
-                )
-                for r in step.new
-            ],
-            running_requests=[
-                RunningRequestData(
-                    request_id=r.request_id,
-                    new_block_ids=step.new_block_ids[r.request_id],
-                    num_computed_tokens=r.num_computed_tokens,
-                )
-                for r in step.running
-            ],
-            num_scheduled_tokens=step.num_scheduled,
-            total_num_scheduled_tokens=self.max_num_batched_tokens - step.budget,
-            freed_request_ids=self._freed_ids,
-            removed_lora_ids=self._removed_loras,
-            scheduled_spec_tokens=step.spec,
-        )
+        plan = build_step_plan(step, self.kv_cache_manager, self.max_num_batched_tokens,
+                               self._freed_ids, self._removed_loras)  # fmt: skip
         self._freed_ids = set()
         self._removed_loras = set()
         self.micro_batches.launched(plan, step.running, step.new)

@@ -72,9 +72,12 @@ class StepResult:
     # request id -> per sampled token: (token id -> logprob) of the top-k plus the sampled one,
     # and the sampled token's 1-based rank.
     logprobs: dict[str, list[tuple[dict[int, float], int]]] = field(default_factory=dict)
-    # request id -> per prompt position (the first has none): top-k logprobs and the rank of
-    # the actual next prompt token; filled chunk by chunk.
-    prompt_logprobs: dict[str, list[tuple[dict[int, float], int]]] = field(default_factory=dict)
+    # request id -> (index of the first prompt token scored, per prompt token from there: top-k
+    # logprobs and its rank); filled chunk by chunk. A request computed again after preemption
+    # scores its prompt again, so positions may repeat across steps.
+    prompt_logprobs: dict[str, tuple[int, list[tuple[dict[int, float], int]]]] = field(
+        default_factory=dict
+    )
     # request id -> tokens proposed to follow this step's tokens (speculative decoding).
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 

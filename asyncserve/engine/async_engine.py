@@ -13,7 +13,6 @@ import torch
 
 from asyncserve.config import EngineConfig
 from asyncserve.core.grammar import StructuredOutputManager
-from asyncserve.core.request import Request
 from asyncserve.core.scheduler import Scheduler
 from asyncserve.disagg.engine_hooks import (
     check_kv_transfer_params,
@@ -21,6 +20,7 @@ from asyncserve.disagg.engine_hooks import (
     make_kv_transfer,
 )
 from asyncserve.disagg.kv_transfer import KVTransferError
+from asyncserve.engine.admission import bad_words_token_ids, build_request
 from asyncserve.engine.engine_core import EngineCore
 from asyncserve.engine.multimodal import MultiModalFrontEnd
 from asyncserve.engine.request_checks import check_request, check_token_params, truncate_prompt
@@ -34,7 +34,7 @@ from asyncserve.lora.request import LoRARequest
 from asyncserve.metrics import EngineMetrics
 from asyncserve.models.loader import LoadedModel
 from asyncserve.multimodal.inputs import MultiModalInputs
-from asyncserve.output.output_processor import OutputProcessor, ParentState
+from asyncserve.output.output_processor import OutputProcessor
 from asyncserve.output.request_stream import RequestStream
 from asyncserve.outputs import RequestOutput
 from asyncserve.sampling_params import SamplingParams
@@ -293,28 +293,7 @@ class AsyncEngine:
     def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word's token ids at the start of the text and after a space (where the
         tokenizer spells it with its own tokens), as vLLM rules them out."""
-        out: list[list[int]] = []
-        for word in words:
-            for text in (word.lstrip(), " " + word.lstrip()):
-                ids = self.tokenizer.encode(text, add_special_tokens=False)
-                if ids and ids not in out:
-                    out.append(ids)
-        return out
-
-    def _child_params(self, params: SamplingParams, index: int) -> SamplingParams:
-        child = copy.copy(params)
-        child.n = 1
-        if index > 0:
-            # The samples share one prompt: only the first computes its logprobs.
-            child.prompt_logprobs = None
-        if params.seed is not None:
-            child.seed = params.seed + index
-        # What stops the request (once min_tokens are out), and what min_tokens masks: the
-        # request's stop ids and, unless ignore_eos, every EOS id of the model.
-        child.all_stop_token_ids = set(params.stop_token_ids or [])
-        if not params.ignore_eos:
-            child.all_stop_token_ids |= set(self.eos_token_ids)
-        return child
+        return bad_words_token_ids(self.tokenizer, words)
 
     def add_request(
         self,
@@ -350,37 +329,14 @@ class AsyncEngine:
             words = params.bad_words
             params = copy.copy(params)
             params.bad_words_token_ids = self.bad_words_token_ids(words)
-        room = self.max_model_len - len(prompt_ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        stream = RequestStream(request_id, params.output_kind)
-        parent = ParentState(
-            request_id=request_id,
-            prompt=prompt_text,
-            prompt_token_ids=prompt_ids,
-            params=params,
-            stream=stream,
-            trace_headers=trace_headers,
-        )
-        requests = []
-        for index in range(params.n):
-            child_id = request_id if params.n == 1 else f"{request_id}#{index}"
-            requests.append(
-                Request(
-                    request_id=child_id,
-                    prompt_token_ids=prompt_ids,
-                    sampling_params=self._child_params(params, index),
-                    eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
-                    priority=priority,
-                    arrival_time=parent.arrival_time,
-                    max_tokens=max_tokens,
-                    lora_request=lora_request,
-                    mm_features=mm_inputs.features if mm_inputs is not None else None,
-                )
-            )
+        parent, requests = build_request(
+            request_id, prompt_text, prompt_ids, params, priority, trace_headers,
+            lora_request, mm_inputs, self.max_model_len, self.eos_token_ids,
+        )  # fmt: skip
         self.core.add(parent, requests)
         if self._wakeup is not None:
             self._wakeup.set()
-        return stream
+        return parent.stream
 
     async def generate(
         self,

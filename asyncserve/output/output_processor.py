@@ -129,12 +129,12 @@ class OutputProcessor:
         num_generated = 0
         # Prompt logprobs come chunk by chunk, also in steps where the request samples
         # nothing (a prompt chunk short of its end).
-        for request_id, entries in result.prompt_logprobs.items():
+        for request_id, (first, entries) in result.prompt_logprobs.items():
             entry = self.children.get(request_id)
             if entry is None:
                 continue
             try:
-                self._append_prompt_logprobs(entry[0], entries)
+                self._append_prompt_logprobs(entry[0], first, entries)
             except Exception as exc:
                 self._fail_internal(entry[0], exc, processed)
         for request in updated:
@@ -280,14 +280,20 @@ class OutputProcessor:
                 child.cumulative_logprob += entry.get(token, 0.0)
 
     def _append_prompt_logprobs(
-        self, parent: ParentState, entries: list[tuple[dict[int, float], int]]
+        self, parent: ParentState, first: int, entries: list[tuple[dict[int, float], int]]
     ) -> None:
+        """Take the entries scoring prompt tokens first, first + 1, ... Positions already
+        taken are skipped: after a preemption the request's prompt is computed, and scored,
+        again from its start."""
         if parent.prompt_logprobs is None:
             parent.prompt_logprobs = [None]
-        offset = len(parent.prompt_logprobs)
-        for i, (entry, rank) in enumerate(entries):
-            token = parent.prompt_token_ids[offset + i]
-            parent.prompt_logprobs.append(self._to_logprobs(entry, token, rank))
+        rows = parent.prompt_logprobs
+        if first > len(rows):
+            raise ValueError(f"prompt logprobs from position {first}, only {len(rows)} known")
+        for position in range(len(rows), first + len(entries)):
+            entry, rank = entries[position - first]
+            token = parent.prompt_token_ids[position]
+            rows.append(self._to_logprobs(entry, token, rank))
 
     def _to_logprobs(self, entry: dict[int, float], token: int, rank: int) -> LogprobsDict:
         ranked = sorted(entry.items(), key=lambda kv: -kv[1])

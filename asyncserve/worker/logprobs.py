@@ -74,5 +74,5 @@ def prompt_logprobs(
             row_entry(i, v, r, k)
             for i, v, r in zip(ids.tolist(), vals.tolist(), ranks.tolist(), strict=True)
         ]
-        result.prompt_logprobs[rid] = entries
+        result.prompt_logprobs[rid] = (start + 1, entries)
         offset += count

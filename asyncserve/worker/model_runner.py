@@ -19,7 +19,6 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from asyncserve.config import EngineConfig
@@ -29,10 +28,8 @@ from asyncserve.models.loader import LoadedModel, load_safetensors_weights
 from asyncserve.models.multimodal import is_multimodal, uses_mrope
 from asyncserve.models.parallel import SINGLE, TensorParallel
 from asyncserve.models.pipeline import PipelineStage
-from asyncserve.spec_decode.config import can_speculate
 from asyncserve.spec_decode.draft_proposer import DraftProposer
 from asyncserve.spec_decode.eagle_proposer import EagleProposer
-from asyncserve.spec_decode.ngram_proposer import NgramProposer
 from asyncserve.spec_decode.verify import expand_request_ids, verify
 from asyncserve.worker import kv_blocks
 from asyncserve.worker.cuda_graphs import DecodeGraphs
@@ -55,9 +52,10 @@ from asyncserve.worker.logprobs import prompt_logprobs, row_entry
 from asyncserve.worker.mm_embeds import StepEmbedder, mrope_positions
 from asyncserve.worker.runner_steps import ForwardedStep as ForwardedStep
 from asyncserve.worker.runner_steps import LaunchedStep as LaunchedStep
-from asyncserve.worker.runner_steps import step_seed
+from asyncserve.worker.runner_steps import sampling_row
 from asyncserve.worker.sampler import Sampler, SamplerOutput
-from asyncserve.worker.sampling_metadata import SamplingMetadata, SamplingRow
+from asyncserve.worker.sampling_metadata import SamplingMetadata
+from asyncserve.worker.speculation import Proposer, draft_probs, make_proposer, propose
 from asyncserve.worker.vocab_watch import FullVocabWatch, switch_watch
 
 logger = logging.getLogger(__name__)
@@ -122,20 +120,9 @@ class ModelRunner:
             rows = max(config.scheduler.max_num_batched_tokens, 8192)
             self.embedder = StepEmbedder(self.model, EncoderCache(rows))  # type: ignore[arg-type]
         self._vocab_watch: FullVocabWatch | None = None
-        spec = config.speculative
-        self.proposer: NgramProposer | DraftProposer | EagleProposer | None = None
-        if spec is not None and spec.method == "ngram":
-            self.proposer = NgramProposer(
-                spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
-            )
-        elif spec is not None and spec.method in ("eagle", "eagle3"):
-            self.proposer = EagleProposer(
-                spec, self.model, self.dtype, device, config.cache.block_size
-            )
-        elif spec is not None:
-            self.proposer = DraftProposer(
-                spec, self.vocab_size, self.dtype, device, config.cache.block_size
-            )
+        self.proposer: Proposer | None = make_proposer(
+            config, self.model, self.vocab_size, self.dtype, device
+        )
 
     def load_weights_from(self, path: str) -> None:
         """New weights from an HF safetensors directory (e.g. a peer model's, so that both
@@ -236,17 +223,6 @@ class ModelRunner:
                 # Pipeline stages: the last stage's sampled tokens (which it holds already).
                 del state.output_token_ids[running.new_tokens_from :]
                 state.output_token_ids.extend(running.new_token_ids)
-
-    def _generator(self, state: CachedRequestState) -> torch.Generator | None:
-        seed = state.sampling_params.seed
-        if seed is None or state.sampling_params.greedy:
-            return None
-        gen = self.generators.get(state.request_id)
-        if gen is None:
-            gen = torch.Generator(device=self.device)
-            self.generators[state.request_id] = gen
-        gen.manual_seed(step_seed(seed, len(state.output_token_ids)))
-        return gen
 
     def launch_forward(
         self, plan: StepPlan, on_launched: Callable[[], object] | None = None
@@ -369,19 +345,15 @@ class ModelRunner:
             if bitmask is not None:
                 row_ids = request_ids if spec is None else expand_request_ids(request_ids, spec)
                 apply_grammar_bitmask(logits, bitmask, row_ids)
-            rows = [self._sampling_row(self.states[rid]) for rid in request_ids]
+            rows = [
+                sampling_row(self.states[rid], self.generators, self.device) for rid in request_ids
+            ]
             if spec is None:
                 meta = SamplingMetadata.build(rows, self.vocab_size, self.device)
                 out = self.sampler(logits, meta)
             else:
-                draft_probs = None
-                if isinstance(self.proposer, DraftProposer | EagleProposer):
-                    proposer = self.proposer
-                    draft_probs = [
-                        proposer.draft_probs(rid, len(s))
-                        for rid, s in zip(request_ids, spec, strict=True)
-                    ]
-                out = verify(logits, rows, spec, self.vocab_size, self.device, draft_probs)
+                probs = draft_probs(self.proposer, request_ids, spec)
+                out = verify(logits, rows, spec, self.vocab_size, self.device, probs)
         elif self.pp is not None:
             return None  # the next plan brings the sampled ids (core/micro_batches.py)
         else:
@@ -439,29 +411,9 @@ class ModelRunner:
                 rank = int(ranks[row]) if ranks is not None else 0
                 result.logprobs[rid] = [row_entry(lp_ids[row], lp_vals[row], rank, num_logprobs)]
         if self.proposer is not None:
-            self._propose(step, result)
+            states = [state for _, state, _ in step.rows]
+            propose(self.proposer, states, result, self.max_model_len)
         return result
-
-    def _propose(self, step: LaunchedStep, result: StepResult) -> None:
-        """Proposals to follow each sampled request's tokens, verified by its next step."""
-        proposer = self.proposer
-        assert proposer is not None
-        states = [
-            state
-            for _, state, _ in step.rows
-            if can_speculate(state.sampling_params, len(state.output_token_ids))
-        ]
-        if isinstance(proposer, DraftProposer | EagleProposer):
-            # Its proposals write K/V at the next k - 1 positions, which must exist.
-            limit = self.max_model_len - proposer.k
-            states = [state for state in states if state.num_tokens <= limit]
-            result.draft_token_ids.update(proposer.propose(states))
-            return
-        for state in states:
-            tokens = np.asarray(state.prompt_token_ids + state.output_token_ids, dtype=np.int64)
-            drafts = proposer.propose(tokens)
-            if drafts:
-                result.draft_token_ids[state.request_id] = drafts
 
     def _can_replay(self, inputs: StepInputs) -> bool:
         """A pure-decode step (one token per request, all sampling) fits a captured graph."""
@@ -472,13 +424,4 @@ class ModelRunner:
             and inputs.meta.max_seqlen_q == 1
             and len(inputs.sample_request_ids) == n
             and graphs.padded_size(n) is not None
-        )
-
-    def _sampling_row(self, state: CachedRequestState) -> SamplingRow:
-        return SamplingRow(
-            params=state.sampling_params,
-            prompt_token_ids=state.prompt_token_ids,
-            output_token_ids=state.output_token_ids,
-            generator=self._generator(state),
-            stop_token_ids=state.stop_token_ids,
         )

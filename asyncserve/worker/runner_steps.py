@@ -1,4 +1,5 @@
-"""The runner's in-flight step records, and the seed of a seeded request's sampling step."""
+"""The runner's in-flight step records, and one request's sampling row with the seeded
+generator of its sampling step."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 from asyncserve.core.step import StepResult
 from asyncserve.worker.input_batch import CachedRequestState, StepInputs
+from asyncserve.worker.sampling_metadata import SamplingRow
 
 _GOLDEN = 0x9E3779B97F4A7C15
 
@@ -19,6 +21,35 @@ def step_seed(seed: int, num_output_tokens: int) -> int:
     stream does not depend on the batch, its row, or a preemption in between.
     """
     return (seed * 1_000_003 + num_output_tokens * _GOLDEN) & ((1 << 63) - 1)
+
+
+def step_generator(
+    state: CachedRequestState, generators: dict[str, torch.Generator], device: torch.device
+) -> torch.Generator | None:
+    """A seeded request's generator (kept in `generators` across its steps), seeded for
+    this step; None for an unseeded or greedy request."""
+    seed = state.sampling_params.seed
+    if seed is None or state.sampling_params.greedy:
+        return None
+    gen = generators.get(state.request_id)
+    if gen is None:
+        gen = torch.Generator(device=device)
+        generators[state.request_id] = gen
+    gen.manual_seed(step_seed(seed, len(state.output_token_ids)))
+    return gen
+
+
+def sampling_row(
+    state: CachedRequestState, generators: dict[str, torch.Generator], device: torch.device
+) -> SamplingRow:
+    """What the sampler needs of one request this step."""
+    return SamplingRow(
+        params=state.sampling_params,
+        prompt_token_ids=state.prompt_token_ids,
+        output_token_ids=state.output_token_ids,
+        generator=step_generator(state, generators, device),
+        stop_token_ids=state.stop_token_ids,
+    )
 
 
 @dataclass
