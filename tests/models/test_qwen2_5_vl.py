@@ -186,6 +186,36 @@ def test_repeated_image_is_encoded_once(qwen: LLM) -> None:
     assert runner.embedder.cache.num_encoded == before + 1
 
 
+def test_decode_steps_take_plain_positions(
+    qwen: LLM, hf_model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps past the image prompts get [T] positions (what the decode graphs take) equal to
+    every row of the [3, T] path; prefill steps keep [3, T]; tokens still equal transformers'."""
+    from asyncserve.worker import mm_embeds, model_runner
+
+    shapes: list[int] = []
+
+    def checked(inputs: Any, states: Any) -> torch.Tensor:
+        got = mm_embeds.step_mrope_positions(inputs, states)
+        rows = mm_embeds.mrope_positions(inputs, states)
+        if got.ndim == 1:
+            assert torch.equal(rows, got.expand(3, -1))
+        else:
+            assert torch.equal(got, rows)
+        shapes.append(got.ndim)
+        return got
+
+    monkeypatch.setattr(model_runner, "step_mrope_positions", checked)
+    image = random_image(80, 100, 80)
+    text = "<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\n"
+    outs = qwen.generate(
+        [{"prompt": ONE, "multi_modal_data": {"image": image}}, text], GREEDY, use_tqdm=False
+    )
+    assert shapes[0] == 2 and shapes.count(1) >= GREEDY.max_tokens - 1
+    assert outs[0].outputs[0].token_ids == _hf_greedy(hf_model, _process(qwen, ONE, [image]))
+    assert outs[1].outputs[0].token_ids == _hf_greedy(hf_model, _process(qwen, text, []))
+
+
 def test_parallelism_is_refused_by_name(tiny_dir: Path) -> None:
     import json
 
