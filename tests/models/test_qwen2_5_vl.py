@@ -216,19 +216,19 @@ def test_decode_steps_take_plain_positions(
     assert outs[1].outputs[0].token_ids == _hf_greedy(hf_model, _process(qwen, text, []))
 
 
-def test_parallelism_is_refused_by_name(tiny_dir: Path) -> None:
+def test_pipeline_parallelism_is_refused_by_name(tiny_dir: Path) -> None:
     import json
 
     from asyncserve.kernels.ops import REFERENCE_OPS
     from asyncserve.models.arch_config import ArchConfig
-    from asyncserve.models.parallel import TensorParallel
+    from asyncserve.models.pipeline import PipelineStage
     from asyncserve.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 
     config = ArchConfig.from_hf_dict(json.loads((tiny_dir / "config.json").read_text()))
     assert config.mrope_section == (2, 3, 3)
-    tp = TensorParallel(rank=0, size=2)
-    with pytest.raises(ValueError, match="tensor or pipeline parallelism"):
-        Qwen2_5_VLForConditionalGeneration(config, REFERENCE_OPS, tp=tp)
+    stage = PipelineStage(0, 2, 0, 1, 0, 1)
+    with pytest.raises(ValueError, match="pipeline parallelism"):
+        Qwen2_5_VLForConditionalGeneration(config, REFERENCE_OPS, pp=stage)
 
 
 # Qwen2.5-VL-7B-Instruct's config.json as published (flat text fields, rope_scaling mrope).
