@@ -45,7 +45,7 @@ def multimodal_inputs(
         return None
     front_end = getattr(engine, "multimodal", None)
     if front_end is None:
-        raise ValueError("multi_modal_data is not supported with data parallelism")
+        raise ValueError("multi_modal_data is not supported by this engine")
     text, ids = split_prompt(prompt)
     source: str | list[int] = ids if ids is not None else (text or "")
     return front_end.process(source, prompt["multi_modal_data"])  # type: ignore[no-any-return]

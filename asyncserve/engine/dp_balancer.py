@@ -8,11 +8,17 @@ its blocks), so a common preamble of one block earns little affinity and a long 
 conversation history a lot. The chain starts from the request's adapter, and a request with
 an adapter and no owned prefix goes to the replica that last ran that adapter (its weights
 are in that replica's slot cache) while it carries at most lora_affinity_tokens more.
+A block that holds image placeholders hashes with those images' hashes (`extra_keys`, as the
+prefix cache keys it), so only a prompt with the same images there shares it.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
+
+# (start, end) token positions of a block -> the hashes of the images it holds.
+ExtraKeys = Callable[[int, int], tuple[int, ...]]
 
 
 class ReplicaBalancer:
@@ -55,7 +61,9 @@ class ReplicaBalancer:
             raise RuntimeError("no data-parallel replica is alive")
         return best
 
-    def _prefix_hashes(self, prompt_token_ids: list[int], lora_int_id: int = 0) -> list[int]:
+    def _prefix_hashes(
+        self, prompt_token_ids: list[int], lora_int_id: int = 0, extra_keys: ExtraKeys | None = None
+    ) -> list[int]:
         """One chained hash per whole block of the prompt's first max_blocks blocks; the
         chain starts from the adapter (the prefix cache shares no KV across adapters)."""
         size = self.block_size
@@ -63,16 +71,26 @@ class ReplicaBalancer:
         hashes = []
         h = hash(("lora", lora_int_id)) if lora_int_id else 0
         for i in range(blocks):
-            h = hash((h, tuple(prompt_token_ids[i * size : (i + 1) * size])))
+            start, end = i * size, (i + 1) * size
+            tokens = tuple(prompt_token_ids[start:end])
+            keys = extra_keys(start, end) if extra_keys is not None else ()
+            h = hash((h, tokens, keys)) if keys else hash((h, tokens))
             hashes.append(h)
         return hashes
 
-    def choose(self, prompt_token_ids: list[int], cost: int, lora_int_id: int = 0) -> int:
+    def choose(
+        self,
+        prompt_token_ids: list[int],
+        cost: int,
+        lora_int_id: int = 0,
+        extra_keys: ExtraKeys | None = None,
+    ) -> int:
         """The replica for a request of `cost` tokens (with adapter `lora_int_id`, 0 for
-        none); its load grows by `cost`."""
+        none; `extra_keys`: the image hashes of a block, for prompts with images); its load
+        grows by `cost`."""
         least = self._least_loaded()
         chosen = least
-        hashes = self._prefix_hashes(prompt_token_ids, lora_int_id)
+        hashes = self._prefix_hashes(prompt_token_ids, lora_int_id, extra_keys)
         for blocks in range(len(hashes), 0, -1):  # the longest owned prefix decides
             owner = self._owner.get(hashes[blocks - 1])
             if owner is None or not self.alive[owner]:

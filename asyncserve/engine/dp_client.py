@@ -1,7 +1,8 @@
 """DataParallelClient: N engine replicas, each in its own process on its own devices, behind
 the surface the HTTP server and LLM use of AsyncEngine (http/engine_client.py).
 
-The front end (this process) tokenizes and checks requests, picks a replica
+The front end (this process) tokenizes and checks requests, processes their images (the
+replica gets the expanded prompt and the CPU tensors its encoder takes), picks a replica
 (engine/dp_balancer.py), sends the request down that replica's pipe and hands the outputs
 that come back to the caller's mailbox. A replica that dies fails its requests with an
 error naming it and the client reports itself dead (/health 503, the server exits 1).
@@ -27,12 +28,14 @@ from asyncserve.engine.dp_balancer import ReplicaBalancer
 from asyncserve.engine.dp_lora import ReplicaLoRAs
 from asyncserve.engine.dp_processes import EXIT_GRACE_S, ReplicaProcesses, replica_devices
 from asyncserve.engine.dp_replica import Stats
+from asyncserve.engine.multimodal import MultiModalFrontEnd
 from asyncserve.engine.request_checks import check_request, truncate_prompt
 from asyncserve.engine.setup import eos_token_ids, resolve_device
 from asyncserve.lora.layers import module_shapes
 from asyncserve.lora.request import LoRARequest
 from asyncserve.models.loader import load_model
 from asyncserve.models.parallel import TensorParallel
+from asyncserve.multimodal.inputs import MultiModalInputs
 from asyncserve.output.request_stream import RequestStream
 from asyncserve.outputs import CompletionOutput, RequestOutput
 from asyncserve.sampling_params import SamplingParams
@@ -110,6 +113,7 @@ class DataParallelClient:
             arch.max_position_embeddings,
         )
         self.eos_token_ids = eos_token_ids(self.loaded, self.tokenizer.eos_token_id)
+        self.multimodal = MultiModalFrontEnd.build(self.loaded, config)
         # Grammars compile here too, so a bad one is refused before a replica sees it.
         self.structured = StructuredOutputManager(
             self.tokenizer.backend, arch.vocab_size, self.eos_token_ids, pin_memory=False
@@ -224,7 +228,10 @@ class DataParallelClient:
         priority: int = 0,
         trace_headers: Mapping[str, str] | None = None,
         lora_request: LoRARequest | None = None,
+        mm_inputs: MultiModalInputs | None = None,
     ) -> RequestStream:
+        """`mm_inputs`: the prompt's images, processed (self.multimodal.process); its
+        expanded token ids replace the prompt's."""
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if self._dead_reason is not None:
@@ -235,7 +242,11 @@ class DataParallelClient:
         else:
             prompt_text = None
             ids = list(prompt)
-        ids = truncate_prompt(ids, params, self.max_model_len)
+        if mm_inputs is not None:
+            ids = list(mm_inputs.prompt_token_ids)  # images are never truncated away
+        else:
+            ids = truncate_prompt(ids, params, self.max_model_len)
+            self.multimodal.check_text_prompt(ids)
         self.validate_request(ids, params, strict_max_tokens=False)
         lora_id = 0
         if lora_request is not None:
@@ -245,14 +256,16 @@ class DataParallelClient:
         room = self.max_model_len - len(ids)
         most = room if params.max_tokens is None else min(params.max_tokens, room)
         cost = (len(ids) + most) * params.n
-        index = self.balancer.choose(ids, cost, lora_id)
+        extra_keys = mm_inputs.features.block_extra_keys if mm_inputs is not None else None
+        index = self.balancer.choose(ids, cost, lora_id, extra_keys)
         stream = RequestStream(request_id, params.output_kind)
         self._requests[request_id] = _Tracked(index, cost, stream, prompt_text, ids, params.n)
         # The replica truncates nothing more: `ids` are already the prompt it runs.
         if params.truncate_prompt_tokens is not None:
             params = _without_truncation(params)
         headers = dict(trace_headers) if trace_headers else None
-        self._send(index, ("add", request_id, ids, params, priority, headers, lora_request))
+        message = ("add", request_id, ids, params, priority, headers, lora_request, mm_inputs)
+        self._send(index, message)
         return stream
 
     async def generate(
@@ -263,11 +276,12 @@ class DataParallelClient:
         priority: int = 0,
         trace_headers: Mapping[str, str] | None = None,
         lora_request: LoRARequest | None = None,
+        mm_inputs: MultiModalInputs | None = None,
     ) -> AsyncIterator[RequestOutput]:
         if not self._started:
             await self.start()
         stream = self.add_request(
-            prompt, sampling_params, request_id, priority, trace_headers, lora_request
+            prompt, sampling_params, request_id, priority, trace_headers, lora_request, mm_inputs
         )
         try:
             while True:

@@ -5,7 +5,7 @@ tensor-parallel workers when TP > 1) on its own devices, so replicas share no GI
 to the front end over one pipe, both ways as pickled tuples:
 
   front -> replica   ("add", request_id, prompt_ids, params, priority, trace_headers,
-                      lora_request)
+                      lora_request, mm_inputs)   (MultiModalInputs: CPU tensors)
                      ("lora_add", seq, LoRARequest)    -> ("lora", seq, error, ids)
                      ("lora_remove", seq, lora_int_id) -> ("lora", seq, None, ids)
                      (error: a message or None; ids: the replica's adapter ids after it)
@@ -165,10 +165,11 @@ class _Replica:
         priority: int,
         trace_headers: dict[str, str] | None = None,
         lora_request: Any = None,
+        mm_inputs: Any = None,
     ) -> None:
         try:
             stream = self.engine.add_request(
-                prompt, params, request_id, priority, trace_headers, lora_request
+                prompt, params, request_id, priority, trace_headers, lora_request, mm_inputs
             )
         except (ValueError, RuntimeError) as exc:
             self.outbox.append(_error_output(request_id, prompt, str(exc), params.n))

@@ -48,7 +48,7 @@ async def load_chat_images(engine: Any, body: ChatCompletionRequest) -> ChatImag
     messages = messages_to_dicts(body.messages)
     front_end: MultiModalFrontEnd | None = getattr(engine, "multimodal", None)
     if front_end is None:
-        _refuse_image_parts(messages, "images are not supported with data parallelism yet")
+        _refuse_image_parts(messages, "images are not supported by this engine")
     elif not front_end.supports_images:
         reason = f"{front_end.architecture} is a text-only model and does not take images"
         _refuse_image_parts(messages, reason)

@@ -91,18 +91,22 @@ class LlavaForConditionalGeneration(MultiModalCausalLM):
         pp: PipelineStage | None = None,
     ) -> None:
         super().__init__()
-        if tp.size > 1 or pp is not None:
-            raise ValueError(
-                f"{config.architecture}: tensor and pipeline parallelism are not supported yet"
-            )
+        if pp is not None:
+            raise ValueError(f"{config.architecture}: pipeline parallelism is not supported yet")
         if config.multimodal_config is None or config.text_architecture is None:
             raise ValueError("LlavaForConditionalGeneration needs its full (nested) config")
         self.config = config
+        self.tp = tp
         self.llava = LlavaArch.from_hf_dict(config.multimodal_config)
         text = dataclasses.replace(
             config, architecture=config.text_architecture, multimodal_config=None
         )
-        self.language_model = resolve_model_class(config.text_architecture)(text, ops)
+        text_cls = resolve_model_class(config.text_architecture)
+        # The language model shards as its family does; the tower and projector replicate.
+        if tp.size > 1:
+            self.language_model = text_cls(text, ops, tp=tp)  # type: ignore[call-arg]
+        else:
+            self.language_model = text_cls(text, ops)
         self.vision_tower = VisionTransformer(self.llava.vision)
         in_features = self.llava.vision.hidden_size * len(self.llava.feature_layers)
         self.multi_modal_projector = LlavaProjector(
@@ -149,6 +153,9 @@ class LlavaForConditionalGeneration(MultiModalCausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden)
+
+    def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.language_model.local_logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_checkpoint(self, weights, self.route)

@@ -5,9 +5,15 @@ reaches (`embed_images`, batched, through the encoder cache), embeds the step's 
 (`embed_input_ids`), writes the image rows over the placeholder positions and calls
 `forward(..., inputs_embeds=...)`. A step that reaches no image calls the plain forward.
 
+With tensor parallelism the language model is sharded like its text-only family; the vision
+encoder and projector are replicated on every rank (each rank encodes the step's images from
+the plan's items, which every worker receives), so the image rows need no broadcast.
+
 Models with their own position ids (`uses_mrope`, Qwen2.5-VL's M-RoPE) get positions of
 shape [3, T]: each request's rows from its MultiModalFeatures (prompt) or index + delta
-(output tokens); text-only requests get their plain positions on all three rows.
+(output tokens); text-only requests get their plain positions on all three rows. A step
+past every image prompt (every decode step) gets [T] positions instead, index + delta: the
+three rows are equal there and M-RoPE is plain RoPE, so the decode CUDA graphs apply.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import torch
 
 from asyncserve.models.attention import AttentionMetadata
 from asyncserve.models.base import CausalLM
+from asyncserve.models.weights import Target
 from asyncserve.multimodal.inputs import MultiModalItem
 
 
@@ -42,6 +49,17 @@ class MultiModalCausalLM(CausalLM):
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         raise NotImplementedError
+
+    def route(self, hf_name: str) -> Target | None:
+        """Where a checkpoint tensor goes (with its slice on this rank); None to skip it."""
+        raise NotImplementedError
+
+    def checkpoint_slice(self, hf_name: str) -> tuple[int, int, int] | None:
+        target = self.route(hf_name)
+        return target.source if target is not None else None
+
+    def checkpoint_skips(self, hf_name: str) -> bool:
+        return self.route(hf_name) is None
 
 
 def is_multimodal(model: torch.nn.Module) -> bool:

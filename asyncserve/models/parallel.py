@@ -34,6 +34,9 @@ TP_ARCHITECTURES = frozenset(
         "MixtralForCausalLM",
         "Qwen3MoeForCausalLM",
         "GraniteMoeForCausalLM",
+        # Language model sharded, vision encoder replicated (models/multimodal.py).
+        "LlavaForConditionalGeneration",
+        "Qwen2_5_VLForConditionalGeneration",
     }
 )
 

@@ -63,16 +63,16 @@ class Qwen2_5_VLForConditionalGeneration(MultiModalCausalLM):
         pp: PipelineStage | None = None,
     ) -> None:
         super().__init__()
-        if tp.size > 1 or pp is not None:
+        if pp is not None:
             raise ValueError(
-                "Qwen2_5_VLForConditionalGeneration does not support tensor or pipeline "
-                "parallelism yet"
+                "Qwen2_5_VLForConditionalGeneration does not support pipeline parallelism yet"
             )
         if config.multimodal_config is None:
             raise ValueError("Qwen2_5_VLForConditionalGeneration needs its full config")
         if not config.mrope_section:
             raise ValueError("Qwen2_5_VLForConditionalGeneration needs rope mrope_section")
         self.config = config
+        self.tp = tp
         self.vl = Qwen2_5_VLArch.from_hf_dict(config.multimodal_config)
         if self.vl.vision.out_hidden_size != config.hidden_size:
             raise ValueError(
@@ -80,7 +80,8 @@ class Qwen2_5_VLForConditionalGeneration(MultiModalCausalLM):
                 f"language model's hidden_size {config.hidden_size}"
             )
         text = dataclasses.replace(config, architecture="Qwen2ForCausalLM", multimodal_config=None)
-        self.language_model = LlamaForCausalLM(text, ops)
+        # The language model shards as Qwen2 does; the vision transformer replicates.
+        self.language_model = LlamaForCausalLM(text, ops, tp=tp)
         self.visual = Qwen2_5_VisionTransformer(self.vl.vision, ops)
 
     # ---- multimodal surface ------------------------------------------------------------
@@ -118,6 +119,9 @@ class Qwen2_5_VLForConditionalGeneration(MultiModalCausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden)
+
+    def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.language_model.local_logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_checkpoint(self, weights, self.route)

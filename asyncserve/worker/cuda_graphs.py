@@ -96,9 +96,9 @@ class DecodeGraphs:
             "captured decode graph for batch %d in %.3f s", size, time.perf_counter() - start
         )
 
-    def run(self, inputs: StepInputs) -> torch.Tensor:
+    def run(self, inputs: StepInputs, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [num_reqs, this rank's vocabulary slice] of a pure-decode step, by graph
-        replay."""
+        replay; `positions` replaces the step's (M-RoPE models: index + delta)."""
         n = len(inputs.request_ids)
         size = self.padded_size(n)
         assert size is not None
@@ -107,7 +107,7 @@ class DecodeGraphs:
         meta = inputs.meta
         width = meta.block_tables.shape[1]
         self.input_ids[:n].copy_(inputs.input_ids)
-        self.positions[:n].copy_(inputs.positions)
+        self.positions[:n].copy_(inputs.positions if positions is None else positions)
         self.slot_mapping[:n].copy_(meta.slot_mapping)
         self.seq_lens[:n].copy_(meta.seq_lens)
         self.block_tables[:n, :width].copy_(meta.block_tables)

@@ -1,6 +1,11 @@
 """The multimodal part of a step on the worker: image embeddings over placeholder rows, and
 model-provided positions (M-RoPE).
 
+A step that schedules no prompt token of a request with images (every pure-decode step, and
+text-only prefills) has no image rows, and each token's three M-RoPE rows are equal
+(index + delta): M-RoPE is plain RoPE there, so such a step takes [T] positions and fits the
+captured decode graphs.
+
 Chunked prefill may cut a prompt inside an image's placeholder run. As in vLLM, the whole
 image is encoded when a step first reaches any of its placeholder positions and the step
 takes the rows it covers; the embeddings stay in the encoder cache (keyed by the image's
@@ -100,3 +105,36 @@ def mrope_positions(inputs: StepInputs, states: dict[str, CachedRequestState]) -
             out[:, base : base + count] = rows.to(out.device)
         base += count
     return out
+
+
+def past_image_prompts(inputs: StepInputs, states: dict[str, CachedRequestState]) -> bool:
+    """Whether no request of this step schedules a prompt token of a request with images."""
+    for rid, start in zip(inputs.request_ids, inputs.starts, strict=True):
+        state = states[rid]
+        if state.mm_features is not None and start < len(state.prompt_token_ids):
+            return False
+    return True
+
+
+def mrope_plain_positions(
+    inputs: StepInputs, states: dict[str, CachedRequestState]
+) -> torch.Tensor:
+    """[T] positions (index + delta) of a step past every image prompt: the one value that
+    all three M-RoPE rows hold there."""
+    deltas = [
+        features.mrope_position_delta if (features := states[rid].mm_features) else 0
+        for rid in inputs.request_ids
+    ]
+    if not any(deltas):
+        return inputs.positions
+    per_token = torch.tensor(deltas, dtype=torch.int64).repeat_interleave(
+        torch.tensor(inputs.counts)
+    )
+    return inputs.positions + per_token.to(inputs.positions.device)
+
+
+def step_mrope_positions(inputs: StepInputs, states: dict[str, CachedRequestState]) -> torch.Tensor:
+    """[T] positions when the step is past every image prompt, else the [3, T] rows."""
+    if past_image_prompts(inputs, states):
+        return mrope_plain_positions(inputs, states)
+    return mrope_positions(inputs, states)

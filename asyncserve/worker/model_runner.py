@@ -49,7 +49,12 @@ from asyncserve.worker.kv_pool import (
     kv_cache_dtype,
 )
 from asyncserve.worker.logprobs import prompt_logprobs, row_entry
-from asyncserve.worker.mm_embeds import StepEmbedder, mrope_positions
+from asyncserve.worker.mm_embeds import (
+    StepEmbedder,
+    mrope_plain_positions,
+    past_image_prompts,
+    step_mrope_positions,
+)
 from asyncserve.worker.runner_steps import ForwardedStep as ForwardedStep
 from asyncserve.worker.runner_steps import LaunchedStep as LaunchedStep
 from asyncserve.worker.runner_steps import sampling_row
@@ -160,7 +165,6 @@ class ModelRunner:
             and self.config.enable_cuda_graphs
             and self.pp is None
             and not isinstance(self.proposer, EagleProposer)
-            and not uses_mrope(self.model)  # [3, T] positions: not in the captured graphs
         ):
             self.decode_graphs = DecodeGraphs(
                 self.model,
@@ -262,7 +266,10 @@ class ModelRunner:
         forwarded.inputs = inputs
         if self._can_replay(inputs):
             assert self.decode_graphs is not None
-            forwarded.logits = self.decode_graphs.run(inputs)
+            positions = None
+            if uses_mrope(self.model):
+                positions = mrope_plain_positions(inputs, self.states)
+            forwarded.logits = self.decode_graphs.run(inputs, positions)
             launched()
         else:
             if self.embedder is not None:
@@ -285,7 +292,7 @@ class ModelRunner:
         embeds = self.embedder.inputs_embeds(inputs, self.states)
         positions = inputs.positions
         if uses_mrope(self.model):
-            positions = mrope_positions(inputs, self.states)
+            positions = step_mrope_positions(inputs, self.states)
         if embeds is None:
             return self.model(inputs.input_ids, positions, self.kv_caches, inputs.meta)
         return self.model(
@@ -416,7 +423,8 @@ class ModelRunner:
         return result
 
     def _can_replay(self, inputs: StepInputs) -> bool:
-        """A pure-decode step (one token per request, all sampling) fits a captured graph."""
+        """A pure-decode step (one token per request, all sampling) fits a captured graph;
+        not a last prompt token of a request with images (its image rows are not in it)."""
         graphs = self.decode_graphs
         n = len(inputs.request_ids)
         return (
@@ -424,4 +432,5 @@ class ModelRunner:
             and inputs.meta.max_seqlen_q == 1
             and len(inputs.sample_request_ids) == n
             and graphs.padded_size(n) is not None
+            and (self.embedder is None or past_image_prompts(inputs, self.states))
         )

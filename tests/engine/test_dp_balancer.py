@@ -57,6 +57,30 @@ def test_shared_prefix_sticks_to_its_replica_while_the_hit_is_worth_it() -> None
     assert b.choose(shorter, 1) == other
 
 
+def test_image_hashes_are_part_of_the_prefix() -> None:
+    """The same placeholder tokens with other images share no KV: no affinity for them."""
+    from asyncserve.multimodal.inputs import MultiModalFeatures, MultiModalItem
+
+    def features(image_hash: str) -> MultiModalFeatures:
+        item = MultiModalItem("image", {}, offset=2, length=8, hash=image_hash)
+        return MultiModalFeatures([item])
+
+    b = ReplicaBalancer(2, BLOCK, affinity_per_token=2.0)
+    prompt = [1, 2] + [99] * 8 + [3, 4, 5, 6]  # 3 blocks; the image spans blocks 1 to 3
+    first = b.choose(prompt, 10, extra_keys=features("a" * 64).block_extra_keys)
+    # The same image: the replica that holds its blocks.
+    assert b.choose(prompt, 10, extra_keys=features("a" * 64).block_extra_keys) == first
+    # Another image at the same placeholders: least loaded (the other replica).
+    assert b.choose(prompt, 1, extra_keys=features("b" * 64).block_extra_keys) == 1 - first
+    # Without images the same tokens chain to other hashes than with either image.
+    chains = {
+        tuple(b._prefix_hashes(prompt)),
+        tuple(b._prefix_hashes(prompt, 0, features("a" * 64).block_extra_keys)),
+        tuple(b._prefix_hashes(prompt, 0, features("b" * 64).block_extra_keys)),
+    }
+    assert len(chains) == 3
+
+
 def test_prompts_shorter_than_a_block_carry_no_affinity() -> None:
     b = ReplicaBalancer(2, BLOCK)
     short = [1, 2, 3]

@@ -186,19 +186,49 @@ def test_repeated_image_is_encoded_once(qwen: LLM) -> None:
     assert runner.embedder.cache.num_encoded == before + 1
 
 
-def test_parallelism_is_refused_by_name(tiny_dir: Path) -> None:
+def test_decode_steps_take_plain_positions(
+    qwen: LLM, hf_model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps past the image prompts get [T] positions (what the decode graphs take) equal to
+    every row of the [3, T] path; prefill steps keep [3, T]; tokens still equal transformers'."""
+    from asyncserve.worker import mm_embeds, model_runner
+
+    shapes: list[int] = []
+
+    def checked(inputs: Any, states: Any) -> torch.Tensor:
+        got = mm_embeds.step_mrope_positions(inputs, states)
+        rows = mm_embeds.mrope_positions(inputs, states)
+        if got.ndim == 1:
+            assert torch.equal(rows, got.expand(3, -1))
+        else:
+            assert torch.equal(got, rows)
+        shapes.append(got.ndim)
+        return got
+
+    monkeypatch.setattr(model_runner, "step_mrope_positions", checked)
+    image = random_image(80, 100, 80)
+    text = "<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\n"
+    outs = qwen.generate(
+        [{"prompt": ONE, "multi_modal_data": {"image": image}}, text], GREEDY, use_tqdm=False
+    )
+    assert shapes[0] == 2 and shapes.count(1) >= GREEDY.max_tokens - 1
+    assert outs[0].outputs[0].token_ids == _hf_greedy(hf_model, _process(qwen, ONE, [image]))
+    assert outs[1].outputs[0].token_ids == _hf_greedy(hf_model, _process(qwen, text, []))
+
+
+def test_pipeline_parallelism_is_refused_by_name(tiny_dir: Path) -> None:
     import json
 
     from asyncserve.kernels.ops import REFERENCE_OPS
     from asyncserve.models.arch_config import ArchConfig
-    from asyncserve.models.parallel import TensorParallel
+    from asyncserve.models.pipeline import PipelineStage
     from asyncserve.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 
     config = ArchConfig.from_hf_dict(json.loads((tiny_dir / "config.json").read_text()))
     assert config.mrope_section == (2, 3, 3)
-    tp = TensorParallel(rank=0, size=2)
-    with pytest.raises(ValueError, match="tensor or pipeline parallelism"):
-        Qwen2_5_VLForConditionalGeneration(config, REFERENCE_OPS, tp=tp)
+    stage = PipelineStage(0, 2, 0, 1, 0, 1)
+    with pytest.raises(ValueError, match="pipeline parallelism"):
+        Qwen2_5_VLForConditionalGeneration(config, REFERENCE_OPS, pp=stage)
 
 
 # Qwen2.5-VL-7B-Instruct's config.json as published (flat text fields, rope_scaling mrope).

@@ -1,5 +1,6 @@
 """Qwen2.5-VL on the GPU (Triton kernels, fp32): greedy tokens equal to transformers' on CPU
-with one and two images, whole and chunked prefill (skipped without CUDA)."""
+with one and two images, whole and chunked prefill, decode steps through the captured CUDA
+graphs (skipped without CUDA)."""
 
 from __future__ import annotations
 
@@ -45,5 +46,8 @@ def test_gpu_greedy_equals_transformers(
         for out, (prompt, imgs) in zip(outs, cases, strict=True):
             expected = _hf_greedy(hf_model, _process(llm, prompt, imgs))
             assert out.outputs[0].token_ids == expected
+        runner = llm.engine.runner  # type: ignore[union-attr]
+        assert runner is not None and runner.decode_graphs is not None
+        assert runner.decode_graphs.graphs  # decode steps replayed captured graphs
     finally:
         llm.close()

@@ -24,7 +24,11 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_llava(root: Path, gguf_path: Path, strategy: str = "default") -> Path:
+def build_tiny_llava(
+    root: Path, gguf_path: Path, strategy: str = "default", vocab_multiple: int = 1
+) -> Path:
+    """`vocab_multiple`: special padding tokens after `<image>` until the vocabulary size is
+    a multiple of it (tensor parallelism splits the vocabulary evenly)."""
     from transformers import (
         CLIPVisionConfig,
         LlamaConfig,
@@ -43,6 +47,9 @@ def build_tiny_llava(root: Path, gguf_path: Path, strategy: str = "default") -> 
 
     backend.add_special_tokens([AddedToken("<image>", special=True, normalized=False)])
     image_token_id = backend.token_to_id("<image>")
+    pads = -(image_token_id + 1) % vocab_multiple
+    pad_tokens = [AddedToken(f"<pad_{i}>", special=True, normalized=False) for i in range(pads)]
+    backend.add_special_tokens(pad_tokens)
     backend.save(str(root / "tokenizer.json"))
     (root / "tokenizer_config.json").write_text(
         json.dumps(
@@ -63,7 +70,7 @@ def build_tiny_llava(root: Path, gguf_path: Path, strategy: str = "default") -> 
         projection_dim=32,
     )
     text = LlamaConfig(
-        vocab_size=image_token_id + 1,
+        vocab_size=image_token_id + 1 + pads,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
