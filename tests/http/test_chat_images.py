@@ -138,3 +138,12 @@ def test_image_to_text_only_model_is_400(client: httpx.Client) -> None:
     error = response.json()["error"]
     assert error["param"] == "messages[0].content[1].type"
     assert "text-only" in error["message"]
+
+
+def test_image_larger_than_the_text_body_limit(llava_server: ServerProcess) -> None:
+    # max_model_len 256 gives text bodies 1 MiB; a model that takes images also gets room
+    # for the data: URLs of --limit-mm-per-prompt images of the media byte limit.
+    url = data_url(random_image(91, 700, 700))
+    assert len(url) > 1 << 20
+    response = _chat(llava_server, [image_part(url), QUESTION])
+    assert response.status_code == 200, response.text
