@@ -150,7 +150,23 @@ def test_bad_kv_transfer_params_are_400(cluster: dict[str, object]) -> None:
     wrong_role = _complete(consumer.base_url, "Hi", kv_transfer_params={"do_remote_decode": True})
     assert wrong_role.status_code == 400 and "producer" in wrong_role.text
     incomplete = _complete(consumer.base_url, "Hi", kv_transfer_params={"do_remote_prefill": True})
-    assert incomplete.status_code in (400, 500) and "remote_url" in incomplete.text
+    assert incomplete.status_code == 400 and "remote_url" in incomplete.text
+    assert incomplete.json()["error"]["param"] == "kv_transfer_params"
+    # The consumer POSTs to remote_url + /kv_transfer/pull: nothing but a producer's base URL
+    # (a file: URL was read from disk, a '#' cut the pull path off).
+    pull = {"do_remote_prefill": True, "remote_request_id": "x", "remote_block_hashes": [1]}
+    for url, problem in (
+        ("file:///etc/passwd#", "http:// or https://"),
+        ("http://127.0.0.1:1/v1/models#", "query or fragment"),
+        ("http://127.0.0.1:1/admin?", "query or fragment"),
+        ("http://user:pw@127.0.0.1:1", "credentials"),
+        ("http:///x", "no host"),
+        ("http://127.0.0.1:99999", "not valid"),
+    ):
+        bad = _complete(consumer.base_url, PROMPT, kv_transfer_params={**pull, "remote_url": url})
+        assert bad.status_code == 400 and problem in bad.text, (url, bad.text)
+        assert bad.json()["error"]["param"] == "kv_transfer_params"
+    assert "KV transfer from file:" not in consumer.logs()
 
 
 def test_proxy_fails_over_to_live_instances(tmp_path: Path, cluster: dict[str, object]) -> None:
