@@ -4,6 +4,8 @@ output of a request whose pull failed."""
 
 from __future__ import annotations
 
+from urllib.parse import urlsplit
+
 import torch
 
 from asyncserve.config import EngineConfig
@@ -66,6 +68,31 @@ def check_kv_transfer_params(transfer: KVTransfer | None, params: SamplingParams
                 "kv_transfer_params: do_remote_prefill needs remote_url, remote_request_id and "
                 "remote_block_hashes (a producer's kv_transfer_params, with its URL)"
             )
+        _check_remote_url(raw["remote_url"])
+
+
+def _check_remote_url(url: str) -> None:
+    """A producer's base URL: http(s), a host, nothing the pull path could not follow (the
+    consumer POSTs to url + /kv_transfer/pull; a file: URL or a '#' would read elsewhere)."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a bad port
+    except ValueError as exc:
+        raise ValueError(
+            f"kv_transfer_params: remote_url {url[:100]!r} is not valid: {exc}"
+        ) from None
+    problem = None
+    if parts.scheme.lower() not in ("http", "https"):
+        problem = "must be an http:// or https:// URL"
+    elif not parts.hostname:
+        problem = "has no host"
+    elif parts.username is not None or parts.password is not None:
+        problem = "must not carry credentials"
+    elif parts.query or parts.fragment or "?" in url or "#" in url:
+        problem = "must not have a query or fragment"
+    if problem is not None:
+        raise ValueError(f"kv_transfer_params: remote_url {url[:100]!r} {problem} (the "
+                         "producer's base URL)")  # fmt: skip
 
 
 def failed_output(

@@ -111,7 +111,11 @@ def build_proxy(prefill: list[str], decode: list[str], timeout_s: float = 600.0)
         transfer = await prefill_step(path, body, headers)
         if isinstance(transfer, Response):
             return transfer
-        full = {**body, "kv_transfer_params": transfer} if transfer else body
+        # Only the producer's kv_transfer_params go on: a client's own would aim the decode
+        # instance's pull at any URL it likes.
+        full = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+        if transfer:
+            full["kv_transfer_params"] = transfer
         for url in decodes.order():
             try:
                 return await _forward(client, url + path, full, headers, bool(body.get("stream")))

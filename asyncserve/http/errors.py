@@ -193,5 +193,6 @@ _KNOWN_FIELDS = frozenset(
         "bad_words",
         "logit_bias",
         "truncate_prompt_tokens",
+        "kv_transfer_params",
     }
 )

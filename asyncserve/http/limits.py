@@ -39,8 +39,12 @@ _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
 
 
-def default_body_limit(max_model_len: int) -> int:
-    return max(MIN_BODY_BYTES, max_model_len * BODY_BYTES_PER_TOKEN)
+def default_body_limit(max_model_len: int, max_images: int = 0, image_bytes: int = 0) -> int:
+    """The text's room plus, for a model that takes images, the largest data: URLs its
+    prompts may carry (base64: 4 characters per 3 bytes), so a body limit never refuses an
+    image the media limits accept."""
+    images = max_images * (-(-image_bytes // 3) * 4 + 256)
+    return max(MIN_BODY_BYTES, max_model_len * BODY_BYTES_PER_TOKEN) + images
 
 
 def max_prompt_chars(max_model_len: int) -> int:

@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from asyncserve.http.chat_images import ChatImages, load_chat_images
 from asyncserve.http.chat_prompt import render_chat_prompt
 from asyncserve.http.errors import APIError
 from asyncserve.http.limits import check_prompt_chars
@@ -49,34 +50,44 @@ class DetokenizeResponse(msgspec.Struct):
     prompt: str
 
 
-def _prompt_text(state: ServerState, body: TokenizeRequest) -> tuple[str, bool]:
-    """The text to tokenize and whether special tokens are added."""
-    if (body.prompt is None) == (body.messages is None):
-        raise APIError("give exactly one of prompt and messages", 400, "prompt")
-    if body.prompt is not None:
-        check_prompt_chars(body.prompt, state.engine.max_model_len)
-        add = True if body.add_special_tokens is None else body.add_special_tokens
-        return body.prompt, add
+def _chat_request(body: TokenizeRequest) -> ChatCompletionRequest:
     assert body.messages is not None
-    chat = ChatCompletionRequest(
+    return ChatCompletionRequest(
         messages=body.messages,
         add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message,
         chat_template_kwargs=body.chat_template_kwargs,
         tools=body.tools,
     )
-    text = render_chat_prompt(state.engine.tokenizer, chat, state.config.chat_template)
-    return text, bool(body.add_special_tokens)
+
+
+def _prompt_ids(state: ServerState, body: TokenizeRequest, images: ChatImages | None) -> list[int]:
+    """The prompt's token ids as the engine would see them (image placeholders expanded)."""
+    tokenizer = state.engine.tokenizer
+    if body.prompt is not None:
+        check_prompt_chars(body.prompt, state.engine.max_model_len)
+        add = True if body.add_special_tokens is None else body.add_special_tokens
+        return list(tokenizer.encode(body.prompt, add_special_tokens=add))
+    chat = _chat_request(body)
+    text = render_chat_prompt(tokenizer, chat, state.config.chat_template, images)
+    ids = list(tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens)))
+    mm = images.process(ids) if images is not None else None
+    return ids if mm is None else mm.prompt_token_ids
 
 
 async def tokenize(state: ServerState, request: Request) -> Response:
     body = await state.read_json(request, TokenizeRequest)
     state.response_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError("give exactly one of prompt and messages", 400, "prompt")
+    # Chat image parts are loaded (and counted against the limits) as for a chat request.
+    images = None
+    if body.messages is not None:
+        images = await load_chat_images(state.engine, _chat_request(body))
 
     def run() -> TokenizeResponse:  # in the preprocessing pool: off the event loop
-        text, add_special = _prompt_text(state, body)
+        ids = _prompt_ids(state, body, images)
         tokenizer = state.engine.tokenizer
-        ids = list(tokenizer.encode(text, add_special_tokens=add_special))
         strs = list(tokenizer.convert_ids_to_tokens(ids)) if body.return_token_strs else None
         return TokenizeResponse(len(ids), state.engine.max_model_len, ids, strs)
 

@@ -86,8 +86,17 @@ class ServerState:
         self.shutdown_deadline = asyncio.Event()
         self._deadline_waiter: asyncio.Future[Any] | None = None
         self.admission = Admission()
-        self.body_limit = self.config.max_request_body_bytes or default_body_limit(
-            self.engine.max_model_len
+        self.body_limit = self.config.max_request_body_bytes or self._default_body_limit()
+
+    def _default_body_limit(self) -> int:
+        front_end = getattr(self.engine, "multimodal", None)
+        if front_end is None or not front_end.supports_images:
+            return default_body_limit(self.engine.max_model_len)
+        multimodal = self.engine.config.multimodal
+        return default_body_limit(
+            self.engine.max_model_len,
+            multimodal.limit("image"),
+            multimodal.media_policy().max_bytes,
         )
 
     def shutdown_deadline_waiter(self) -> asyncio.Future[Any]:

@@ -18,6 +18,10 @@ from PIL import Image
 
 _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 _CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+# Resized images above this many pixels are never made whole: a 16M x 1 image resized to a
+# shortest edge of 336 would take 16 GB. A crop that follows is resampled straight from its
+# source box (same filter, same sample centres); without a crop such an image is refused.
+MAX_RESIZED_PIXELS = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -61,10 +65,12 @@ class ImageProcessor:
 
     def __call__(self, image: Image.Image) -> torch.Tensor:
         """One image -> pixel values [3, H, W] float32."""
+        if image.width < 1 or image.height < 1:
+            raise ValueError(f"image has no pixels: {image.width}x{image.height}")
         if self.do_convert_rgb and image.mode != "RGB":
             image = image.convert("RGB")
         if self.do_resize:
-            image = image.resize(self._resized_size(image.width, image.height), self.resample)
+            image = self._resize(image)
         pixels = np.asarray(image)
         if pixels.ndim == 2:
             pixels = pixels[:, :, None]
@@ -79,6 +85,24 @@ class ImageProcessor:
             std = np.asarray(self.image_std, dtype=np.float32)
             out = (out - mean) / std
         return torch.from_numpy(np.ascontiguousarray(out.transpose(2, 0, 1)))
+
+    def _resize(self, image: Image.Image) -> Image.Image:
+        width, height = self._resized_size(image.width, image.height)
+        if width * height <= MAX_RESIZED_PIXELS:
+            return image.resize((width, height), self.resample)
+        if self.crop_size is None:
+            raise ValueError(
+                f"image of {image.width}x{image.height} pixels would be resized to "
+                f"{width}x{height}: over {MAX_RESIZED_PIXELS} pixels (aspect ratio too large)"
+            )
+        # Only the part of the resized image the center crop keeps.
+        crop_w, crop_h = self.crop_size["width"], self.crop_size["height"]
+        left = (width - crop_w) // 2 if width >= crop_w else 0
+        top = (height - crop_h) // 2 if height >= crop_h else 0
+        out_w, out_h = min(width, crop_w), min(height, crop_h)
+        scale_x, scale_y = image.width / width, image.height / height
+        box = (left * scale_x, top * scale_y, (left + out_w) * scale_x, (top + out_h) * scale_y)
+        return image.resize((out_w, out_h), self.resample, box=box)
 
     def _resized_size(self, width: int, height: int) -> tuple[int, int]:
         """(width, height) after resizing, as HF computes it."""

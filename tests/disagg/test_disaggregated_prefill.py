@@ -4,6 +4,7 @@ already are not sent again; a lost transfer fails only its own request; the prox
 
 from __future__ import annotations
 
+import asyncio
 import re
 import signal
 import subprocess
@@ -150,7 +151,46 @@ def test_bad_kv_transfer_params_are_400(cluster: dict[str, object]) -> None:
     wrong_role = _complete(consumer.base_url, "Hi", kv_transfer_params={"do_remote_decode": True})
     assert wrong_role.status_code == 400 and "producer" in wrong_role.text
     incomplete = _complete(consumer.base_url, "Hi", kv_transfer_params={"do_remote_prefill": True})
-    assert incomplete.status_code in (400, 500) and "remote_url" in incomplete.text
+    assert incomplete.status_code == 400 and "remote_url" in incomplete.text
+    assert incomplete.json()["error"]["param"] == "kv_transfer_params"
+    # The consumer POSTs to remote_url + /kv_transfer/pull: nothing but a producer's base URL
+    # (a file: URL was read from disk, a '#' cut the pull path off).
+    pull = {"do_remote_prefill": True, "remote_request_id": "x", "remote_block_hashes": [1]}
+    for url, problem in (
+        ("file:///etc/passwd#", "http:// or https://"),
+        ("http://127.0.0.1:1/v1/models#", "query or fragment"),
+        ("http://127.0.0.1:1/admin?", "query or fragment"),
+        ("http://user:pw@127.0.0.1:1", "credentials"),
+        ("http:///x", "no host"),
+        ("http://127.0.0.1:99999", "not valid"),
+    ):
+        bad = _complete(consumer.base_url, PROMPT, kv_transfer_params={**pull, "remote_url": url})
+        assert bad.status_code == 400 and problem in bad.text, (url, bad.text)
+        assert bad.json()["error"]["param"] == "kv_transfer_params"
+    assert "KV transfer from file:" not in consumer.logs()
+
+
+def test_proxy_drops_client_kv_transfer_params(cluster: dict[str, object]) -> None:
+    from asyncserve.disagg.proxy import build_proxy
+
+    consumer = cluster["consumer"]
+    assert isinstance(consumer, ServerProcess)
+    dead = f"http://127.0.0.1:{free_port()}"
+    aimed = {"do_remote_prefill": True, "remote_url": dead, "remote_request_id": "x",
+             "remote_block_hashes": [1, 2, 3]}  # fmt: skip
+    # No prefill instance is up, so only the client's params could reach the consumer.
+    app = build_proxy([dead], [consumer.base_url])
+    body = {"model": "smol", "prompt": PROMPT, "max_tokens": 2, "kv_transfer_params": aimed}
+
+    async def ask() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
+            return await client.post("/v1/completions", json=body, headers=AUTH, timeout=120)
+
+    reply = asyncio.run(ask())
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["finish_reason"] == "length", reply.text
+    assert f"KV transfer from {dead}" not in consumer.logs()
 
 
 def test_proxy_fails_over_to_live_instances(tmp_path: Path, cluster: dict[str, object]) -> None:

@@ -138,3 +138,30 @@ def test_image_to_text_only_model_is_400(client: httpx.Client) -> None:
     error = response.json()["error"]
     assert error["param"] == "messages[0].content[1].type"
     assert "text-only" in error["message"]
+
+
+def test_image_larger_than_the_text_body_limit(llava_server: ServerProcess) -> None:
+    # max_model_len 256 gives text bodies 1 MiB; a model that takes images also gets room
+    # for the data: URLs of --limit-mm-per-prompt images of the media byte limit.
+    url = data_url(random_image(91, 700, 700))
+    assert len(url) > 1 << 20
+    response = _chat(llava_server, [image_part(url), QUESTION])
+    assert response.status_code == 200, response.text
+
+
+def test_tokenize_chat_with_an_image_counts_as_the_chat(llava_server: ServerProcess) -> None:
+    content = [image_part(data_url(random_image(92))), QUESTION]
+    messages = [{"role": "user", "content": content}]
+    body = {"model": "llava", "messages": messages, "add_generation_prompt": True}
+    tokens = httpx.post(f"{llava_server.base_url}/tokenize", json=body, timeout=60)
+    assert tokens.status_code == 200, tokens.text
+    chat = _chat(llava_server, content)
+    assert tokens.json()["count"] == chat.json()["usage"]["prompt_tokens"]
+    placeholder = {"model": "llava", "prompt": "<image>", "add_special_tokens": False}
+    [image_id] = httpx.post(f"{llava_server.base_url}/tokenize", json=placeholder).json()["tokens"]
+    assert tokens.json()["tokens"].count(image_id) == 16  # the image's rows
+    # The chat limits hold: three images where two may go.
+    body["messages"] = [{"role": "user", "content": [image_part(data_url(random_image(93)))] * 3}]
+    refused = httpx.post(f"{llava_server.base_url}/tokenize", json=body, timeout=60)
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "messages[0].content[2]"

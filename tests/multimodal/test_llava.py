@@ -61,6 +61,27 @@ def test_pixel_values_equal_transformers(tiny_llava_dir: Path) -> None:
         torch.testing.assert_close(ours(image), expected, rtol=0, atol=1e-6)
 
 
+def test_extreme_aspect_ratios_stay_small(monkeypatch: pytest.MonkeyPatch) -> None:
+    from PIL import Image
+
+    from asyncserve.multimodal import image_processing
+
+    crop = ImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    # 16M x 1 resized whole would be 512M x 32 pixels (1.5 GB); only the crop is made.
+    wide = crop(Image.new("RGB", (16_000_000, 1), (9, 99, 200)))
+    assert wide.shape == (3, 32, 32)
+    # The cropped resize samples what the whole one keeps (rounding: one 8-bit step).
+    image = random_image(5, 900, 11)
+    whole = crop(image)
+    monkeypatch.setattr(image_processing, "MAX_RESIZED_PIXELS", 0)
+    torch.testing.assert_close(crop(image), whole, rtol=0, atol=0.02)
+    no_crop = ImageProcessor(size={"shortest_edge": 32}, crop_size=None)
+    with pytest.raises(ValueError, match="aspect ratio too large"):
+        no_crop(image)
+    with pytest.raises(ValueError, match="no pixels: 0x0"):
+        crop(Image.new("RGB", (0, 0)))
+
+
 def test_one_image_equals_transformers(llava: LLM, hf_llava: Any) -> None:
     image = random_image(10)
     out = llava.generate({"prompt": ONE, "multi_modal_data": {"image": image}}, GREEDY)
