@@ -14,12 +14,19 @@ The flow of one MoE layer (same results as reference.moe_route and reference.fus
 
 Tile sizes come from the tuned per-shape, per-GPU tables of moe_config.py.
 
+FP8 experts (w13_scale / w2_scale given; layout in quant_reference.fused_moe_fp8): the
+GEMMs' inputs are quantized per token (group) first, and each k-tile's fp8 dot is scaled by
+its activation and weight scales before it is added (one scale group per tile: BLOCK_K
+divides the group), so per-channel and block scales are one code path.
+
 Expert parallelism: with an expert_map (global expert -> local index, -1 elsewhere) pairs
 routed to another rank's experts are sorted into no tile and contribute zero; the caller
 reduces the partial sums over ranks.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -147,6 +154,8 @@ def _moe_gemm_kernel(
     b_ptr,  # [E, N or 2N, K]: expert weights, out_features x in_features
     c_ptr,  # [T * k, N]: one row per (token, slot) pair
     weights_ptr,  # [T * k] fp32 routing weights (MUL_WEIGHT only)
+    a_scale_ptr,  # [rows, K groups] fp32 (FP8 only)
+    b_scale_ptr,  # [E, N or 2N row groups, K groups] fp32 (FP8 only)
     sorted_ids_ptr,  # [max_len] int32
     tile_experts_ptr,  # [max_len // BLOCK_M] int32
     num_sorted_ptr,  # [1] int32
@@ -158,6 +167,10 @@ def _moe_gemm_kernel(
     stride_bn,
     stride_c,
     num_tiles_m,
+    stride_as,
+    stride_bse,
+    stride_bsn,
+    up_scale_row,  # the first scale row of the up half (GATED and FP8)
     A_DIV: tl.constexpr,  # pairs per row of a (top_k for the hidden states, 1 otherwise)
     GATED: tl.constexpr,  # b holds gate rows then up rows: write silu(gate) * up
     MUL_WEIGHT: tl.constexpr,
@@ -167,6 +180,9 @@ def _moe_gemm_kernel(
     GROUP_M: tl.constexpr,
     IEEE_DOT: tl.constexpr,  # fp32 inputs: exact fp32 dots instead of tf32
     UPCAST: tl.constexpr,  # Triton's CPU interpreter: dot operands in fp32
+    FP8: tl.constexpr,
+    GROUP_N: tl.constexpr,  # weight rows per scale (FP8)
+    GROUP_K: tl.constexpr,  # input columns per scale (FP8)
 ):
     pid = tl.program_id(0)
     num_tiles_n = tl.cdiv(N, BLOCK_N)
@@ -205,8 +221,28 @@ def _moe_gemm_kernel(
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision="ieee") if IEEE_DOT else tl.dot(a, b, acc)
-        if GATED:
+        if FP8:
+            group = k0 // GROUP_K
+            a_s = tl.load(a_scale_ptr + a_row * stride_as + group, mask=row_valid, other=0.0)
+            bs_base = b_scale_ptr + expert * stride_bse + group
+            b_s = tl.load(bs_base + (offs_n // GROUP_N) * stride_bsn, mask=n_valid, other=0.0)
+            part = tl.dot(a, b, input_precision="ieee") if UPCAST else tl.dot(a, b)
+            acc += part * a_s[:, None] * b_s[None, :]
+            if GATED:
+                b_up = tl.load(
+                    b_base + (offs_n + N)[None, :] * stride_bn + offs_k[:, None],
+                    mask=b_mask,
+                    other=0.0,
+                )
+                if UPCAST:
+                    b_up = b_up.to(tl.float32)
+                up_rows = up_scale_row + offs_n // GROUP_N
+                b_s_up = tl.load(bs_base + up_rows * stride_bsn, mask=n_valid, other=0.0)
+                part = tl.dot(a, b_up, input_precision="ieee") if UPCAST else tl.dot(a, b_up)
+                acc_up += part * a_s[:, None] * b_s_up[None, :]
+        else:
+            acc = tl.dot(a, b, acc, input_precision="ieee") if IEEE_DOT else tl.dot(a, b, acc)
+        if GATED and not FP8:
             b_up = tl.load(
                 b_base + (offs_n + N)[None, :] * stride_bn + offs_k[:, None],
                 mask=b_mask,
@@ -230,6 +266,23 @@ def _moe_gemm_kernel(
     )
 
 
+@dataclass(frozen=True)
+class _Fp8Operands:
+    """An FP8 GEMM's scales: a_scale [rows, ceil(K / group_k)] for the e4m3 input, b_scale
+    [E, row groups, K groups] for the expert weights (group_n rows, group_k columns each)."""
+
+    a_scale: torch.Tensor
+    b_scale: torch.Tensor
+    group_n: int
+    group_k: int
+
+
+def _quantize_input(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from asyncserve.kernels.fp8_gemm import per_token_group_quant_fp8
+
+    return per_token_group_quant_fp8(x, group)
+
+
 def _grouped_gemm(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -239,16 +292,22 @@ def _grouped_gemm(
     a_div: int,
     gated: bool,
     config: MoEConfig,
+    fp8: _Fp8Operands | None = None,
 ) -> None:
     sorted_ids, tile_experts, num_sorted = align
     n = c.shape[1]
     num_tiles_m = tile_experts.shape[0]
     grid = (num_tiles_m * triton.cdiv(n, config.block_n),)
+    block_k = config.block_k
+    if fp8 is not None:
+        block_k = min(block_k, fp8.group_k)  # one scale group per k-tile
     _moe_gemm_kernel[grid](
         a,  # [rows, K]
         b,  # [E, N or 2N, K]
         c,  # [T * k, N]
         topk_weights if topk_weights is not None else c,  # [T * k] fp32
+        fp8.a_scale if fp8 is not None else c,  # [rows, K groups] fp32
+        fp8.b_scale if fp8 is not None else c,  # [E, row groups, K groups] fp32
         sorted_ids,  # [max_len] int32
         tile_experts,  # [max_len // BLOCK_M] int32
         num_sorted,  # [1] int32
@@ -260,15 +319,22 @@ def _grouped_gemm(
         b.stride(1),  # stride_bn
         c.stride(0),  # stride_c
         num_tiles_m,
+        fp8.a_scale.stride(0) if fp8 is not None else 0,  # stride_as
+        fp8.b_scale.stride(0) if fp8 is not None else 0,  # stride_bse
+        fp8.b_scale.stride(1) if fp8 is not None else 0,  # stride_bsn
+        fp8.b_scale.shape[1] // 2 if fp8 is not None else 0,  # up_scale_row
         A_DIV=a_div,
         GATED=gated,
         MUL_WEIGHT=topk_weights is not None,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
+        BLOCK_K=block_k,
         GROUP_M=config.group_m,
         IEEE_DOT=a.dtype == torch.float32,
         UPCAST=a.device.type != "cuda",
+        FP8=fp8 is not None,
+        GROUP_N=fp8.group_n if fp8 is not None else 1,
+        GROUP_K=fp8.group_k if fp8 is not None else 1,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -282,9 +348,13 @@ def fused_moe(
     topk_ids: torch.Tensor,
     expert_map: torch.Tensor | None = None,
     config: MoEConfig | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Same arguments and result as reference.fused_moe; config overrides the tuned table
-    (moe_config.py)."""
+    (moe_config.py). With w13_scale and w2_scale, w13 and w2 are e4m3 and the result is
+    quant_reference.fused_moe_fp8's (block: the scales' [bn, bk] tiles, None per channel)."""
     num_tokens, hidden_size = hidden.shape
     num_experts, two_i, _ = w13.shape
     intermediate = two_i // 2
@@ -313,8 +383,22 @@ def fused_moe(
     new = torch.zeros if expert_map is not None else torch.empty
     act = new((num_pairs, intermediate), dtype=hidden.dtype, device=hidden.device)
     down = new((num_pairs, hidden_size), dtype=hidden.dtype, device=hidden.device)
-    _grouped_gemm(hidden, w13, act, None, align, top_k, True, config)
+    a, fp8_13, fp8_2 = hidden, None, None
+    if w13_scale is not None and w2_scale is not None:
+        # Per channel: one group spanning K (a power of two, so that it caps no k-tile).
+        group_n, group_13 = block if block is not None else (1, hidden_size)
+        group_2 = block[1] if block is not None else intermediate
+        a, a_scale = _quantize_input(hidden, group_13)
+        tile_13 = group_13 if block else triton.next_power_of_2(group_13)
+        tile_2 = group_2 if block else triton.next_power_of_2(group_2)
+        fp8_13 = _Fp8Operands(a_scale, w13_scale.float().contiguous(), group_n, tile_13)
+        fp8_2 = _Fp8Operands(a_scale, w2_scale.float().contiguous(), group_n, tile_2)
+    _grouped_gemm(a, w13, act, None, align, top_k, True, config, fp8_13)
     weights = topk_weights.reshape(-1).float().contiguous()
-    _grouped_gemm(act, w2, down, weights, align, 1, False, config)
+    a = act
+    if fp8_2 is not None:
+        a, a_scale = _quantize_input(act, group_2)
+        fp8_2 = _Fp8Operands(a_scale, fp8_2.b_scale, fp8_2.group_n, fp8_2.group_k)
+    _grouped_gemm(a, w2, down, weights, align, 1, False, config, fp8_2)
     torch.sum(down.view(num_tokens, top_k, hidden_size), dim=1, out=out)
     return out

@@ -68,6 +68,81 @@ def w8a8_block_fp8_matmul(
     return (x @ dequant_fp8_blocks(w_q, w_scale, block).t()).to(out_dtype)
 
 
+# --- FP8 experts of a fused MoE: the reference of kernels/moe.py's FP8 path and the CPU path.
+# w13_q [E, 2I, H] / w2_q [E, H, I] e4m3. block None: one scale per expert row ([E, 2I, 1],
+# [E, H, 1]), activations quantized per token. block (bn, bk): one scale per [bn, bk] tile,
+# w13's gate and up halves tiled apart ([E, 2 * ceil(I / bn), ceil(H / bk)]), activations
+# per token and bk columns.
+
+
+def dequant_fp8_experts(
+    w_q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, halves: int
+) -> torch.Tensor:
+    """fp32 [E, N, K] expert weights; halves=2 for w13 (gate and up tiled apart)."""
+    if block is None:
+        return w_q.float() * scale.float()
+    rows, scale_rows = w_q.shape[1] // halves, scale.shape[1] // halves
+    parts = [
+        torch.stack(
+            [
+                dequant_fp8_blocks(
+                    w[h * rows : (h + 1) * rows], s[h * scale_rows : (h + 1) * scale_rows], block
+                )
+                for h in range(halves)
+            ]
+        ).reshape(-1, w_q.shape[2])
+        for w, s in zip(w_q, scale, strict=True)
+    ]
+    return torch.stack(parts)
+
+
+def _quant_dequant(x: torch.Tensor, group: int) -> torch.Tensor:
+    q, s = per_token_group_quant_fp8(x, group)
+    return q.float() * s.repeat_interleave(group, 1)[:, : x.shape[1]]
+
+
+def fused_moe_fp8(
+    hidden: torch.Tensor,
+    w13_q: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_q: torch.Tensor,
+    w2_scale: torch.Tensor,
+    block: tuple[int, int] | None,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None = None,
+    dequantized: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """reference.fused_moe with FP8 experts (layout above) and dynamic FP8 activations: the
+    hidden states and the gate/up output (rounded to hidden's dtype first, as the kernel
+    stores it) are quantized per token (group) and dequantized. `dequantized`: the fp32
+    (w13, w2) from dequant_fp8_experts, when the caller keeps them."""
+    from asyncserve.kernels.reference import silu_and_mul
+
+    if dequantized is None:
+        dequantized = (
+            dequant_fp8_experts(w13_q, w13_scale, block, 2),
+            dequant_fp8_experts(w2_q, w2_scale, block, 1),
+        )
+    w13, w2 = dequantized
+    num_tokens, top_k = topk_ids.shape
+    out = torch.zeros(num_tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+    x = _quant_dequant(hidden, block[1] if block else hidden.shape[1])
+    ids = topk_ids.long()
+    if expert_map is not None:
+        ids = expert_map.long()[ids]
+    flat = ids.reshape(-1)
+    for expert in range(w13.shape[0]):
+        picks = (flat == expert).nonzero().squeeze(1)  # flat (token, slot) indices
+        if picks.numel() == 0:
+            continue
+        tokens = picks // top_k
+        act = silu_and_mul(x[tokens] @ w13[expert].t()).to(hidden.dtype)
+        y = _quant_dequant(act, block[1] if block else act.shape[1]) @ w2[expert].t()
+        out.index_add_(0, tokens, y * topk_weights.reshape(-1)[picks, None].float())
+    return out.to(hidden.dtype)
+
+
 # --- 4-bit weight-only (W4A16): the references of kernels/int4_gemm.py and the CPU path.
 # One layout for every checkpoint format (quantization/int4.py converts to it): qweight
 # int32 [N, K / 8], nibble i of word j = the unsigned 4-bit value of column 8j + i;

@@ -18,7 +18,8 @@ from asyncserve.models.moe import SparseMoE, expert_target
 from asyncserve.models.weights import Target
 
 _EXPERT = re.compile(
-    r"^(model\.layers\.(\d+))\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$"
+    r"^(model\.layers\.(\d+))\.block_sparse_moe\.experts\.(\d+)\.(w[123])\."
+    r"(weight|weight_scale|weight_scale_inv)$"
 )
 _ROUTER = re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.gate\.weight$")
 _PROJ = {"w1": "gate", "w3": "up", "w2": "down"}
@@ -32,9 +33,9 @@ class MixtralForCausalLM(LlamaForCausalLM):
     def route(self, hf_name: str) -> Target | None:
         match = _EXPERT.match(hf_name)
         if match:
-            prefix, layer, expert, proj = match.groups()
+            prefix, layer, expert, proj, suffix = match.groups()
             moe = self.model.layers[int(layer)].mlp
-            return expert_target(moe, f"{prefix}.mlp", _PROJ[proj], int(expert))
+            return expert_target(moe, f"{prefix}.mlp", _PROJ[proj], int(expert), suffix)
         match = _ROUTER.match(hf_name)
         if match:
             return Target(f"{match.group(1)}.mlp.gate.weight")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,6 +22,7 @@ from asyncserve.models.arch_config import MoEArch
 from asyncserve.models.layers import Linear
 from asyncserve.models.parallel import SINGLE, TensorParallel
 from asyncserve.models.weights import Target
+from asyncserve.quantization.base import in_quantized_build
 
 
 @dataclass(frozen=True)
@@ -73,14 +75,21 @@ class SparseMoE(nn.Module):
         num_local = len(self.local_experts)
         # This rank's slice of every expert's intermediate dim (all of it with whole experts).
         sliced = tp if not tp.expert_parallel else SINGLE
+        self.tp_slice = sliced
         self.intermediate_start, self.intermediate = sliced.split(moe.intermediate_size)
         self.gate = Linear(hidden_size, moe.num_experts, bias=router_bias)
+        # Quantized builds: shapes only; the scheme's method makes the parameters
+        # (quantization/model.py).
+        device = torch.device("meta") if in_quantized_build() else None
         self.w13 = nn.Parameter(
-            torch.empty(num_local, 2 * self.intermediate, hidden_size), requires_grad=False
+            torch.empty(num_local, 2 * self.intermediate, hidden_size, device=device),
+            requires_grad=False,
         )
         self.w2 = nn.Parameter(
-            torch.empty(num_local, hidden_size, self.intermediate), requires_grad=False
+            torch.empty(num_local, hidden_size, self.intermediate, device=device),
+            requires_grad=False,
         )
+        self.quant_method: Any = None
         if num_local == moe.num_experts:
             self.expert_map = None
         else:
@@ -97,7 +106,10 @@ class SparseMoE(nn.Module):
         weights, ids = self.ops.moe_route(
             logits, self.moe.top_k, self.moe.renormalize, self.moe.scoring
         )
-        out = self.ops.fused_moe(hidden, self.w13, self.w2, weights, ids, self.expert_map)
+        if self.quant_method is not None:
+            out = self.quant_method.apply(self, hidden, weights, ids)
+        else:
+            out = self.ops.fused_moe(hidden, self.w13, self.w2, weights, ids, self.expert_map)
         return self.reduce(out)
 
 
@@ -105,16 +117,30 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def expert_target(moe: object, prefix: str, proj: str, expert: int | None) -> Target | None:
+def expert_target(
+    moe: object, prefix: str, proj: str, expert: int | None, suffix: str = "weight"
+) -> Target | None:
     """Where one checkpoint tensor of an MoE layer goes.
 
     prefix is the layer's parameter prefix ("model.layers.3.mlp"); proj is "gate" or "up"
     (one expert's half of w13), "gate_up" (both halves) or "down"; expert is the global
     expert id, or None for a tensor that stacks every expert. Another rank's expert -> None.
     With the intermediate dim split over ranks, the target names this rank's slice.
+    suffix: "weight", or a quantization scale's name (the layer's quant_method places it).
     """
     if not isinstance(moe, SparseMoE):
         raise ValueError(f"checkpoint has expert weights for {prefix}, a dense MLP in the model")
+    if suffix != "weight":
+        method = moe.quant_method
+        if method is None or getattr(method, "scale_name", None) != suffix:
+            raise ValueError(
+                f"checkpoint has expert tensors {prefix}...{suffix} that the model's "
+                "quantization scheme does not read"
+            )
+        if expert is None or proj == "gate_up":
+            raise ValueError(f"{prefix}: quantized experts must be stored one per projection")
+        local_id = moe.local_index.get(expert)
+        return None if local_id is None else method.scale_target(moe, prefix, proj, local_id)
     param = f"{prefix}.w2" if proj == "down" else f"{prefix}.w13"
     start, size = moe.intermediate_start, moe.intermediate
     sliced = size != moe.moe.intermediate_size

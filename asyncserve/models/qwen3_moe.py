@@ -18,7 +18,10 @@ from asyncserve.models.llama import LlamaForCausalLM
 from asyncserve.models.moe import SparseMoE, expert_target
 from asyncserve.models.weights import Target
 
-_EXPERT = re.compile(r"^(model\.layers\.(\d+)\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+_EXPERT = re.compile(
+    r"^(model\.layers\.(\d+)\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\."
+    r"(weight|weight_scale|weight_scale_inv)$"
+)
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
@@ -31,8 +34,8 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
     def route(self, hf_name: str) -> Target | None:
         match = _EXPERT.match(hf_name)
         if match:
-            prefix, layer, expert, proj = match.groups()
+            prefix, layer, expert, proj, suffix = match.groups()
             moe = self.model.layers[int(layer)].mlp
-            return expert_target(moe, prefix, proj, int(expert))
+            return expert_target(moe, prefix, proj, int(expert), suffix)
         # The router is mlp.gate, as named in the model; dense layers route as Qwen3's.
         return super().route(hf_name)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -101,6 +102,11 @@ class QuantConfig:
     ) -> LinearMethod | None:
         """The method for the linear layer named `prefix`; None leaves it unquantized."""
         raise NotImplementedError
+
+    def moe_method(self, prefix: str) -> Any:
+        """The method (quantization/fp8_moe.py) for the experts of the sparse MoE layer named
+        `prefix`; None leaves them unquantized."""
+        return None
 
     def uses_fp8(self) -> bool:
         """Whether the scheme needs FP8 matmuls (compute capability >= 8.9 on CUDA)."""

@@ -17,6 +17,7 @@ from typing import Any
 from asyncserve.quantization.base import LinearMethod, QuantConfig, matches_ignored
 from asyncserve.quantization.fp8 import Fp8BlockLinearMethod, Fp8ChannelLinearMethod
 from asyncserve.quantization.fp8_config import parse_block
+from asyncserve.quantization.fp8_moe import Fp8MoEMethod
 from asyncserve.quantization.int4 import PackQuantizedLinearMethod
 
 
@@ -76,6 +77,23 @@ class CompressedTensorsConfig(QuantConfig):
         for group in self.groups:
             if all(group.matches(part) for part in parts):
                 return _method_for(group)
+        return None
+
+    def moe_method(self, prefix: str) -> Fp8MoEMethod | None:
+        experts = prefix + ".experts"
+        if matches_ignored(experts, self.ignored):
+            return None
+        for group in self.groups:
+            if group.matches(experts):
+                method = _method_for(group)
+                if isinstance(method, Fp8BlockLinearMethod):
+                    return Fp8MoEMethod(method.block, "weight_scale")
+                if isinstance(method, Fp8ChannelLinearMethod):
+                    return Fp8MoEMethod(per_tensor=method.per_tensor)
+                raise ValueError(
+                    f"compressed-tensors scheme for MoE experts not supported: "
+                    f"{_describe(group.weights, group.activations)} (FP8 experts are)"
+                )
         return None
 
     def uses_fp8(self) -> bool:

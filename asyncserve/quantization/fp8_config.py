@@ -11,6 +11,7 @@ from asyncserve.quantization.fp8 import (
     Fp8ChannelLinearMethod,
     Fp8OnlineLinearMethod,
 )
+from asyncserve.quantization.fp8_moe import Fp8MoEMethod
 
 
 def parse_block(value: Any, field: str) -> tuple[int, int]:
@@ -63,6 +64,15 @@ class Fp8Config(QuantConfig):
                 return None
             return Fp8OnlineLinearMethod()
         return Fp8ChannelLinearMethod(per_tensor=True)
+
+    def moe_method(self, prefix: str) -> Fp8MoEMethod | None:
+        if matches_ignored(prefix + ".experts", self.ignored):
+            return None
+        if self.block is not None:
+            return Fp8MoEMethod(self.block, "weight_scale_inv")
+        if not self.serialized:
+            return Fp8MoEMethod(online=True)
+        return Fp8MoEMethod(per_tensor=True)
 
     def uses_fp8(self) -> bool:
         return True

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from asyncserve.models.layers import Linear
+from asyncserve.models.moe import SparseMoE
 from asyncserve.models.parallel import RowParallelLinear
 from asyncserve.quantization.base import QuantConfig
 
@@ -36,11 +37,34 @@ def attach_linear_methods(
                 method.create_weights(module, module.in_features, module.out_features, dtype)
                 module.quant_method = method
                 quantized += 1
+    return quantized + _attach_moe_methods(model, config, device, dtype)
+
+
+def _attach_moe_methods(
+    model: nn.Module, config: QuantConfig, device: torch.device, dtype: torch.dtype
+) -> int:
+    """The same for the stacked experts of each sparse MoE layer (built on the meta device
+    under quantized_build); returns the number of MoE layers quantized."""
+    quantized = 0
+    for prefix, module in model.named_modules():
+        if not isinstance(module, SparseMoE):
+            continue
+        method = config.moe_method(prefix)
+        with torch.device(device):
+            if method is None:
+                for name in ("w13", "w2"):
+                    shape = getattr(module, name).shape
+                    setattr(module, name, nn.Parameter(torch.empty(shape, dtype=dtype), False))
+            else:
+                method.create_weights(module, dtype)
+                module.quant_method = method
+                quantized += 1
     return quantized
 
 
 @torch.no_grad()
 def process_weights_after_loading(model: nn.Module) -> None:
     for module in model.modules():
-        if isinstance(module, (Linear, RowParallelLinear)) and module.quant_method is not None:
-            module.quant_method.process_weights_after_loading(module)
+        method = getattr(module, "quant_method", None)
+        if isinstance(module, (Linear, RowParallelLinear, SparseMoE)) and method is not None:
+            method.process_weights_after_loading(module)

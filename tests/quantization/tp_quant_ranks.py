@@ -20,15 +20,16 @@ def load(path: str, tp: TensorParallel, quantization: str | None) -> CausalLM:
     return load_model(config, torch.device("cpu"), tp).model
 
 
-def rank_main(
-    rank: int, init_method: str, jobs: list[tuple[str, str, str | None]], queue: Any
-) -> None:
-    """Each job (name, checkpoint, quantization) on this rank; rank 0 reports the logits."""
+def rank_main(rank: int, init_method: str, jobs: list[tuple[Any, ...]], queue: Any) -> None:
+    """Each job (name, checkpoint, quantization[, expert_parallel]) on this rank; rank 0
+    reports the logits."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
     try:
-        for name, path, quantization in jobs:
-            tp = TensorParallel(rank, 2)
+        for name, path, quantization, *expert_parallel in jobs:
+            tp = TensorParallel(
+                rank, 2, expert_parallel=bool(expert_parallel and expert_parallel[0])
+            )
             out = logits(load(path, tp, quantization), tp)
             if rank == 0:
                 queue.put((name, out))
