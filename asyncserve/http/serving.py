@@ -112,15 +112,8 @@ class ServerState:
     async def read_json(self, request: Request, body_type: type[T]) -> T:
         """The body decoded into `body_type`: 413 over the size limit, 408 when it arrives
         too slowly, 400 naming the field (or the nesting limit)."""
-        limit = self.body_limit
-        declared = request.headers.get("content-length")
-        if declared is not None:
-            if not declared.isdigit():
-                raise APIError("Content-Length must be a non-negative integer", 400)
-            if int(declared) > limit:
-                raise _too_large(limit)
         try:
-            body = await read_body(request, limit, self.config.timeout_request_body)
+            body = await read_body(request, self.body_limit, self.config.timeout_request_body)
         except ClientDisconnect:
             # A client that gives up mid-upload is routine: one line, no traceback.
             logger.info("client disconnected while sending %s", request.url.path)
@@ -346,10 +339,6 @@ def engine_error(output: RequestOutput, engine: EngineClient) -> APIError:
     if not engine.is_running:
         return APIError(f"the engine stopped: {message}", 503, headers={"Retry-After": "5"})
     return APIError(message, 400, code="request_failed")
-
-
-def _too_large(limit: int) -> APIError:
-    return APIError(f"the request body is larger than the limit of {limit} bytes", 413)
 
 
 def parse_prompts(prompt: str | list[Any]) -> list[str | list[int]]:
