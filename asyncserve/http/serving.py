@@ -36,6 +36,7 @@ from asyncserve.http.protocol import (
     UsageInfo,
 )
 from asyncserve.http.sse import ClientDisconnected
+from asyncserve.lora.adapter import check_adapter_files
 from asyncserve.lora.request import LoRARequest
 from asyncserve.metrics import ServerMetrics
 from asyncserve.multimodal.inputs import MultiModalInputs
@@ -145,8 +146,15 @@ class ServerState:
         return model
 
     def lora_for(self, model: str | None) -> LoRARequest | None:
-        """The adapter a request's `model` names; None for the base model."""
-        return self.loras.get(model) if model else None
+        """The adapter a request's `model` names; None for the base model. 400 when its
+        folder went away since it was loaded (the runner reads it on first use)."""
+        lora = self.loras.get(model) if model else None
+        if lora is not None:
+            try:
+                check_adapter_files(lora.lora_name, lora.lora_path)
+            except ValueError as exc:
+                raise APIError(str(exc), 400, "model") from None
+        return lora
 
     def check_ready(self, priority: int = 0, count: int = 1) -> Ticket:
         """503 when the engine is down or the waiting queue is full; 400 for a bad priority.
