@@ -95,3 +95,13 @@ def test_more_image_tokens_than_max_model_len(qwen_server: ServerProcess) -> Non
     assert str(MAX_MODEL_LEN) in reply.json()["error"]["message"]
     # The server still answers.
     assert _chat(qwen_server, [image, QUESTION]).status_code == 200
+
+
+def test_per_request_processor_kwargs_are_refused(qwen_server: ServerProcess) -> None:
+    # The checkpoint's max_pixels bounds every image; a request cannot raise it.
+    body = {"model": "qwen", "max_tokens": 2,
+            "messages": [{"role": "user", "content": [image_part(_solid(64, 64)), QUESTION]}],
+            "mm_processor_kwargs": {"max_pixels": 10**12}}  # fmt: skip
+    reply = httpx.post(f"{qwen_server.base_url}/v1/chat/completions", json=body, timeout=60)
+    assert reply.status_code == 400, reply.text
+    assert "mm_processor_kwargs" in reply.text
