@@ -39,7 +39,7 @@ import tokenizers
 import torch
 from llguidance import LLExecutor, LLMatcher, LLParserLimits, LLTokenizer
 
-from asyncserve.core.grammar_limits import MAX_SCHEMA_DEPTH, check_regex, json_depth
+from asyncserve.core.grammar_limits import MAX_SCHEMA_DEPTH, check_regex, json_depth, ref_cycle
 from asyncserve.core.request import Request
 from asyncserve.core.step import GrammarBitmask, StepPlan
 from asyncserve.sampling_params import StructuredOutputsParams
@@ -119,6 +119,12 @@ def compile_grammar(
     """
     if params.json is not None:
         schema = _json_schema(params.json)
+        cycle = ref_cycle(schema)
+        if cycle is not None:
+            raise ValueError(
+                "structured_outputs.json: invalid schema: the $ref cycle "
+                f"{' -> '.join(cycle)} applies to the same value forever (no value matches)"
+            )
         try:
             grammar = LLMatcher.grammar_from_json_schema(
                 schema if isinstance(schema, dict) else json.dumps(schema),

@@ -1,9 +1,12 @@
 """Cheap checks that keep a constraint from costing seconds to compile or to mask: a JSON
-schema nested too deeply, a regex whose counted repetitions multiply out too far."""
+schema nested too deeply, a regex whose counted repetitions multiply out too far; and a
+schema whose $refs loop on one value (no value matches it)."""
 
 from __future__ import annotations
 
 import re
+from typing import Any
+from urllib.parse import unquote
 
 # Deeper schemas given as text would exhaust json.loads' recursion (a RecursionError).
 MAX_SCHEMA_DEPTH = 128
@@ -75,3 +78,62 @@ def check_regex(pattern: str) -> None:
             f"structured_outputs.regex: its repetitions expand to about {size} atoms; the "
             f"limit is {MAX_REGEX_EXPANSION}"
         )
+
+
+# Keywords whose values are data, not schemas: a {"$ref"} inside them is not a reference.
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+
+
+def ref_cycle(schema: Any) -> list[str] | None:
+    """A chain of local `$ref` / `allOf` links that comes back to where it started, as
+    JSON pointers ("#/$defs/a", ...), or None. Such a chain applies a schema to the same
+    value forever (JSON Schema's infinite regress): no value matches, and a grammar built
+    from it dead-ends mid-output. Recursion through properties or items is fine."""
+    nodes: dict[str, dict[str, Any]] = {}
+    stack: list[tuple[Any, str]] = [(schema, "#")]
+    while stack:
+        node, pointer = stack.pop()
+        if isinstance(node, dict):
+            nodes[pointer] = node
+            for key, value in node.items():
+                if key not in _DATA_KEYWORDS and isinstance(value, dict | list):
+                    stack.append((value, f"{pointer}/{_escape(str(key))}"))
+        elif isinstance(node, list):
+            stack.extend((value, f"{pointer}/{i}") for i, value in enumerate(node))
+
+    def links(pointer: str) -> list[str]:
+        node = nodes[pointer]
+        out = []
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            target = "#" + unquote(ref[1:]).rstrip("/") if ref != "#/" else "#"
+            if target in nodes:
+                out.append(target)
+        all_of = node.get("allOf")
+        if isinstance(all_of, list):
+            out.extend(f"{pointer}/allOf/{i}" for i in range(len(all_of)))
+        return [p for p in out if p in nodes]
+
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    for start in nodes:
+        if start in state:
+            continue
+        path = [start]
+        todo = [iter(links(start))]
+        state[start] = 1
+        while todo:
+            nxt = next(todo[-1], None)
+            if nxt is None:
+                state[path.pop()] = 2
+                todo.pop()
+            elif state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            elif nxt not in state:
+                state[nxt] = 1
+                path.append(nxt)
+                todo.append(iter(links(nxt)))
+    return None
+
+
+def _escape(key: str) -> str:
+    return key.replace("~", "~0").replace("/", "~1")

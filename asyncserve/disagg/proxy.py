@@ -8,6 +8,10 @@ producer's URL), to a decode instance (a kv_consumer), which pulls the blocks it
 generates; its answer, streamed or not, is the client's. Instances are taken in turn; one that
 cannot be reached is skipped for FAILOVER_S and the next one of its role is tried. With no
 prefill instance up, the decode instance computes the prompt itself.
+
+Bodies are read as the server reads them (http/limits.py): 413 over --max-request-body-bytes
+(from Content-Length before anything is read), 408 when slower than --timeout-request-body,
+400 when nested deeper than the JSON limit.
 """
 
 from __future__ import annotations
@@ -24,15 +28,23 @@ from typing import Any
 import httpx
 import uvicorn
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+
+from asyncserve.cli_server import _positive_or_none, parse_bytes
+from asyncserve.http.errors import APIError
+from asyncserve.http.limits import check_json_depth, read_body
 
 logger = logging.getLogger(__name__)
 
 FAILOVER_S = 10.0
 # The client's request headers passed on to the instances.
 FORWARDED = ("authorization", "content-type", "x-request-id", "traceparent", "tracestate")
+# The proxy does not know its instances' models: its default bound fits a long context plus
+# a few large images; each instance still applies its own (usually tighter) limit.
+DEFAULT_BODY_BYTES = 64 * 1024 * 1024
+DEFAULT_BODY_TIMEOUT_S = 60.0
 
 
 class Pool:
@@ -62,14 +74,21 @@ class Unreachable(Exception):
     pass
 
 
-def _error(status: int, message: str) -> JSONResponse:
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(
         {"error": {"message": message, "type": "proxy_error", "param": None, "code": status}},
         status_code=status,
+        headers=headers,
     )
 
 
-def build_proxy(prefill: list[str], decode: list[str], timeout_s: float = 600.0) -> Starlette:
+def build_proxy(
+    prefill: list[str],
+    decode: list[str],
+    timeout_s: float = 600.0,
+    body_limit: int = DEFAULT_BODY_BYTES,
+    body_timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S,
+) -> Starlette:
     prefills, decodes = Pool("prefill", prefill), Pool("decode", decode)
     client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
 
@@ -102,8 +121,15 @@ def build_proxy(prefill: list[str], decode: list[str], timeout_s: float = 600.0)
     async def route(request: Request) -> Response:
         path = request.url.path
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            raw = await read_body(request, body_limit, body_timeout_s)
+            check_json_depth(raw)
+            body = json.loads(raw)
+        except APIError as exc:
+            return _error(exc.status, exc.message, exc.headers)
+        except ClientDisconnect:
+            logger.info("client disconnected while sending %s", path)
+            return Response(status_code=499)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             return _error(400, "the request body is not valid JSON")
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object")
@@ -194,12 +220,29 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode", nargs="+", required=True, help="decode instances' URLs")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--max-request-body-bytes",
+        type=parse_bytes,
+        default=DEFAULT_BODY_BYTES,
+        help="larger request bodies get 413 before they are read (default 64M)",
+    )
+    parser.add_argument(
+        "--timeout-request-body",
+        type=_positive_or_none,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help="seconds a request gets to send its whole body, then 408 (0: none)",
+    )
 
 
 def run_proxy(args: argparse.Namespace) -> int:
     logging.basicConfig(level="INFO", format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     try:
-        app = build_proxy(args.prefill, args.decode)
+        app = build_proxy(
+            args.prefill,
+            args.decode,
+            body_limit=args.max_request_body_bytes,
+            body_timeout_s=args.timeout_request_body,
+        )
     except ValueError as exc:
         print(f"asyncserve proxy: error: {exc}")
         return 2

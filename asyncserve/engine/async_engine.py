@@ -28,7 +28,7 @@ from asyncserve.engine.setup import eos_token_ids, load_for_engine, make_tracer,
 from asyncserve.engine.step_loop import StepLoop
 from asyncserve.executor.abstract import Executor
 from asyncserve.executor.uniproc import UniProcExecutor
-from asyncserve.lora.adapter import load_adapter
+from asyncserve.lora.adapter import check_adapter_files, load_adapter
 from asyncserve.lora.layers import module_shapes
 from asyncserve.lora.request import LoRARequest
 from asyncserve.metrics import EngineMetrics
@@ -259,6 +259,7 @@ class AsyncEngine:
                     f"lora_int_id {lora_request.lora_int_id} is already used by adapter "
                     f"{known.lora_name!r} at {known.lora_path!r}"
                 )
+            check_adapter_files(known.lora_name, known.lora_path)
             return False
         # A full read (not only the header): weights that fail to load would otherwise
         # fail a step on the worker.

@@ -12,6 +12,7 @@ from asyncserve.http.errors import APIError
 from asyncserve.http.protocol import ChatCompletionRequest
 from asyncserve.multimodal.chat_parts import ContentPartError, split_image_parts
 from asyncserve.multimodal.inputs import MultiModalInputs
+from asyncserve.multimodal.processor import ImageError
 
 if TYPE_CHECKING:
     from PIL.Image import Image
@@ -26,6 +27,8 @@ class ChatImages:
     messages: list[dict[str, Any]]
     images: list[Image] = field(default_factory=list)
     front_end: MultiModalFrontEnd | None = None
+    # Each image's part (messages[i].content[j]...), for errors about one image.
+    params: list[str] = field(default_factory=list)
 
     @property
     def placeholder(self) -> str:
@@ -40,6 +43,9 @@ class ChatImages:
         assert self.front_end is not None
         try:
             return self.front_end.process(prompt_token_ids, {"image": self.images})
+        except ImageError as exc:
+            param = self.params[exc.index] if exc.index < len(self.params) else "messages"
+            raise APIError(f"{param}: {exc.__cause__ or exc}", 400, param) from exc
         except ValueError as exc:
             raise APIError(str(exc), 400, "messages") from exc
 
@@ -69,7 +75,8 @@ async def load_chat_images(engine: Any, body: ChatCompletionRequest) -> ChatImag
         raise APIError(str(exc), 400, exc.param) from exc
     except ValueError as exc:
         raise APIError(str(exc), 400, refs[-1].param) from exc
-    return ChatImages(messages, images, front_end)
+    params = [ref.param + (".image_url" if ref.url is not None else "") for ref in refs]
+    return ChatImages(messages, images, front_end, params)
 
 
 def _refuse_image_parts(messages: list[dict[str, Any]], reason: str) -> None:

@@ -83,16 +83,27 @@ def check_json_depth(raw: bytes | str, what: str = "the request body") -> None:
         raise APIError(f"{what} is nested {depth} levels deep; the limit is {MAX_JSON_DEPTH}", 400)
 
 
+def too_large(limit: int) -> APIError:
+    return APIError(f"the request body is larger than the limit of {limit} bytes", 413)
+
+
 async def read_body(request: Request, limit: int, timeout_s: float | None) -> bytes:
-    """The whole body: 413 over `limit` bytes, 408 when it takes longer than `timeout_s`
-    (a slow client holds a connection and a task), ClientDisconnect when the client left."""
+    """The whole body: 413 over `limit` bytes (at once when Content-Length says so), 408 when
+    it takes longer than `timeout_s` (a slow client holds a connection and a task),
+    ClientDisconnect when the client left."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise APIError("Content-Length must be a non-negative integer", 400)
+        if int(declared) > limit:
+            raise too_large(limit)
     body = bytearray()
 
     async def read() -> None:
         async for chunk in request.stream():
             body.extend(chunk)
             if len(body) > limit:
-                raise APIError(f"the request body is larger than the limit of {limit} bytes", 413)
+                raise too_large(limit)
 
     try:
         await asyncio.wait_for(read(), timeout_s)

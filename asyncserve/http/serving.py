@@ -36,6 +36,7 @@ from asyncserve.http.protocol import (
     UsageInfo,
 )
 from asyncserve.http.sse import ClientDisconnected
+from asyncserve.lora.adapter import check_adapter_files
 from asyncserve.lora.request import LoRARequest
 from asyncserve.metrics import ServerMetrics
 from asyncserve.multimodal.inputs import MultiModalInputs
@@ -112,15 +113,8 @@ class ServerState:
     async def read_json(self, request: Request, body_type: type[T]) -> T:
         """The body decoded into `body_type`: 413 over the size limit, 408 when it arrives
         too slowly, 400 naming the field (or the nesting limit)."""
-        limit = self.body_limit
-        declared = request.headers.get("content-length")
-        if declared is not None:
-            if not declared.isdigit():
-                raise APIError("Content-Length must be a non-negative integer", 400)
-            if int(declared) > limit:
-                raise _too_large(limit)
         try:
-            body = await read_body(request, limit, self.config.timeout_request_body)
+            body = await read_body(request, self.body_limit, self.config.timeout_request_body)
         except ClientDisconnect:
             # A client that gives up mid-upload is routine: one line, no traceback.
             logger.info("client disconnected while sending %s", request.url.path)
@@ -152,8 +146,15 @@ class ServerState:
         return model
 
     def lora_for(self, model: str | None) -> LoRARequest | None:
-        """The adapter a request's `model` names; None for the base model."""
-        return self.loras.get(model) if model else None
+        """The adapter a request's `model` names; None for the base model. 400 when its
+        folder went away since it was loaded (the runner reads it on first use)."""
+        lora = self.loras.get(model) if model else None
+        if lora is not None:
+            try:
+                check_adapter_files(lora.lora_name, lora.lora_path)
+            except ValueError as exc:
+                raise APIError(str(exc), 400, "model") from None
+        return lora
 
     def check_ready(self, priority: int = 0, count: int = 1) -> Ticket:
         """503 when the engine is down or the waiting queue is full; 400 for a bad priority.
@@ -346,10 +347,6 @@ def engine_error(output: RequestOutput, engine: EngineClient) -> APIError:
     if not engine.is_running:
         return APIError(f"the engine stopped: {message}", 503, headers={"Retry-After": "5"})
     return APIError(message, 400, code="request_failed")
-
-
-def _too_large(limit: int) -> APIError:
-    return APIError(f"the request body is larger than the limit of {limit} bytes", 413)
 
 
 def parse_prompts(prompt: str | list[Any]) -> list[str | list[int]]:

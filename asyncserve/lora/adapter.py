@@ -139,6 +139,15 @@ def _check_shapes(
             )
 
 
+def check_adapter_files(name: str, path: str) -> None:
+    """The files of an adapter loaded earlier are still there (the runner reads them on first
+    use and after evicting it from its cache): a cheap check before a request uses it."""
+    folder = Path(path)
+    for file in (CONFIG_NAME, WEIGHTS_NAME):
+        if not (folder / file).is_file():
+            raise _fail(name, f"{file} is gone from {path!r} since the adapter was loaded")
+
+
 def _open(name: str, path: str) -> Any:
     weights_path = Path(path) / WEIGHTS_NAME
     if not weights_path.is_file():

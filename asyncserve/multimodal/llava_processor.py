@@ -14,7 +14,11 @@ from asyncserve.multimodal.inputs import (
     MultiModalItem,
     image_hash,
 )
-from asyncserve.multimodal.processor import MultiModalProcessor, expand_placeholders
+from asyncserve.multimodal.processor import (
+    MultiModalProcessor,
+    expand_placeholders,
+    preprocess_each,
+)
 
 if TYPE_CHECKING:
     from PIL.Image import Image
@@ -65,14 +69,15 @@ class LlavaProcessor(MultiModalProcessor):
             prompt_token_ids, self.image_token_id, lengths, repr(self.image_token)
         )
         settings = self.images.settings()
+        pixels = preprocess_each(images, self.images)
         items = [
             MultiModalItem(
                 modality="image",
-                data={"pixel_values": self.images(image)},
+                data={"pixel_values": values},
                 offset=offset,
                 length=length,
                 hash=image_hash(image, settings),
             )
-            for image, offset, length in zip(images, offsets, lengths, strict=True)
+            for image, values, offset, length in zip(images, pixels, offsets, lengths, strict=True)
         ]
         return MultiModalInputs(ids, MultiModalFeatures(items))

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from asyncserve.multimodal.inputs import MultiModalInputs
 
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
 
     from asyncserve.models.arch_config import ArchConfig
     from asyncserve.tokenizer import Tokenizer
+
+T = TypeVar("T")
 
 # architecture -> (module under asyncserve.multimodal, processor class)
 _PROCESSORS: dict[str, tuple[str, str]] = {
@@ -47,6 +50,25 @@ class MultiModalProcessor(ABC):
     def process(self, prompt_token_ids: list[int], images: list[Image]) -> MultiModalInputs:
         """Expand the placeholders and preprocess the images; ValueError on a mismatch
         (placeholders vs images) or an image the model cannot take."""
+
+
+class ImageError(ValueError):
+    """An image the model cannot take; `index` says which of the prompt's images."""
+
+    def __init__(self, index: int, message: str) -> None:
+        super().__init__(f"image {index}: {message}")
+        self.index = index
+
+
+def preprocess_each(images: list[Image], preprocess: Callable[[Image], T]) -> list[T]:
+    """`preprocess` over the images, a ValueError naming the image that failed."""
+    out = []
+    for i, image in enumerate(images):
+        try:
+            out.append(preprocess(image))
+        except ValueError as exc:
+            raise ImageError(i, str(exc)) from exc
+    return out
 
 
 def supports_images(arch: str) -> bool:

@@ -19,7 +19,11 @@ from asyncserve.multimodal.inputs import (
     MultiModalItem,
     image_hash,
 )
-from asyncserve.multimodal.processor import MultiModalProcessor, expand_placeholders
+from asyncserve.multimodal.processor import (
+    MultiModalProcessor,
+    expand_placeholders,
+    preprocess_each,
+)
 
 if TYPE_CHECKING:
     from PIL.Image import Image
@@ -59,7 +63,7 @@ class Qwen2_5_VLProcessor(MultiModalProcessor):
         if not images:  # plain positions: M-RoPE equals RoPE without images
             expand_placeholders(prompt_token_ids, self.image_token_id, [], repr(self.image_token))
             return MultiModalInputs(list(prompt_token_ids), MultiModalFeatures())
-        processed = [preprocess_image(image, self.images) for image in images]
+        processed = preprocess_each(images, lambda image: preprocess_image(image, self.images))
         merge = self.images.merge_size
         lengths = [p.num_tokens(merge) for p in processed]
         ids, offsets = expand_placeholders(

@@ -22,6 +22,7 @@ from asyncserve.config import EngineConfig
 from asyncserve.engine.setup import resolve_device
 from asyncserve.metrics import EngineMetrics
 from asyncserve.outputs import RequestOutput
+from asyncserve.pooling.fair_queue import FairQueue
 from asyncserve.pooling.model import PoolingModel
 from asyncserve.sampling_params import SamplingParams
 
@@ -58,7 +59,7 @@ class PoolingEngine:
         self.model_path = model.model_path
         self.max_model_len = model.max_model_len
         self.generation_config: dict[str, Any] = {}
-        self._queue: list[_Job] = []
+        self._queue: FairQueue[_Job] = FairQueue()
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._running = 0
@@ -244,30 +245,18 @@ class PoolingEngine:
             await self.start()
         for job in jobs:
             self.check_prompt(job.token_ids)
-        self._queue.extend(jobs)
+        key = self._queue.add(jobs)
         assert self._wakeup is not None
         self._wakeup.set()
         try:
             return list(await asyncio.gather(*(j.future for j in jobs)))
         finally:
             # A caller that went away leaves nothing queued behind it.
-            self._queue = [j for j in self._queue if not j.future.done()]
+            self._queue.discard(key)
 
     def _take_batch(self) -> list[_Job]:
         budget = self.config.scheduler.max_num_batched_tokens
-        limit = self.config.scheduler.max_num_seqs
-        batch: list[_Job] = []
-        tokens = 0
-        while self._queue and len(batch) < limit:
-            job = self._queue[0]
-            if job.future.done():  # cancelled by its caller
-                self._queue.pop(0)
-                continue
-            if batch and tokens + len(job.token_ids) > budget:
-                break
-            batch.append(self._queue.pop(0))
-            tokens += len(job.token_ids)
-        return batch
+        return self._queue.take(self.config.scheduler.max_num_seqs, budget)
 
     def _run(self, batch: list[_Job]) -> list[torch.Tensor]:
         ids = [j.token_ids for j in batch]

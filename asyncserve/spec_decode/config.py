@@ -50,6 +50,11 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}")
         model = value.get("model")
+        if model is not None and (not isinstance(model, str) or not model):
+            raise ValueError(
+                f"speculative_config: model must be a path (a directory or .gguf file), "
+                f"got {model!r}"
+            )
         # As in vLLM: a model without a method is a draft model.
         method = value.get("method") or ("draft_model" if model is not None else None)
         if method == "[ngram]":
@@ -76,15 +81,15 @@ class SpeculativeConfig:
 
 def _lookup_window(lo: object, hi: object) -> tuple[int, int]:
     """vLLM's defaults: 5 and 5 when neither is given, else the missing one mirrors the other."""
+    for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {v!r}")
     if lo is None and hi is None:
         lo = hi = 5
     elif lo is None:
         lo = hi
     elif hi is None:
         hi = lo
-    for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {v!r}")
     assert isinstance(lo, int) and isinstance(hi, int)
     if lo > hi:
         raise ValueError(

@@ -21,7 +21,6 @@ safetensors (or pytorch_model.bin) with `fc.weight`, `midlayer.*` (or `layers.0.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +42,7 @@ from asyncserve.models.layers import (
 )
 from asyncserve.models.llama import LlamaAttention, LlamaForCausalLM, fused_target
 from asyncserve.models.weights import Target, load_checkpoint
+from asyncserve.spec_decode.eagle_head import read_head_config
 
 AUX_LAYERS_KEY = "eagle_aux_hidden_state_layer_ids"
 _ERR = "speculative_config: EAGLE-3 head"
@@ -152,10 +152,7 @@ def load_eagle3_head(
 ) -> Eagle3Head:
     """The head in `path` (a directory), checked against the target it speculates for."""
     root = Path(path)
-    config_file = root / "config.json"
-    if not config_file.is_file():
-        raise ValueError(f"{_ERR} {path!r} has no config.json")
-    config: dict[str, Any] = json.loads(config_file.read_text())
+    config = read_head_config(path, "EAGLE-3 head")
     # The head's layer is a Llama layer; its rotary table covers the target's positions.
     max_pos = max(
         int(config.get("max_position_embeddings", 2048)), target_arch.max_position_embeddings

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -79,15 +80,26 @@ class EagleHead(nn.Module):
         return fused_target(self.arch, name)
 
 
+def read_head_config(path: str, what: str) -> dict[str, Any]:
+    """A head directory's config.json as a dict; a one-line ValueError naming the file."""
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"speculative_config: {what} {path!r} has no config.json")
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"speculative_config: cannot read {config_file}: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"speculative_config: {config_file} must hold a JSON object")
+    return config
+
+
 def load_eagle_head(
     path: str, target_arch: ArchConfig, dtype: torch.dtype, device: torch.device
 ) -> EagleHead:
     """The head in `path` (a directory), checked against the target it speculates for."""
     root = Path(path)
-    config_file = root / "config.json"
-    if not config_file.is_file():
-        raise ValueError(f"speculative_config: EAGLE head {path!r} has no config.json")
-    own_config = json.loads(config_file.read_text())
+    own_config = read_head_config(path, "EAGLE head")
     if any("Eagle3" in str(name) for name in own_config.get("architectures") or ()):
         raise ValueError(f"speculative_config: {path!r} is an EAGLE-3 head: use method 'eagle3'")
     # Heads name their own class (EagleLlamaForCausalLM) or the target's: a Llama layer.

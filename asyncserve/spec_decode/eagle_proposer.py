@@ -19,6 +19,8 @@ blocks hold before it, which can only lower acceptance.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
@@ -30,6 +32,8 @@ from asyncserve.spec_decode.eagle3_head import Eagle3Head, load_eagle3_head
 from asyncserve.spec_decode.eagle_head import EagleHead, load_eagle_head
 from asyncserve.worker.input_batch import CachedRequestState
 from asyncserve.worker.kv_pool import allocate_kv_caches, kv_block_bytes
+
+logger = logging.getLogger(__name__)
 
 
 class _Pending:
@@ -75,15 +79,13 @@ class EagleProposer:
         self.head: EagleHead | Eagle3Head
         self.embed_tokens: torch.nn.Module = target.model.embed_tokens
         self.compute_logits = target.compute_logits
-        if spec.method == "eagle3":
-            self.head = load_eagle3_head(spec.model, target.config, dtype, device)
+        self.head = _load_head(spec, target, dtype, device)
+        if isinstance(self.head, Eagle3Head):
             # The target keeps the residual stream entering these layers from now on.
             target.model.aux_hidden_state_layers = frozenset(self.head.aux_layers)
             if self.head.embed_tokens is not None:
                 self.embed_tokens = self.head.embed_tokens
             self.compute_logits = self.head.compute_logits
-        else:
-            self.head = load_eagle_head(spec.model, target.config, dtype, device)
         self.arch = self.head.arch
         self.dtype = dtype
         self.device = device
@@ -224,3 +226,23 @@ class EagleProposer:
         out, fed_back = self.head(embeds, hidden, pos_t, self.kv_caches, meta)
         last = torch.from_numpy(cu[1:] - 1).to(device)
         return out[last], fed_back[last]
+
+
+def _load_head(
+    spec: SpeculativeConfig, target: LlamaForCausalLM, dtype: torch.dtype, device: torch.device
+) -> EagleHead | Eagle3Head:
+    """The head `spec.model` names. A head folder is outside input: whatever breaks while
+    reading it (bad JSON values, corrupt or mismatched tensors) is one line naming it."""
+    assert spec.model is not None
+    load = load_eagle3_head if spec.method == "eagle3" else load_eagle_head
+    try:
+        return load(spec.model, target.config, dtype, device)
+    except ValueError as exc:
+        if str(exc).startswith("speculative_config"):
+            raise
+        reason = f"{type(exc).__name__}: {exc}"
+    except Exception as exc:  # corrupt files raise many types (SafetensorError, pickle, ...)
+        logger.debug("loading the head %s failed", spec.model, exc_info=True)
+        reason = f"{type(exc).__name__}: {exc}"
+    what = "EAGLE-3 head" if spec.method == "eagle3" else "EAGLE head"
+    raise ValueError(f"speculative_config: cannot load the {what} {spec.model!r}: {reason}")

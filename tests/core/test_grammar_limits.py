@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncserve.core.grammar_limits import check_regex, json_depth, regex_expansion
+from asyncserve.core.grammar_limits import check_regex, json_depth, ref_cycle, regex_expansion
 
 
 @pytest.mark.parametrize(
@@ -30,3 +30,25 @@ def test_check_regex_names_the_limit() -> None:
 def test_json_depth_skips_strings() -> None:
     assert json_depth('{"a": "[[[[", "b": [[1]]}') == 3
     assert json_depth("[" * 500 + "]" * 500) == 500
+
+
+@pytest.mark.parametrize(
+    ("schema", "cycle"),
+    [
+        ({"$ref": "#"}, ["#", "#"]),
+        ({"allOf": [{"$ref": "#"}]}, ["#", "#/allOf/0", "#"]),
+        ({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, ["#/$defs/a", "#/$defs/a"]),
+        ({"$defs": {"a/b": {"$ref": "#/$defs/a~1b"}}}, ["#/$defs/a~1b", "#/$defs/a~1b"]),
+        ({"$defs": {"a b": {"$ref": "#/$defs/a%20b"}}}, ["#/$defs/a b", "#/$defs/a b"]),
+        # Recursion through properties or items descends into a smaller value: fine.
+        ({"type": "object", "properties": {"next": {"$ref": "#"}}}, None),
+        ({"type": "array", "items": {"$ref": "#"}}, None),
+        ({"anyOf": [{"type": "null"}, {"type": "array", "items": {"$ref": "#"}}]}, None),
+        # Data is not schema; dangling refs are left to the compiler.
+        ({"const": {"$ref": "#"}, "enum": [{"$ref": "#"}]}, None),
+        ({"$ref": "#/$defs/missing"}, None),
+        (True, None),
+    ],
+)  # fmt: skip
+def test_ref_cycles(schema: object, cycle: list[str] | None) -> None:
+    assert ref_cycle(schema) == cycle
