@@ -8,6 +8,7 @@ already holds travel as diffs (only their newly allocated blocks). The order of
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -80,6 +81,21 @@ class StepResult:
     )
     # request id -> tokens proposed to follow this step's tokens (speculative decoding).
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # request id -> why its rows could not run as asked (its LoRA adapter could not be read
+    # on some rank): the rows ran without it, their outputs are void, the request fails.
+    failed_requests: dict[str, str] = field(default_factory=dict)
+
+
+def driver_result(replies: list[Any], driver: int) -> StepResult:
+    """The driver rank's StepResult, with the requests any other rank failed (the others
+    reply with their failures or None): a failure on one rank fails the request."""
+    result = replies[driver]
+    assert isinstance(result, StepResult)
+    for rank, reply in enumerate(replies):
+        if rank != driver and reply:
+            for request_id, reason in reply.items():
+                result.failed_requests.setdefault(request_id, reason)
+    return result
 
 
 @dataclass

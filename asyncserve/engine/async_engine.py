@@ -249,6 +249,7 @@ class AsyncEngine:
         lora = self.config.lora
         if not lora.enable_lora:
             raise ValueError("lora_request: LoRA is not enabled (enable_lora=True / --enable-lora)")
+        broken = self.core.broken_loras.get(lora_request.lora_int_id)
         known = self.loras.get(lora_request.lora_int_id)
         if known is not None:
             if (known.lora_name, known.lora_path) != (
@@ -259,23 +260,37 @@ class AsyncEngine:
                     f"lora_int_id {lora_request.lora_int_id} is already used by adapter "
                     f"{known.lora_name!r} at {known.lora_path!r}"
                 )
-            check_adapter_files(known.lora_name, known.lora_path)
-            return False
+            if broken is None:
+                check_adapter_files(known.lora_name, known.lora_path)
+                return False
         # A full read (not only the header): weights that fail to load would otherwise
         # fail a step on the worker.
-        load_adapter(
-            lora_request.lora_name,
-            lora_request.lora_path,
-            self.lora_shapes,
-            lora.max_lora_rank,
-            self.loaded.dtype,
-        )
+        try:
+            load_adapter(
+                lora_request.lora_name,
+                lora_request.lora_path,
+                self.lora_shapes,
+                lora.max_lora_rank,
+                self.loaded.dtype,
+            )
+        except ValueError as exc:
+            if broken is not None:  # still unreadable: say so, as a request for it would
+                raise ValueError(f"{broken} (loading it again failed: {exc})") from None
+            raise
+        # Loaded again after the runner could not read it: requests may use it again.
+        self.core.broken_loras.pop(lora_request.lora_int_id, None)
         self.loras[lora_request.lora_int_id] = lora_request
         return True
+
+    def lora_error(self, lora_int_id: int) -> str | None:
+        """Why requests for this adapter are refused (the runner could not read it since it
+        was loaded); None when it may be used."""
+        return self.core.broken_loras.get(lora_int_id)
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Forget an adapter; its cached weights go with the next step. Requests running
         with it finish with it (their weights reload from its path if they must)."""
+        self.core.broken_loras.pop(lora_int_id, None)
         if self.loras.pop(lora_int_id, None) is None:
             return False
         self.scheduler.remove_lora(lora_int_id)
@@ -325,6 +340,8 @@ class AsyncEngine:
             self.multimodal.check_text_prompt(prompt_ids)
         self.validate_request(prompt_ids, params, strict_max_tokens=False)
         if lora_request is not None:
+            if (broken := self.lora_error(lora_request.lora_int_id)) is not None:
+                raise ValueError(f"lora_request: {broken}")
             self.add_lora(lora_request)
         if params.bad_words:
             words = params.bad_words

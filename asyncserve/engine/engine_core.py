@@ -41,6 +41,9 @@ class EngineCore:
         self._seen_queries = 0
         self._seen_hits = 0
         self._seen_spec = SpecDecodeStats()
+        # lora_int_id -> why the runner could not read the adapter: refused at admission
+        # until it is loaded again (AsyncEngine.add_lora).
+        self.broken_loras: dict[int, str] = {}
 
     # ---- requests in and out ---------------------------------------------------------------
 
@@ -101,9 +104,32 @@ class EngineCore:
         """Take a step's tokens: the scheduler's stop rules, then the grammar matchers (the
         next step's masks depend on these tokens). Returns the requests that got tokens and
         the ids whose grammar completed ("stop"; their last token is text)."""
+        if result.failed_requests:
+            self._fail_unreadable(result)
         updated = self.scheduler.update(plan, result)
         self._record_step(plan.total_num_scheduled_tokens)
         return updated, self._advance_grammars(updated)
+
+    def _fail_unreadable(self, result: StepResult) -> None:
+        """Requests whose rows ran without their adapter (a rank could not read it): their
+        outputs are void, they end with the reason, and the adapter is refused until it is
+        loaded again (its cached weights go: a rank may hold a copy the others lack)."""
+        failed = result.failed_requests
+        for outputs in (result.sampled_token_ids, result.logprobs, result.prompt_logprobs,
+                        result.draft_token_ids):  # fmt: skip
+            for request_id in failed:
+                outputs.pop(request_id, None)
+        for request_id, reason in failed.items():
+            request = self.scheduler.get_request(request_id)
+            if request is None or request.is_finished:
+                continue
+            lora = request.lora_request
+            if lora is not None and lora.lora_int_id not in self.broken_loras:
+                self.broken_loras[lora.lora_int_id] = reason
+                self.scheduler.remove_lora(lora.lora_int_id)
+            # Its K/V were written without the adapter: none of its blocks may stay cached.
+            request.num_computed_tokens = 0
+            self.finish([request_id], RequestStatus.FINISHED_ERROR, reason)
 
     def publish(self, updated: list[Request], result: StepResult, grammar_done: list[str]) -> None:
         """Detokenize and publish a step's tokens; end what a stop string or a failure ended."""

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from asyncserve.config import EngineConfig
-from asyncserve.core.step import StepPlan, StepResult
+from asyncserve.core.step import StepPlan, StepResult, driver_result
 from asyncserve.executor.abstract import Executor, MasksFuture
 from asyncserve.executor.shm_broadcast import ShmBroadcast
 from asyncserve.executor.step_codec import (
@@ -250,9 +250,7 @@ class MultiProcExecutor(Executor):
     def _collect(self, launched: Future[Any]) -> StepResult:
         launched.result()
         self._send(encode_collect())
-        result = self._replies()[0]
-        assert isinstance(result, StepResult)
-        return result
+        return driver_result(self._replies(), 0)
 
     def shutdown(self) -> None:
         self._closing = True

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from asyncserve.config import EngineConfig
-from asyncserve.core.step import StepPlan, StepResult
+from asyncserve.core.step import StepPlan, StepResult, driver_result
 from asyncserve.executor.abstract import Executor, MasksFuture
 from asyncserve.executor.multiproc import WorkerDied
 from asyncserve.executor.ray_cluster import connect, reserve
@@ -291,9 +291,7 @@ class RayExecutor(Executor):
     def _collect(self, launched: Future[Any]) -> StepResult:
         launched.result()
         self._send([("collect",)] * self.size)
-        result = self._replies()[self.driver]
-        assert isinstance(result, StepResult)
-        return result
+        return driver_result(self._replies(), self.driver)
 
     def shutdown(self) -> None:
         self._closing = True

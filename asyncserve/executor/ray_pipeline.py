@@ -22,7 +22,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Any
 
-from asyncserve.core.step import StepResult
+from asyncserve.core.step import StepResult, driver_result
 
 
 def driver_reply(launched: Future[Future[list[Any]]], driver: int) -> Future[StepResult]:
@@ -38,9 +38,7 @@ def driver_reply(launched: Future[Future[list[Any]]], driver: int) -> Future[Ste
         if exc is not None:
             result.set_exception(exc)
             return
-        step = replies.result()[driver]
-        assert isinstance(step, StepResult)
-        result.set_result(step)
+        result.set_result(driver_result(replies.result(), driver))
 
     def asked(done: Future[Future[list[Any]]]) -> None:
         if done.cancelled():

@@ -173,5 +173,6 @@ def _collect(
         result = runner.collect(launched)
     except Exception as exc:
         return _error(exc)
-    # Only rank 0's sampled ids (and logprobs) go back to the engine.
-    return "ok", result if rank == 0 else None
+    # Only rank 0's sampled ids (and logprobs) go back to the engine; the others report
+    # the requests they failed (core/step.py driver_result).
+    return "ok", result if rank == 0 else (result.failed_requests or None)

@@ -150,6 +150,11 @@ class ServerState:
         folder went away since it was loaded (the runner reads it on first use)."""
         lora = self.loras.get(model) if model else None
         if lora is not None:
+            # The runner could not read it since it was loaded: refused until loaded again.
+            lora_error = getattr(self.engine, "lora_error", None)
+            broken = lora_error(lora.lora_int_id) if lora_error is not None else None
+            if broken is not None:
+                raise APIError(broken, 400, "model")
             try:
                 check_adapter_files(lora.lora_name, lora.lora_path)
             except ValueError as exc:

@@ -21,6 +21,15 @@ from asyncserve.lora.layers import LoRABatch, LoRATargets, attach_lora, module_s
 from asyncserve.lora.request import LoRARequest
 
 
+def _read_error(request: LoRARequest, exc: Exception) -> str:
+    """One line naming the adapter and what went wrong reading it."""
+    message = str(exc) or type(exc).__name__
+    prefix = f"LoRA adapter {request.lora_name!r}: "
+    if message.startswith(prefix):
+        message = message[len(prefix) :]
+    return f"LoRA adapter {request.lora_name!r} could not be read: {message}"
+
+
 class LoRASlots:
     def __init__(
         self,
@@ -69,9 +78,14 @@ class LoRASlots:
         if slot is not None:
             self._clear(slot)
 
-    def prepare(self, requests: Sequence[LoRARequest | None], counts: Sequence[int]) -> None:
+    def prepare(
+        self, requests: Sequence[LoRARequest | None], counts: Sequence[int]
+    ) -> dict[int, str]:
         """Put this step's adapters in slots and group its rows by slot (row order = the
-        batch's: request i has counts[i] consecutive rows)."""
+        batch's: request i has counts[i] consecutive rows).
+
+        Returns the adapters that could not be read (lora_int_id -> why): their rows run
+        with no adapter, so the batch keeps its planned shape, and the caller voids them."""
         wanted = {r.lora_int_id: r for r in requests if r is not None}
         if len(wanted) > self.max_loras:
             raise RuntimeError(f"a step uses {len(wanted)} adapters, max_loras is {self.max_loras}")
@@ -80,12 +94,18 @@ class LoRASlots:
             if lora_id in self._host:
                 self._host.move_to_end(lora_id)
         slot_of: dict[int, int] = {}
+        failed: dict[int, str] = {}
         for lora_id, request in wanted.items():
-            slot_of[lora_id] = self._slot_for(request, wanted)
+            try:
+                slot_of[lora_id] = self._slot_for(request, wanted)
+            except Exception as exc:  # a deleted or corrupted folder fails only its rows
+                failed[lora_id] = _read_error(request, exc)
         per_request = np.asarray(
-            [slot_of[r.lora_int_id] if r is not None else -1 for r in requests], dtype=np.int32
+            [slot_of.get(r.lora_int_id, -1) if r is not None else -1 for r in requests],
+            dtype=np.int32,
         )
         self.batch.set_rows(np.repeat(per_request, np.asarray(counts, dtype=np.int64)))
+        return failed
 
     def _slot_for(self, request: LoRARequest, wanted: dict[int, LoRARequest]) -> int:
         lora_id = request.lora_int_id
@@ -93,6 +113,8 @@ class LoRASlots:
         if slot is not None:
             self._slots.move_to_end(lora_id)
             return slot
+        # Read first: an adapter that cannot be read takes no slot from another.
+        weights = self._host_weights(request)
         used = set(self._slots.values())
         free = [s for s in range(self.max_loras) if s not in used]
         if free:
@@ -100,7 +122,7 @@ class LoRASlots:
         else:
             victim = next(i for i in self._slots if i not in wanted)
             slot = self._slots.pop(victim)
-        self._write(slot, self._host_weights(request))
+        self._write(slot, weights)
         self._slots[lora_id] = slot
         return slot
 

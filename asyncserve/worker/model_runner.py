@@ -262,7 +262,14 @@ class ModelRunner:
         if self.lora is not None:
             states = self.states
             requests = [states[rid].lora_request for rid in inputs.request_ids]
-            self.lora.prepare(requests, inputs.counts)
+            unreadable = self.lora.prepare(requests, inputs.counts)
+            if unreadable:
+                forwarded.step.result.failed_requests = {
+                    rid: unreadable[lora.lora_int_id]
+                    for rid, lora in zip(inputs.request_ids, requests, strict=True)
+                    if lora is not None and lora.lora_int_id in unreadable
+                }
+                logger.warning("%s", "; ".join(sorted(set(unreadable.values()))))
         forwarded.inputs = inputs
         if self._can_replay(inputs):
             assert self.decode_graphs is not None

@@ -4,6 +4,7 @@ refused with a ValueError naming the problem."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -110,6 +111,34 @@ def test_bad_adapters_are_refused(llm: LLM, tiny_lora: TinyLoRA, tmp_path: Path)
     _bad(llm, tiny_lora.adapters[1].path, "already used", lora_id=1)
     # The engine goes on.
     assert llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_adapter_corrupted_after_eviction_fails_only_its_requests(
+    llm: LLM, tiny_lora: TinyLoRA, tmp_path: Path
+) -> None:
+    """Dropped from the runner's caches, an adapter is read from disk again: corrupted by
+    then, its requests fail with the reason and the rest of the batch is unharmed."""
+    a, b, _ = tiny_lora.adapters
+    shutil.copytree(a.path, tmp_path / "x")
+    weights = tmp_path / "x" / "adapter_model.safetensors"
+    x = LoRARequest("x", 11, str(tmp_path / "x"))
+    prompt = [9, 8, 7, 6, 5]
+    assert llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=x)[0].outputs[0].token_ids
+    # Two other adapters fill both slots and both host copies: x is read from disk next.
+    others = _requests(tiny_lora)[1:]
+    llm.generate([prompt] * 2, GREEDY, use_tqdm=False, lora_request=others)
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated
+    outputs = llm.generate([prompt] * 3, GREEDY, use_tqdm=False, lora_request=[None, x, others[0]])
+    assert outputs[0].outputs[0].token_ids == hf_greedy(tiny_lora.base, prompt, NUM_TOKENS)
+    assert outputs[1].outputs[0].finish_reason == "error"
+    assert outputs[1].error is not None and "'x' could not be read" in outputs[1].error
+    assert outputs[2].outputs[0].token_ids == hf_greedy(b.model, prompt, NUM_TOKENS)
+    # Passing it again loads it again: still unreadable, a ValueError before any work.
+    with pytest.raises(ValueError, match="'x' could not be read"):
+        llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=x)
+    shutil.copyfile(a.path / "adapter_model.safetensors", weights)
+    again = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=x)
+    assert again[0].outputs[0].token_ids == hf_greedy(a.model, prompt, NUM_TOKENS)
 
 
 def test_lora_request_needs_enable_lora(tiny_lora: TinyLoRA) -> None:
