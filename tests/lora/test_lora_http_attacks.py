@@ -126,7 +126,10 @@ def test_unload_while_in_use_and_folder_removed(tiny_lora: TinyLoRA, tmp_path: P
         async with _client(tiny_lora) as (client, engine):
             assert (await _load(client, "ad", copy)).status_code == 200
             running = asyncio.create_task(_complete(client, "ad", n))
-            while not engine.scheduler.lora_names()[0]:  # type: ignore[attr-defined]
+            # Wait until the worker holds the adapter's weights: a read after the folder is
+            # gone fails the request instead (tests/lora/test_lora_unreadable.py).
+            slots = engine.executor.runner.lora  # type: ignore[attr-defined]
+            while not slots.loaded_ids:
                 await asyncio.sleep(0.001)
             unload = await client.post("/v1/unload_lora_adapter", json={"lora_name": "ad"},
                                        headers=AUTH)  # fmt: skip
