@@ -14,7 +14,6 @@ multi_modal_projector.`, `model.language_model.`, `lm_head.`) and the older one
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -29,7 +28,7 @@ from asyncserve.models.parallel import SINGLE, TensorParallel
 from asyncserve.models.pipeline import PipelineStage
 from asyncserve.models.registry import resolve_model_class
 from asyncserve.models.vision_tower import VisionArch, VisionTransformer, activation
-from asyncserve.models.weights import Target, load_checkpoint
+from asyncserve.models.weights import Target
 from asyncserve.multimodal.inputs import MultiModalItem
 
 _TOP = ("vision_tower.", "multi_modal_projector.", "language_model.", "lm_head.")
@@ -150,15 +149,6 @@ class LlavaForConditionalGeneration(MultiModalCausalLM):
         return self._text_model(  # type: ignore[no-any-return]
             input_ids, positions, kv_caches, meta, inputs_embeds=inputs_embeds
         )
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
-
-    def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.local_logits(hidden)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_checkpoint(self, weights, self.route)
 
     def route(self, hf_name: str) -> Target | None:
         name = normalize_name(hf_name)

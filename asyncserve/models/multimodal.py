@@ -18,19 +18,33 @@ three rows are equal there and M-RoPE is plain RoPE, so the decode CUDA graphs a
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Iterable
+from typing import Any, ClassVar
 
 import torch
 
 from asyncserve.models.attention import AttentionMetadata
 from asyncserve.models.base import CausalLM
-from asyncserve.models.weights import Target
+from asyncserve.models.weights import Target, load_checkpoint
 from asyncserve.multimodal.inputs import MultiModalItem
 
 
 class MultiModalCausalLM(CausalLM):
+    """A vision encoder in front of a text CausalLM (`language_model`), which computes the
+    logits; checkpoint tensors go where `route` says."""
+
     supports_multimodal: ClassVar[bool] = True
     uses_mrope: ClassVar[bool] = False
+    language_model: Any
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden)  # type: ignore[no-any-return]
+
+    def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.language_model.local_logits(hidden)  # type: ignore[no-any-return]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_checkpoint(self, weights, self.route)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] token ids -> [T, hidden] input embeddings (before any image rows)."""

@@ -13,7 +13,6 @@ Checkpoint names: transformers' current layout (`model.visual.`, `model.language
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -26,7 +25,7 @@ from asyncserve.models.multimodal import MultiModalCausalLM
 from asyncserve.models.parallel import SINGLE, TensorParallel
 from asyncserve.models.pipeline import PipelineStage
 from asyncserve.models.qwen2_5_vl_vision import Qwen2_5_VisionTransformer, VisionConfig
-from asyncserve.models.weights import Target, load_checkpoint
+from asyncserve.models.weights import Target
 from asyncserve.multimodal.inputs import MultiModalItem
 
 
@@ -116,15 +115,6 @@ class Qwen2_5_VLForConditionalGeneration(MultiModalCausalLM):
         return self.language_model.model(  # type: ignore[no-any-return]
             input_ids, positions, kv_caches, meta, inputs_embeds=inputs_embeds
         )
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
-
-    def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.local_logits(hidden)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_checkpoint(self, weights, self.route)
 
     def route(self, hf_name: str) -> Target | None:
         if hf_name.startswith(("model.visual.", "visual.")):
