@@ -22,16 +22,16 @@ from asyncserve.config import ModelConfig
 from asyncserve.models.attention import AttentionMetadata
 from asyncserve.models.loader import load_model
 from asyncserve.spec_decode.config import SpeculativeConfig
+from asyncserve.spec_decode.model_proposer import ModelProposer
 from asyncserve.spec_decode.rejection_sampler import sample_from, target_probs
 from asyncserve.worker.input_batch import CachedRequestState
-from asyncserve.worker.kv_pool import allocate_kv_caches, kv_block_bytes
 from asyncserve.worker.sampler import process_logits
 from asyncserve.worker.sampling_metadata import SamplingMetadata, SamplingRow
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-class DraftProposer:
+class DraftProposer(ModelProposer):
     def __init__(
         self,
         spec: SpeculativeConfig,
@@ -40,6 +40,7 @@ class DraftProposer:
         device: torch.device,
         block_size: int,
     ) -> None:
+        super().__init__()
         assert spec.model is not None
         loaded = load_model(ModelConfig(model=spec.model, dtype=_DTYPE_NAMES[dtype]), device)
         if loaded.arch.vocab_size != target_vocab_size:
@@ -54,29 +55,6 @@ class DraftProposer:
         self.block_size = block_size
         self.k = spec.num_speculative_tokens
         self.vocab_size = target_vocab_size
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        # Request id -> (its runner state, tokens whose draft K/V are written). A request
-        # that comes back (preemption) has a new state and starts over.
-        self._progress: dict[str, tuple[CachedRequestState, int]] = {}
-        # Request id -> [k, V] distributions its last proposals were drawn from (random
-        # rows only; greedy rows need none).
-        self._probs: dict[str, torch.Tensor] = {}
-
-    def block_bytes(self) -> int:
-        return kv_block_bytes(self.arch, self.block_size, self.dtype)
-
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = allocate_kv_caches(
-            self.arch, num_blocks, self.block_size, self.dtype, self.device
-        )
-
-    def forget(self, request_id: str) -> None:
-        self._progress.pop(request_id, None)
-        self._probs.pop(request_id, None)
-
-    def draft_probs(self, request_id: str, num_drafts: int) -> torch.Tensor | None:
-        probs = self._probs.get(request_id)
-        return None if probs is None else probs[:num_drafts]
 
     @torch.inference_mode()
     def propose(self, states: list[CachedRequestState]) -> dict[str, list[int]]:

@@ -30,8 +30,8 @@ from asyncserve.spec_decode.config import SpeculativeConfig
 from asyncserve.spec_decode.draft_proposer import _block_tables, _choose, proposal_sampling
 from asyncserve.spec_decode.eagle3_head import Eagle3Head, load_eagle3_head
 from asyncserve.spec_decode.eagle_head import EagleHead, load_eagle_head
+from asyncserve.spec_decode.model_proposer import ModelProposer
 from asyncserve.worker.input_batch import CachedRequestState
-from asyncserve.worker.kv_pool import allocate_kv_caches, kv_block_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class _Pending:
         return torch.cat(self.rows)[start - self.start : end - self.start]
 
 
-class EagleProposer:
+class EagleProposer(ModelProposer):
     def __init__(
         self,
         spec: SpeculativeConfig,
@@ -69,6 +69,7 @@ class EagleProposer:
         device: torch.device,
         block_size: int,
     ) -> None:
+        super().__init__()
         assert spec.model is not None
         if not isinstance(target, LlamaForCausalLM):
             raise ValueError(
@@ -92,29 +93,12 @@ class EagleProposer:
         self.block_size = block_size
         self.k = spec.num_speculative_tokens
         self.vocab_size = target.config.vocab_size
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        # Request id -> (its runner state, head positions whose K/V come from the target's
-        # hidden states). A request that comes back (preemption) starts over.
-        self._progress: dict[str, tuple[CachedRequestState, int]] = {}
+        # Request id -> the target hidden states recorded for it.
         self._pending: dict[str, _Pending] = {}
-        self._probs: dict[str, torch.Tensor] = {}
-
-    def block_bytes(self) -> int:
-        return kv_block_bytes(self.arch, self.block_size, self.dtype)
-
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = allocate_kv_caches(
-            self.arch, num_blocks, self.block_size, self.dtype, self.device
-        )
 
     def forget(self, request_id: str) -> None:
-        self._progress.pop(request_id, None)
+        super().forget(request_id)
         self._pending.pop(request_id, None)
-        self._probs.pop(request_id, None)
-
-    def draft_probs(self, request_id: str, num_drafts: int) -> torch.Tensor | None:
-        probs = self._probs.get(request_id)
-        return None if probs is None else probs[:num_drafts]
 
     def record(
         self,
