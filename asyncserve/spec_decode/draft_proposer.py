@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from asyncserve.config import ModelConfig
-from asyncserve.models.attention import AttentionMetadata
 from asyncserve.models.loader import load_model
 from asyncserve.spec_decode.config import SpeculativeConfig
 from asyncserve.spec_decode.model_proposer import ModelProposer
@@ -105,31 +104,12 @@ class DraftProposer(ModelProposer):
     ) -> torch.Tensor:
         """One draft forward over positions [start, end) of each request; returns the
         logits of each request's last position."""
-        counts = np.asarray(ends, dtype=np.int64) - np.asarray(starts, dtype=np.int64)
-        cu = np.zeros(len(counts) + 1, dtype=np.int64)
-        np.cumsum(counts, out=cu[1:])
-        positions = np.arange(cu[-1], dtype=np.int64) - np.repeat(cu[:-1], counts)
-        positions += np.repeat(np.asarray(starts, dtype=np.int64), counts)
-        req_index = np.repeat(np.arange(len(counts)), counts)
-        device = self.device
-        pos_t = torch.from_numpy(positions).to(device)
-        req_t = torch.from_numpy(req_index).to(device)
-        blocks = block_tables[req_t, pos_t // self.block_size].to(torch.int64)
-        slots = blocks * self.block_size + pos_t % self.block_size
+        pos_t, meta, last = self._layout(starts, ends, block_tables)
         if isinstance(token_ids, torch.Tensor):
             ids = token_ids
         else:
-            ids = torch.tensor(token_ids, dtype=torch.int64).to(device)
-        meta = AttentionMetadata(
-            slot_mapping=slots,
-            cu_seqlens_q=torch.from_numpy(cu).to(device, torch.int32),
-            seq_lens=torch.tensor(ends, dtype=torch.int32).to(device),
-            block_tables=block_tables,
-            max_seqlen_q=int(counts.max()),
-            max_seqlen_k=max(ends),
-        )
+            ids = torch.tensor(token_ids, dtype=torch.int64).to(self.device)
         hidden = self.model(ids, pos_t, self.kv_caches, meta)
-        last = torch.from_numpy(cu[1:] - 1).to(device)
         return self.model.compute_logits(hidden[last])
 
 

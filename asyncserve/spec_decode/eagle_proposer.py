@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import torch
 
-from asyncserve.models.attention import AttentionMetadata
 from asyncserve.models.llama import LlamaForCausalLM
 from asyncserve.spec_decode.config import SpeculativeConfig
 from asyncserve.spec_decode.draft_proposer import _block_tables, _choose, proposal_sampling
@@ -187,28 +185,9 @@ class EagleProposer(ModelProposer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One head forward over positions [start, end) of each request; returns the head's
         output at each request's last position: for the logits, and fed back."""
-        counts = np.asarray(ends, dtype=np.int64) - np.asarray(starts, dtype=np.int64)
-        cu = np.zeros(len(counts) + 1, dtype=np.int64)
-        np.cumsum(counts, out=cu[1:])
-        positions = np.arange(cu[-1], dtype=np.int64) - np.repeat(cu[:-1], counts)
-        positions += np.repeat(np.asarray(starts, dtype=np.int64), counts)
-        req_index = np.repeat(np.arange(len(counts)), counts)
-        device = self.device
-        pos_t = torch.from_numpy(positions).to(device)
-        req_t = torch.from_numpy(req_index).to(device)
-        blocks = block_tables[req_t, pos_t // self.block_size].to(torch.int64)
-        slots = blocks * self.block_size + pos_t % self.block_size
-        meta = AttentionMetadata(
-            slot_mapping=slots,
-            cu_seqlens_q=torch.from_numpy(cu).to(device, torch.int32),
-            seq_lens=torch.tensor(ends, dtype=torch.int32).to(device),
-            block_tables=block_tables,
-            max_seqlen_q=int(counts.max()),
-            max_seqlen_k=max(ends),
-        )
+        pos_t, meta, last = self._layout(starts, ends, block_tables)
         embeds = self.embed_tokens(token_ids)
         out, fed_back = self.head(embeds, hidden, pos_t, self.kv_caches, meta)
-        last = torch.from_numpy(cu[1:] - 1).to(device)
         return out[last], fed_back[last]
 
 

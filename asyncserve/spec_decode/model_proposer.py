@@ -4,9 +4,11 @@ were drawn from."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from asyncserve.models.arch_config import ArchConfig
+from asyncserve.models.attention import AttentionMetadata
 from asyncserve.worker.input_batch import CachedRequestState
 from asyncserve.worker.kv_pool import allocate_kv_caches, kv_block_bytes
 
@@ -41,3 +43,28 @@ class ModelProposer:
     def draft_probs(self, request_id: str, num_drafts: int) -> torch.Tensor | None:
         probs = self._probs.get(request_id)
         return None if probs is None else probs[:num_drafts]
+
+    def _layout(
+        self, starts: list[int], ends: list[int], block_tables: torch.Tensor
+    ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Positions [start, end) of each request, flattened: (positions, attention
+        metadata over the proposer's own KV cache, index of each request's last row)."""
+        counts = np.asarray(ends, dtype=np.int64) - np.asarray(starts, dtype=np.int64)
+        cu = np.zeros(len(counts) + 1, dtype=np.int64)
+        np.cumsum(counts, out=cu[1:])
+        positions = np.arange(cu[-1], dtype=np.int64) - np.repeat(cu[:-1], counts)
+        positions += np.repeat(np.asarray(starts, dtype=np.int64), counts)
+        req_index = np.repeat(np.arange(len(counts)), counts)
+        device = self.device
+        pos_t = torch.from_numpy(positions).to(device)
+        req_t = torch.from_numpy(req_index).to(device)
+        blocks = block_tables[req_t, pos_t // self.block_size].to(torch.int64)
+        meta = AttentionMetadata(
+            slot_mapping=blocks * self.block_size + pos_t % self.block_size,
+            cu_seqlens_q=torch.from_numpy(cu).to(device, torch.int32),
+            seq_lens=torch.tensor(ends, dtype=torch.int32).to(device),
+            block_tables=block_tables,
+            max_seqlen_q=int(counts.max()),
+            max_seqlen_k=max(ends),
+        )
+        return pos_t, meta, torch.from_numpy(cu[1:] - 1).to(device)
