@@ -178,6 +178,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "slicing every expert",
     )
     group.add_argument(
+        "--disable-custom-all-reduce",
+        action="store_true",
+        help="tensor parallelism on one host's GPUs: all-reduce through NCCL only (by default "
+        "small all-reduces use a one-shot kernel over symmetric memory when the GPUs have peer "
+        "access)",
+    )
+    group.add_argument(
         "--pipeline-parallel-size",
         "-pp",
         type=_positive_int,
@@ -283,6 +290,7 @@ def engine_config_from_args(args: argparse.Namespace, env: Environment) -> Engin
         tensor_parallel_size=args.tensor_parallel_size,
         data_parallel_size=getattr(args, "data_parallel_size", 1),
         enable_expert_parallel=args.enable_expert_parallel,
+        disable_custom_all_reduce=args.disable_custom_all_reduce,
         pipeline_parallel_size=args.pipeline_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
         ray_placement_strategy=args.ray_placement_strategy,

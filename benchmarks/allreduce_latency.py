@@ -23,6 +23,38 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from asyncserve.worker import fast_all_reduce  # noqa: E402
+
+
+def _time_fast(fast: Any, x: torch.Tensor, iters: int) -> dict[str, float]:
+    """The one-shot path, eager and in a graph, checked against NCCL's sum first."""
+    expected = x.clone()
+    dist.all_reduce(expected)
+    row: dict[str, float] = {"fast_equal_nccl": float(torch.equal(fast(x), expected))}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fast(x)
+    end.record()
+    end.synchronize()
+    row["fast_eager_us"] = start.elapsed_time(end) * 1e3 / iters
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(64):
+            fast(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    reps = max(1, iters // 64)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    row["fast_graph_us"] = start.elapsed_time(end) * 1e3 / (reps * 64)
+    return row
+
 
 def _rank(rank: int, size: int, port: int, args: argparse.Namespace, queue: Any) -> None:
     cuda = torch.cuda.is_available()
@@ -35,7 +67,10 @@ def _rank(rank: int, size: int, port: int, args: argparse.Namespace, queue: Any)
     )  # fmt: skip
     dtype = torch.bfloat16 if cuda else torch.float32
     results: dict[str, Any] = {}
-    for tokens in (1, 8, 64, 256):
+    # The one-shot kernel over symmetric memory that TP ranks use for small all-reduces.
+    fast = fast_all_reduce.build(rank, size, device, dtype) if cuda else None
+    results["symmetric_memory"] = fast is not None
+    for tokens in (1, 8, 64, 256, 512):
         x = torch.ones(tokens, args.hidden, dtype=dtype, device=device)
         for _ in range(20):
             dist.all_reduce(x)
@@ -63,6 +98,8 @@ def _rank(rank: int, size: int, port: int, args: argparse.Namespace, queue: Any)
             end.record()
             end.synchronize()
             row["graph_us"] = start.elapsed_time(end) * 1e3 / (reps * 64)
+            if fast is not None and fast(x) is not None:
+                row.update(_time_fast(fast, x, args.iters))
         else:
             t0 = time.perf_counter()
             for _ in range(args.iters):

@@ -55,6 +55,8 @@ def build_vllm(a):
         kw["enforce_eager"] = True
     if a.tensor_parallel_size > 1:
         kw["tensor_parallel_size"] = a.tensor_parallel_size
+    if a.disable_custom_all_reduce:
+        kw["disable_custom_all_reduce"] = True
     if a.quantization:
         kw["quantization"] = a.quantization
     return LLM(**kw)
@@ -84,6 +86,8 @@ def build_asyncserve(a):
         kw["enforce_eager"] = True
     if a.tensor_parallel_size > 1:
         kw["tensor_parallel_size"] = a.tensor_parallel_size
+    if a.disable_custom_all_reduce:
+        kw["disable_custom_all_reduce"] = True
     if a.quantization:
         kw["quantization"] = a.quantization
     return LLM(**kw)
@@ -106,6 +110,7 @@ def main():
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--disable-custom-all-reduce", action="store_true", help="NCCL only")
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument(
         "--quantization", default=None, help="e.g. fp8: the same scheme for both engines"
@@ -145,6 +150,7 @@ def main():
                 max_num_batched_tokens=a.max_num_batched_tokens,
                 enforce_eager=a.enforce_eager,
                 tensor_parallel_size=a.tensor_parallel_size,
+                disable_custom_all_reduce=a.disable_custom_all_reduce,
                 quantization=a.quantization,
             ),
         )

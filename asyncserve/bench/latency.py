@@ -61,6 +61,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         async_scheduling=args.async_scheduling,
         tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
+        disable_custom_all_reduce=args.disable_custom_all_reduce,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=False,
         speculative_config=args.speculative_config,

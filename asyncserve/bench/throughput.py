@@ -65,6 +65,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         async_scheduling=args.async_scheduling,
         tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
+        disable_custom_all_reduce=args.disable_custom_all_reduce,
         seed=args.seed,
         data_parallel_size=args.data_parallel_size,
     )

@@ -11,6 +11,7 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="engine replicas")
     parser.add_argument("--enable-expert-parallel", action="store_true")
+    parser.add_argument("--disable-custom-all-reduce", action="store_true")
 
 
 def random_prompts(

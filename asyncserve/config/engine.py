@@ -91,6 +91,7 @@ class EngineConfig:
         data_parallel_size: int = 1,
         decode_latency_target_ms: float = DEFAULT_DECODE_LATENCY_TARGET_MS,
         enable_expert_parallel: bool = False,
+        disable_custom_all_reduce: bool = False,
         speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None,
         pipeline_parallel_size: int = 1,
         distributed_executor_backend: str | None = None,
@@ -131,6 +132,7 @@ class EngineConfig:
                 tensor_parallel_size=tensor_parallel_size,
                 data_parallel_size=data_parallel_size,
                 enable_expert_parallel=enable_expert_parallel,
+                disable_custom_all_reduce=disable_custom_all_reduce,
                 pipeline_parallel_size=pipeline_parallel_size,
                 distributed_executor_backend=distributed_executor_backend,  # type: ignore[arg-type]
                 ray_placement_strategy=ray_placement_strategy,

@@ -120,6 +120,9 @@ class ParallelConfig:
     data_parallel_size: int = 1
     # MoE layers place whole experts on ranks instead of slicing every expert.
     enable_expert_parallel: bool = False
+    # Small all-reduces of one host's CUDA ranks go through symmetric memory unless this is set
+    # (then NCCL does every all-reduce).
+    disable_custom_all_reduce: bool = False
     # Stages the layers are split into (tensor_parallel_size workers each); Ray only.
     pipeline_parallel_size: int = 1
     # None: "mp" when there are several workers; "uni" runs the model in this process.

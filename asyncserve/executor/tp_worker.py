@@ -27,6 +27,7 @@ from asyncserve.executor.shm_broadcast import ReaderHandle, ShmReader
 from asyncserve.executor.step_codec import Message, decode
 from asyncserve.models.loader import load_model
 from asyncserve.models.parallel import TensorParallel
+from asyncserve.worker import fast_all_reduce
 from asyncserve.worker.model_runner import ForwardedStep, LaunchedStep, ModelRunner
 
 
@@ -52,6 +53,8 @@ def _start(
     torch.manual_seed(config.model.seed)
     tp = TensorParallel(rank, size, config.parallel.enable_expert_parallel)
     loaded = load_model(config.model, device, tp)
+    if not config.parallel.disable_custom_all_reduce:
+        tp.fast.reduce = fast_all_reduce.build(rank, size, device, loaded.dtype)
     return ModelRunner(loaded, config, device, tp)
 
 

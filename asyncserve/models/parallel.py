@@ -9,6 +9,7 @@ replicated when there are fewer KV heads than ranks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +42,14 @@ TP_ARCHITECTURES = frozenset(
 )
 
 
+@dataclass
+class FastAllReduce:
+    """A faster path for small all-reduces (worker/fast_all_reduce.py), set by the worker once
+    the model's dtype is known; `reduce` returns None for what it does not take."""
+
+    reduce: Callable[[torch.Tensor], torch.Tensor | None] | None = None
+
+
 @dataclass(frozen=True)
 class TensorParallel:
     """This rank's place in the tensor-parallel group; size 1 makes every collective a no-op.
@@ -54,6 +63,7 @@ class TensorParallel:
     # The ranks' process group; None: the default (world) group. Pipeline parallelism gives
     # each stage its own.
     group: Any = field(default=None, compare=False, repr=False)
+    fast: FastAllReduce = field(default_factory=FastAllReduce, compare=False, repr=False)
 
     def split(self, total: int) -> tuple[int, int]:
         """(start, size) of this rank's equal share of `total`."""
@@ -68,7 +78,12 @@ class TensorParallel:
         return self.rank * num_kv_heads // self.size, 1
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The ranks' sum: in place through NCCL/gloo, or a new tensor from the fast path."""
         if self.size > 1:
+            if self.fast.reduce is not None:
+                summed = self.fast.reduce(x)
+                if summed is not None:
+                    return summed
             dist.all_reduce(x, group=self.group)
         return x
 
