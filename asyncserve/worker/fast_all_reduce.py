@@ -44,8 +44,10 @@ class SymmetricAllReduce:
             or x.numel() * x.element_size() % 16  # the kernel loads 16-byte vectors
         ):
             return None
+        # The kernel wants the symmetric buffer in x's shape: a view of its first numel.
+        staging = self.buffer[: x.numel()].view(x.shape)
         out: torch.Tensor = torch.ops.symm_mem.one_shot_all_reduce_copy(
-            self.buffer, x, "sum", self.group_name
+            staging, x, "sum", self.group_name
         )
         return out
 
