@@ -1,8 +1,11 @@
-"""CUDA graphs for pure-decode steps, captured lazily per padded batch size.
+"""CUDA graphs for pure-decode steps, one per padded batch size, all captured at start-up.
 
 A decode step launches hundreds of small kernels; replaying one graph removes the launch
 overhead that otherwise bounds small batches. Inputs live in persistent buffers the graph
 reads; a batch is padded up to the nearest captured size (padding rows store no K/V).
+Capturing every size before serving keeps kernel compiles and captures out of the requests'
+time (a size first met while serving stalled every running request for its compile), and
+out of the way of threads that use the device beside the steps (KV transfers).
 """
 
 from __future__ import annotations
@@ -89,12 +92,24 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: another thread's device calls (a KV transfer) leave the capture valid.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             logits = self._forward(size)
         self.graphs[size] = (graph, logits)
         logger.debug(
             "captured decode graph for batch %d in %.3f s", size, time.perf_counter() - start
         )
+
+    def capture_all(self) -> None:
+        """Every size, largest first (the smaller graphs reuse the largest one's pool)."""
+        start = time.perf_counter()
+        for size in reversed(self.sizes):
+            if size not in self.graphs:
+                self._capture(size)
+        logger.info(
+            "captured %d decode graphs (batch 1 to %d) in %.1f s",
+            len(self.sizes), self.max_batch, time.perf_counter() - start,
+        )  # fmt: skip
 
     def run(self, inputs: StepInputs, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [num_reqs, this rank's vocabulary slice] of a pure-decode step, by graph

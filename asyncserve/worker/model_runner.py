@@ -174,6 +174,7 @@ class ModelRunner:
                 self.block_size,
                 self.device,
             )
+            self.decode_graphs.capture_all()
 
     def watch_full_vocab(self, on: bool) -> int:
         """Start or stop counting this rank's full-vocabulary-wide tensors; the count so far."""
