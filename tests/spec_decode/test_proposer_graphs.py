@@ -68,6 +68,10 @@ def test_fill_pads_to_the_captured_size() -> None:
     assert graphs.sizes == [1, 2, 4, 8, 16, 20]
     proposer = ModelProposer()
     proposer.block_size, proposer.device = BLOCK_SIZE, CPU
+    # A step of four requests first: the next step's padding row must not keep its values.
+    four = [*POSITIONS, 9]
+    pos_t, meta, _ = proposer._layout(four, [p + 1 for p in four], TABLES[[0, 1, 2, 0]])
+    assert graphs.fill(torch.tensor([1, 2, 3, 4]), pos_t, meta) == 4
     pos_t, meta, _ = proposer._layout(POSITIONS, [p + 1 for p in POSITIONS], TABLES)
     assert graphs.fill(TOKENS, pos_t, meta) == 4
     ids, positions, padded = graphs.inputs(4)
