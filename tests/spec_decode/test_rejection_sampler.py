@@ -80,7 +80,7 @@ def _biased(probs: torch.Tensor, amount: float) -> torch.Tensor:
     return out
 
 
-def _chi2(samples: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+def chi2_statistic(samples: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
     """Pearson's statistic over the categories with positive probability, and its df."""
     samples, probs = samples.cpu(), probs.cpu()
     counts = torch.bincount(samples, minlength=len(probs)).double()
@@ -91,31 +91,29 @@ def _chi2(samples: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
     return stat, int(support.sum()) - 1
 
 
-@pytest.mark.parametrize("device", DEVICES, ids=str)
-@pytest.mark.parametrize(("params", "one_hot"), SAMPLING_CASES)
-def test_tokens_follow_the_target_distribution(
-    params: SamplingParams, one_hot: bool, device: torch.device
-) -> None:
-    """Many requests with two proposals each from one position's logits: the first token
-    is distributed as p_1 and, when the first proposal was accepted, the second as p_2,
-    whatever the proposer's distribution (one-hot as n-gram, or a draft model's q)."""
-    torch.manual_seed(0)
-    n = NUM_REQUESTS
-    p_logits = torch.tensor(
-        [[1.0, 0.2, -0.5, 0.8, 0.0, -1.0], [0.3, 1.2, 0.1, -0.4, 0.9, 0.0]], device=device
-    )
-    q_logits = torch.tensor(
-        [[0.0, 1.0, 0.5, -0.2, 0.3, 0.1], [1.0, 0.0, 0.2, 0.5, 0.6, -0.3]], device=device
-    )
+# Target and proposer logits at the two proposed positions.
+P_LOGITS = [[1.0, 0.2, -0.5, 0.8, 0.0, -1.0], [0.3, 1.2, 0.1, -0.4, 0.9, 0.0]]
+Q_LOGITS = [[0.0, 1.0, 0.5, -0.2, 0.3, 0.1], [1.0, 0.0, 0.2, 0.5, 0.6, -0.3]]
+
+
+def sample_two_positions(
+    params: SamplingParams, one_hot: bool, n: int, device: torch.device, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """n requests with two proposals each (fixed tokens as n-gram's, or draws from the
+    proposer's q), rejection-sampled against P_LOGITS: (output [n, 3], proposals [n, 2],
+    the target's processed distributions [2, V]), on the CPU."""
+    torch.manual_seed(seed)
+    p_logits = torch.tensor(P_LOGITS, device=device)
     meta = _meta(params, 3 * n, device)
     # The proposer's distribution, processed as the target's (top-k / top-p on both).
-    q = target_probs(q_logits.repeat(2, 1)[:3], _meta(params, 3, device))
+    q_logits = torch.tensor([*Q_LOGITS, Q_LOGITS[0]], device=device)
+    q = target_probs(q_logits, _meta(params, 3, device))
     if one_hot:  # n-gram: the proposals are fixed tokens, not draws
         drafts = torch.tensor([[0, 3]]).expand(n, 2)
     else:
         # Drawn on the CPU from a generator of their own, so that the proposals are
         # independent draws from q on any device (only the sampler's draws are tested).
-        cpu = torch.Generator().manual_seed(1)
+        cpu = torch.Generator().manual_seed(seed + 1)
         drafts = torch.stack(
             [torch.multinomial(q[j].cpu(), n, replacement=True, generator=cpu) for j in (0, 1)],
             dim=1,
@@ -124,14 +122,25 @@ def test_tokens_follow_the_target_distribution(
     logits = torch.cat([p_logits, p_logits[:1]]).repeat(n, 1)
     draft_probs = None if one_hot else q.repeat(n, 1)
     out = rejection_sample(logits, meta, layout, draft_probs).cpu()
-    p = target_probs(logits[:3], _meta(params, 3, device)).cpu()
+    p = target_probs(logits[:2], _meta(params, 2, device)).cpu()
+    return out, drafts, p
 
+
+@pytest.mark.parametrize("device", DEVICES, ids=str)
+@pytest.mark.parametrize(("params", "one_hot"), SAMPLING_CASES)
+def test_tokens_follow_the_target_distribution(
+    params: SamplingParams, one_hot: bool, device: torch.device
+) -> None:
+    """Many requests with two proposals each from one position's logits: the first token
+    is distributed as p_1 and, when the first proposal was accepted, the second as p_2,
+    whatever the proposer's distribution (one-hot as n-gram, or a draft model's q)."""
+    out, drafts, p = sample_two_positions(params, one_hot, NUM_REQUESTS, device)
     accepted = out[:, 0] == drafts[:, 0]
     assert accepted.sum() > 40_000
     for samples, probs in ((out[:, 0], p[0]), (out[accepted, 1], p[1])):
-        stat, df = _chi2(samples, probs)
+        stat, df = chi2_statistic(samples, probs)
         critical = chi2_critical(df, FAMILY_ALPHA / NUM_CHECKS)
         assert stat < critical, (stat, df, critical)
         # The samples are enough to see a small bias: against a distribution off by BIAS
         # the same check fails.
-        assert _chi2(samples, _biased(probs, BIAS))[0] > critical
+        assert chi2_statistic(samples, _biased(probs, BIAS))[0] > critical
