@@ -4,8 +4,9 @@ The draft keeps its own paged KV cache with as many blocks as the target's and r
 same block tables: block b of a request holds the same positions in both pools. Each
 proposal round first catches the draft up on the request's tokens it has not seen (the
 whole prompt the first time, then the tokens accepted since), which yields the first
-proposal, then runs k - 1 one-token steps. The scheduler allocates k lookahead slots per
-request so those steps have somewhere to write.
+proposal, then runs k - 1 one-token steps (replayed CUDA graphs on the GPU, see
+model_proposer.py). The scheduler allocates k lookahead slots per request so those steps
+have somewhere to write.
 
 Proposals are sampled with the request's own temperature / top-k / top-p / min_p (greedy
 rows take the argmax); their distributions are kept for the rejection sampler, which needs
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 
 from asyncserve.config import ModelConfig
+from asyncserve.models.attention import AttentionMetadata
 from asyncserve.models.loader import load_model
 from asyncserve.spec_decode.config import SpeculativeConfig
 from asyncserve.spec_decode.model_proposer import ModelProposer
@@ -80,7 +82,11 @@ class DraftProposer(ModelProposer):
         for step in range(self.k):
             if step:
                 positions = [end + step - 1 for end in ends]
-                logits = self._forward(drafts[-1], positions, [p + 1 for p in positions], tables)
+                pos_t, step_meta, graphs = self._one_token_inputs(positions, tables)
+                if graphs is not None:
+                    (logits,) = graphs.replay(drafts[-1], pos_t, step_meta)
+                else:
+                    (logits,) = self._decode_forward(drafts[-1], pos_t, step_meta)
             token, q = _choose(logits, meta)
             drafts.append(token)
             if q is not None:
@@ -95,9 +101,15 @@ class DraftProposer(ModelProposer):
         ids = torch.stack(drafts, dim=1).tolist()
         return {state.request_id: ids[i] for i, state in enumerate(states)}
 
+    def _decode_forward(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, ...]:
+        hidden = self.model(token_ids, positions, self.kv_caches, meta)
+        return (self.model.compute_logits(hidden),)
+
     def _forward(
         self,
-        token_ids: list[int] | torch.Tensor,
+        token_ids: list[int],
         starts: list[int],
         ends: list[int],
         block_tables: torch.Tensor,
@@ -105,10 +117,7 @@ class DraftProposer(ModelProposer):
         """One draft forward over positions [start, end) of each request; returns the
         logits of each request's last position."""
         pos_t, meta, last = self._layout(starts, ends, block_tables)
-        if isinstance(token_ids, torch.Tensor):
-            ids = token_ids
-        else:
-            ids = torch.tensor(token_ids, dtype=torch.int64).to(self.device)
+        ids = torch.tensor(token_ids, dtype=torch.int64).to(self.device)
         hidden = self.model(ids, pos_t, self.kv_caches, meta)
         return self.model.compute_logits(hidden[last])
 

@@ -8,8 +8,9 @@ token at p + 1 and the target's hidden state at p, so each target forward's hidd
 are recorded (`record`) until the tokens after them are known. A proposal round catches the
 head up on the positions recorded since its last round (whose last output gives the first
 proposal), then runs k - 1 one-token steps, each fed the proposal before it and the head's
-own output hidden state. Those steps write K/V into the k lookahead slots the scheduler
-holds; the next round overwrites them from the target's hidden states.
+own output hidden state (replayed CUDA graphs on the GPU, see model_proposer.py). Those
+steps write K/V into the k lookahead slots the scheduler holds; the next round overwrites
+them from the target's hidden states.
 
 Proposals are sampled as the draft model's are (see draft_proposer.py), keeping q for the
 rejection sampler. Positions the target did not compute (a prefix-cache hit) give the head
@@ -23,6 +24,7 @@ import logging
 
 import torch
 
+from asyncserve.models.attention import AttentionMetadata
 from asyncserve.models.llama import LlamaForCausalLM
 from asyncserve.spec_decode.config import SpeculativeConfig
 from asyncserve.spec_decode.draft_proposer import _block_tables, _choose, proposal_sampling
@@ -93,6 +95,7 @@ class EagleProposer(ModelProposer):
         self.vocab_size = target.config.vocab_size
         # Request id -> the target hidden states recorded for it.
         self._pending: dict[str, _Pending] = {}
+        self._hidden_in: torch.Tensor | None = None
 
     def forget(self, request_id: str) -> None:
         super().forget(request_id)
@@ -151,15 +154,20 @@ class EagleProposer(ModelProposer):
         for state, start, end in zip(chosen, starts, ends, strict=True):
             token_ids.extend(state.token_slice(start + 1, end + 1))
         ids = torch.tensor(token_ids, dtype=torch.int64).to(self.device)
-        out, hidden = self._forward(ids, torch.cat(hidden_rows), starts, ends, tables)
+        logits, hidden = self._forward(ids, torch.cat(hidden_rows), starts, ends, tables)
         drafts: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
         for step in range(self.k):
             if step:
                 positions = [end + step - 1 for end in ends]
-                after = [p + 1 for p in positions]
-                out, hidden = self._forward(drafts[-1], hidden, positions, after, tables)
-            token, q = _choose(self.compute_logits(out), meta)
+                pos_t, step_meta, graphs = self._one_token_inputs(positions, tables)
+                if graphs is not None:
+                    assert self._hidden_in is not None
+                    self._hidden_in[: len(chosen)].copy_(hidden)
+                    logits, hidden = graphs.replay(drafts[-1], pos_t, step_meta)
+                else:
+                    logits, hidden = self._head_step(drafts[-1], hidden, pos_t, step_meta)
+            token, q = _choose(logits, meta)
             drafts.append(token)
             if q is not None:
                 probs.append(q)
@@ -183,12 +191,39 @@ class EagleProposer(ModelProposer):
         ends: list[int],
         block_tables: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One head forward over positions [start, end) of each request; returns the head's
-        output at each request's last position: for the logits, and fed back."""
+        """One head forward over positions [start, end) of each request; returns, at each
+        request's last position, the logits and the head's output fed back."""
         pos_t, meta, last = self._layout(starts, ends, block_tables)
         embeds = self.embed_tokens(token_ids)
         out, fed_back = self.head(embeds, hidden, pos_t, self.kv_caches, meta)
-        return out[last], fed_back[last]
+        return self.compute_logits(out[last]), fed_back[last]
+
+    def _head_step(
+        self,
+        token_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A one-token step: (logits, the head's output fed back), a row per request."""
+        out, fed_back = self.head(
+            self.embed_tokens(token_ids), hidden, positions, self.kv_caches, meta
+        )
+        return self.compute_logits(out), fed_back
+
+    def use_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
+        super().use_cuda_graphs(max_batch, max_model_len)
+        assert self.graphs is not None
+        # The hidden states fed back are the graphs' second input, in a buffer of their own.
+        self._hidden_in = torch.zeros(
+            self.graphs.max_batch, self.arch.hidden_size, dtype=self.dtype, device=self.device
+        )
+
+    def _decode_forward(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, ...]:
+        assert self._hidden_in is not None
+        return self._head_step(token_ids, self._hidden_in[: len(token_ids)], positions, meta)
 
 
 def _load_head(

@@ -1,6 +1,8 @@
-"""What the draft-model and EAGLE proposers share: a small paged KV cache of their own and,
-per request, how far its draft K/V are written and the distributions its last proposals
-were drawn from."""
+"""What the draft-model and EAGLE proposers share: a small paged KV cache of their own,
+per request how far its draft K/V are written and the distributions its last proposals
+were drawn from, and the one-token proposal steps, which replay CUDA graphs of the
+proposer's forward where there are any (worker/cuda_graphs.py, as the target's decode
+steps; the first, catch-up step of a round has many tokens per request and runs eagerly)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import torch
 
 from asyncserve.models.arch_config import ArchConfig
 from asyncserve.models.attention import AttentionMetadata
+from asyncserve.worker.cuda_graphs import DecodeGraphs
 from asyncserve.worker.input_batch import CachedRequestState
 from asyncserve.worker.kv_pool import allocate_kv_caches, kv_block_bytes
 
@@ -27,6 +30,7 @@ class ModelProposer:
         # Request id -> [k, V] distributions its last proposals were drawn from (random
         # rows only; greedy rows need none).
         self._probs: dict[str, torch.Tensor] = {}
+        self.graphs: DecodeGraphs | None = None
 
     def block_bytes(self) -> int:
         return kv_block_bytes(self.arch, self.block_size, self.dtype)
@@ -35,6 +39,29 @@ class ModelProposer:
         self.kv_caches = allocate_kv_caches(
             self.arch, num_blocks, self.block_size, self.dtype, self.device
         )
+
+    def use_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
+        """Run the one-token proposal steps of up to `max_batch` requests as graphs."""
+        self.graphs = DecodeGraphs(
+            self._decode_forward, max_batch, max_model_len, self.block_size, self.device
+        )
+
+    def _decode_forward(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, ...]:
+        """The one-token forward a graph captures: (logits, ...) with a row per request."""
+        raise NotImplementedError
+
+    def _one_token_inputs(
+        self, positions: list[int], block_tables: torch.Tensor
+    ) -> tuple[torch.Tensor, AttentionMetadata, DecodeGraphs | None]:
+        """A one-token step at each request's position: its positions, its attention
+        metadata, and the graphs that replay it (None: it runs eagerly)."""
+        pos_t, meta, _ = self._layout(positions, [p + 1 for p in positions], block_tables)
+        graphs = self.graphs
+        if graphs is None or not graphs.fits(len(positions), block_tables.shape[1]):
+            return pos_t, meta, None
+        return pos_t, meta, graphs
 
     def forget(self, request_id: str) -> None:
         self._progress.pop(request_id, None)

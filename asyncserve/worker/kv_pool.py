@@ -97,9 +97,12 @@ def _free_gpu_bytes_after_profile(
     non_torch = total - free - torch.cuda.memory_reserved(device)
     budget = int(total * config.cache.gpu_memory_utilization) - peak - max(non_torch, 0)
     if config.enable_cuda_graphs:
-        # Decode graphs keep their own activations and logits outside the profiled peak.
+        # Decode graphs keep their own activations and logits outside the profiled peak;
+        # a draft model or EAGLE head has graphs of its own.
         rows = min(config.scheduler.max_num_seqs, 512)
-        budget -= rows * arch.vocab_size * 4 * 2 + (512 << 20)
+        spec = config.speculative
+        sets = 2 if spec is not None and spec.model is not None else 1
+        budget -= sets * (rows * arch.vocab_size * 4 * 2 + (512 << 20))
     logger.info(
         "GPU memory: total %.1f GiB, peak step %.1f GiB, KV budget %.1f GiB",
         total / 2**30,

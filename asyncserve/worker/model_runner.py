@@ -32,7 +32,7 @@ from asyncserve.spec_decode.draft_proposer import DraftProposer
 from asyncserve.spec_decode.eagle_proposer import EagleProposer
 from asyncserve.spec_decode.verify import expand_request_ids, verify
 from asyncserve.worker import kv_blocks
-from asyncserve.worker.cuda_graphs import DecodeGraphs
+from asyncserve.worker.cuda_graphs import DecodeGraphs, logits_forward
 from asyncserve.worker.encoder_cache import EncoderCache
 from asyncserve.worker.grammar_mask import apply_grammar_bitmask
 from asyncserve.worker.input_batch import (
@@ -156,20 +156,19 @@ class ModelRunner:
         )
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
+        graphs = self.device.type == "cuda" and self.config.enable_cuda_graphs
+        max_graph_batch = min(self.config.scheduler.max_num_seqs, 512)
         if isinstance(self.proposer, DraftProposer | EagleProposer):
             self.proposer.allocate_kv_cache(num_blocks)
+            if graphs:  # its one-token proposal steps replay graphs of their own
+                self.proposer.use_cuda_graphs(max_graph_batch, max_model_len)
         # A graph cannot hold the stages' sends and receives; an EAGLE head reads the
         # hidden states, which a captured graph does not return.
-        if (
-            self.device.type == "cuda"
-            and self.config.enable_cuda_graphs
-            and self.pp is None
-            and not isinstance(self.proposer, EagleProposer)
-        ):
+        if graphs and self.pp is None and not isinstance(self.proposer, EagleProposer):
             self.decode_graphs = DecodeGraphs(
-                self.model,
-                self.kv_caches,
-                min(self.config.scheduler.max_num_seqs, 512),
+                # This rank's vocabulary slice: the gather to the driver runs after the replay.
+                logits_forward(self.model, self.kv_caches, self.model.local_logits),
+                max_graph_batch,
                 max_model_len,
                 self.block_size,
                 self.device,

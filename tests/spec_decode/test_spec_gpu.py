@@ -1,8 +1,10 @@
 """Speculative decoding on the GPU: Triton kernels, CUDA graphs for the steps without
-proposals, the draft's pool on the device (skipped without CUDA)."""
+proposals and for the draft model's and EAGLE head's one-token proposal steps, the draft's
+pool on the device (skipped without CUDA)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,7 @@ import torch
 
 from asyncserve import SamplingParams
 from asyncserve.llm import LLM
+from asyncserve.spec_decode.model_proposer import ModelProposer
 from tests.conftest import PLAIN_PROMPTS
 from tests.spec_decode.test_ngram_engine import NGRAM, REPEATING
 
@@ -41,7 +44,9 @@ def _prefix_match(a: list[list[int]], b: list[list[int]]) -> float:
     return matched / total
 
 
-def smollm2_eagle_head(gguf_path: Path, path: Path) -> str:
+def smollm2_eagle_head(
+    gguf_path: Path, path: Path, edit: Callable[[dict[str, torch.Tensor]], None] | None = None
+) -> str:
     """A random EAGLE-1 head with SmolLM2's shapes (no trained head exists for it)."""
     import json
 
@@ -60,6 +65,8 @@ def smollm2_eagle_head(gguf_path: Path, path: Path) -> str:
     for name, tensor in layer.state_dict().items():
         if not name.startswith("input_layernorm."):
             tensors[f"layers.0.{name}"] = tensor.float().contiguous()
+    if edit is not None:
+        edit(tensors)
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(config))
@@ -124,6 +131,58 @@ def test_gpu_greedy_with_speculation(gguf_path: Path, tmp_path: Path, method: st
               f"mean accepted length {stats.mean_accepted_length:.2f}")  # fmt: skip
         assert stats.num_drafts > 0
         assert llm.engine.num_free_blocks == llm.engine.num_total_blocks
+        if method != "ngram":  # the one-token proposal steps replayed graphs
+            _assert_proposer_graphs(llm)
+        if method == "draft":  # the model as its own draft: its proposals are the target's
+            assert stats.acceptance_rate > 0.9, stats.acceptance_rate
     finally:
         llm.close()
     assert _prefix_match(ours, expected) >= 0.95
+
+
+def _assert_proposer_graphs(llm: LLM) -> None:
+    runner = llm.engine.runner
+    assert runner is not None
+    proposer = runner.proposer
+    assert isinstance(proposer, ModelProposer) and proposer.graphs is not None
+    assert proposer.graphs.graphs, "no proposer graph was captured"
+
+
+def test_gpu_eagle_graph_steps_feed_back_the_head_output(gguf_path: Path, tmp_path: Path) -> None:
+    """A pass-through head (fc = [0 | I], a layer that adds nothing) outputs the target's
+    hidden state, whose logits gave the request's last token, and feeds it back: every
+    proposal of every step repeats the last token. Steps 2..k replay graphs; a stale or
+    misplaced fed-back row in their buffers would propose other tokens."""
+
+    def pass_through(tensors: dict[str, torch.Tensor]) -> None:
+        hidden = tensors["fc.weight"].shape[0]
+        tensors["fc.weight"] = torch.cat([torch.zeros(hidden, hidden), torch.eye(hidden)], 1)
+        tensors["layers.0.self_attn.o_proj.weight"].zero_()
+        tensors["layers.0.mlp.down_proj.weight"].zero_()
+
+    head = smollm2_eagle_head(gguf_path, tmp_path / "head", pass_through)
+    spec = {"method": "eagle", "model": head, "num_speculative_tokens": 3}
+    llm = LLM(str(gguf_path), device="cuda", dtype="float32", speculative_config=spec)
+    try:
+        runner = llm.engine.runner
+        assert runner is not None and runner.proposer is not None
+        propose = runner.proposer.propose
+        seen: list[tuple[int, list[int]]] = []
+
+        def observed(states: list) -> dict[str, list[int]]:  # type: ignore[type-arg]
+            out = propose(states)
+            # (A request whose hidden states the target did not compute proposes nothing.)
+            seen.extend((s.output_token_ids[-1], out[s.request_id])
+                        for s in states if s.request_id in out)  # fmt: skip
+            return out
+
+        runner.proposer.propose = observed  # type: ignore[method-assign]
+        llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        _assert_proposer_graphs(llm)
+    finally:
+        llm.close()
+    graph_steps = [d for _, drafts in seen for d in drafts[1:]]
+    assert len(seen) > len(PROMPTS)
+    # fp32 logits of one row in batches of other shapes may differ in the last bit.
+    repeats = sum(d == last for last, drafts in seen for d in drafts[1:])
+    assert repeats >= 0.95 * len(graph_steps), seen
