@@ -60,6 +60,7 @@ class KVGroup:
         self._next_token: str | None = None  # the consumer's for its next pull
         self._peer_id: str | None = None
         self._pg: Any = None
+        self.groups_formed = 0  # each costs a communicator's setup (~1 s for NCCL)
         self._stream: Any = None
         self._lock = threading.Lock()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncserve-kv-group")
@@ -117,7 +118,7 @@ class KVGroup:
         with self._lock:
             if self._pg is not None and self.token == token:
                 return
-        self._drop()
+        self._close_group()  # keeps the token: it names the group formed now
         client = dist.TCPStore(self.host, self.port, None, False, self.timeout,
                                wait_for_workers=False)  # fmt: skip
         store = dist.PrefixStore(f"asyncserve-kv/{token}", client)
@@ -128,6 +129,7 @@ class KVGroup:
             pg = dist.ProcessGroupGloo(store, self.rank, 2, self.timeout)
         with self._lock:
             self._pg, self.token = pg, token
+            self.groups_formed += 1
         if self.backend == "nccl":
             # NCCL sets up its communicator at the first op and waits for the peer there:
             # do it now, while the peer joins too, rather than inside a transfer.
@@ -138,8 +140,14 @@ class KVGroup:
         logger.info("KV group %s formed with rank %d (%s)", self.address, self.peer, self.backend)
 
     def _drop(self) -> None:
+        """After a failure: the group goes, and the consumer's next pull picks a new token."""
         with self._lock:
-            pg, self._pg, self.token, self._next_token = self._pg, None, None, None
+            self._next_token = None
+        self._close_group()
+
+    def _close_group(self) -> None:
+        with self._lock:
+            pg, self._pg, self.token = self._pg, None, None
         if pg is not None and self.backend == "nccl":
             with contextlib.suppress(Exception):  # already broken: nothing more to free
                 pg.abort()

@@ -153,6 +153,18 @@ def test_a_stalled_peer_times_out_then_the_pair_reforms(groups: tuple[KVGroup, K
     sent.result(5)
 
 
+def test_transfers_reuse_the_formed_group(groups: tuple[KVGroup, KVGroup]) -> None:
+    consumer, producer = groups
+    for transfer_id in (1, 2, 3):
+        token = consumer.new_token("p")
+        data = torch.full((1, 1, 2, 4, 2, 8), float(transfer_id), device=producer.device)
+        sent = producer.send(token, transfer_id, data)
+        got = consumer.recv(token, transfer_id, torch.float32).result(30)
+        assert torch.equal(got.cpu(), data.cpu())
+        sent.result(30)
+    assert consumer.groups_formed == producer.groups_formed == 1
+
+
 def test_an_out_of_step_payload_is_an_error(groups: tuple[KVGroup, KVGroup]) -> None:
     consumer, producer = groups
     token = consumer.new_token("p")
