@@ -89,6 +89,8 @@ class OutputProcessor:
         self.parents: dict[str, ParentState] = {}
         # child request id -> (parent, child)
         self.children: dict[str, tuple[ParentState, ChildState]] = {}
+        # Single-token decodes, shared by every request's detokenizer.
+        self._token_texts: dict[int, str] = {}
 
     def add(self, parent: ParentState, requests: list[Request]) -> None:
         self.parents[parent.request_id] = parent
@@ -102,6 +104,7 @@ class OutputProcessor:
                     request.prompt_token_ids,
                     params,
                     self.tokenizer.special_token_ids,
+                    self._token_texts,
                 ),
                 logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None,
