@@ -244,7 +244,9 @@ class SamplingParams:
     @property
     def needs_output_tokens(self) -> bool:
         """Sampling reads the values of the output tokens so far (not only their count)."""
-        return self.needs_penalties or any(len(w) > 1 for w in self.bad_words_token_ids)
+        if self.needs_penalties:
+            return True
+        return bool(self.bad_words_token_ids) and any(len(w) > 1 for w in self.bad_words_token_ids)
 
     @property
     def max_stop_len(self) -> int:

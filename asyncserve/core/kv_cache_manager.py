@@ -113,6 +113,15 @@ class KVCacheManager:
         """
         rid = request.request_id
         blocks = self._req_blocks.get(rid)
+        if blocks is not None and not new_computed_blocks and self.sliding_window is None:
+            # Most decodes: room left in the last block and no block newly full.
+            bs = self.block_size
+            total = request.num_computed_tokens + num_new_tokens
+            if -(-(total + num_lookahead_tokens) // bs) <= len(blocks) and (
+                not self.enable_prefix_caching
+                or min(total, request.num_tokens) // bs <= self._num_cached[rid]
+            ):
+                return []
         num_held = 0 if blocks is None else len(blocks)
         num_hit = len(new_computed_blocks)
         first_query = request.num_computed_tokens + num_hit * self.block_size

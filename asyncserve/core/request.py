@@ -96,7 +96,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.finished
+        return self.status >= RequestStatus.FINISHED_STOPPED  # status.finished, one call less
 
 
 def token_slice(prompt: list[int], output: list[int], start: int, end: int) -> list[int]:

@@ -201,7 +201,7 @@ class Scheduler:
         if self._latency_target_s <= 0:
             return None
         num_decodes = sum(
-            1 for r in self._running if _num_pending_tokens(r) - r.num_computed_tokens == 1
+            [_num_pending_tokens(r) - r.num_computed_tokens == 1 for r in self._running]
         )
         if num_decodes == 0:
             return None
@@ -211,26 +211,37 @@ class Scheduler:
         """Give each running request its next tokens (a decode 1, a prompt a chunk), in order;
         when blocks run out, preempt until they fit (the request itself, last)."""
         running = self._running
+        # Bound once: this loop runs for every running request every step.
+        busy = self.micro_batches.busy if self.micro_batches.enabled else None
+        max_model_len = self.max_model_len
+        allocate = self.kv_cache_manager.allocate_slots
+        lookahead = self.num_lookahead_tokens
         index = 0
         while index < len(running) and step.budget > 0 and not step.full:
             request = running[index]
-            if self.micro_batches.busy(request):
+            if busy is not None and busy(request):
                 index += 1  # its step is still in the pipeline
                 continue
             num_new = step.limit(_num_pending_tokens(request) - request.num_computed_tokens)
-            if num_new <= 0 or at_length_limit(request, self.max_model_len):
+            if num_new <= 0 or (
+                request.num_output_placeholders and at_length_limit(request, max_model_len)
+            ):
                 index += 1
                 continue
-            spec = take_proposals(request, num_new, step.budget, self.max_model_len)
-            num_new += len(spec)
+            spec: list[int] = []
+            if request.spec_token_ids:
+                spec = take_proposals(request, num_new, step.budget, max_model_len)
+                num_new += len(spec)
             if self._never_fits(request.num_computed_tokens + num_new):
                 running.pop(index)
                 self.kv_cache_manager.free(request)
                 self._fail(request)
                 continue
-            block_ids, index = self._allocate_or_preempt(request, num_new, index, step)
+            block_ids = allocate(request, num_new, num_lookahead_tokens=lookahead)
             if block_ids is None:
-                break  # it preempted itself; anything after it waits for the next step
+                block_ids, index = self._allocate_or_preempt(request, num_new, index, step)
+                if block_ids is None:
+                    break  # it preempted itself; anything after it waits for the next step
             step.add_running(request, num_new, block_ids, spec)
             index += 1
 
@@ -315,12 +326,15 @@ class Scheduler:
         self.micro_batches.launched(plan, step.running, step.new)
         # The plan carries the start positions; from here on the tokens count as computed,
         # and a request whose chunk reaches its last token awaits the token sampled now.
+        num_scheduled = step.num_scheduled
+        needs_output_tokens = False
         for r in itertools.chain(step.running, step.new):
-            r.num_computed_tokens += step.num_scheduled[r.request_id]
+            r.num_computed_tokens += num_scheduled[r.request_id]
             if r.num_computed_tokens >= _num_pending_tokens(r):
                 r.num_output_placeholders += 1
-            if r.sampling_params.needs_output_tokens:
-                plan.needs_output_tokens = True
+            if not needs_output_tokens and r.sampling_params.needs_output_tokens:
+                needs_output_tokens = True
+        plan.needs_output_tokens = needs_output_tokens
         return plan
 
     def update(self, plan: StepPlan, result: StepResult) -> list[Request]:
@@ -341,12 +355,12 @@ class Scheduler:
             if not token_ids:
                 continue
             request = requests.get(rid)
-            if request is None or request.is_finished:
+            if request is None or request.status >= _FIRST_FINISHED:
                 continue
             request.num_output_placeholders = max(
                 request.num_output_placeholders - len(token_ids), 0
             )
-            preempted = request.status == RequestStatus.PREEMPTED
+            preempted = request.status is _PREEMPTED
             spec = plan.scheduled_spec_tokens.get(rid)
             if spec is not None:
                 num_accepted = len(token_ids) - 1
@@ -420,9 +434,18 @@ class Scheduler:
         self._freed_ids.add(request.request_id)
 
 
+# Module constants: compared for every request every step.
+_FIRST_FINISHED = RequestStatus.FINISHED_STOPPED
+_PREEMPTED = RequestStatus.PREEMPTED
+
+
 def _num_pending_tokens(request: Request) -> int:
     """Known tokens plus the ones being sampled by a step in flight."""
-    return request.num_tokens + request.num_output_placeholders
+    return (
+        len(request.prompt_token_ids)
+        + len(request.output_token_ids)
+        + request.num_output_placeholders
+    )
 
 
 def _priority_key(request: Request) -> tuple[int, float]:

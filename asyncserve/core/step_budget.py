@@ -45,6 +45,10 @@ class StepBudget:
         self.new_block_ids[request.request_id] = block_ids
         if spec:
             self.spec[request.request_id] = list(spec)
+        elif num_new == 1:  # a decode (most requests, every step): _take without the call
+            self.num_scheduled[request.request_id] = 1
+            self.budget -= 1
+            return
         # A decode with proposals is not a prefill: only its own token counts as one.
         self._take(request, num_new, num_new - len(spec) > 1)
 

@@ -9,12 +9,16 @@ from asyncserve.core.request import Request, RequestStatus
 def check_stop(request: Request, token_id: int, max_model_len: int) -> bool:
     """Whether the request's newest token ends it; sets its status and stop reason."""
     params = request.sampling_params
-    if request.num_output_tokens >= params.min_tokens and token_id in params.all_stop_token_ids:
+    num_output = len(request.output_token_ids)
+    if token_id in params.all_stop_token_ids and num_output >= params.min_tokens:
         request.status = RequestStatus.FINISHED_STOPPED
         # vLLM reports the model's own EOS as no stop reason, any other stop id as itself.
         request.stop_reason = None if token_id == request.eos_token_id else token_id
         return True
-    if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
+    if (
+        num_output >= request.max_tokens
+        or num_output + len(request.prompt_token_ids) >= max_model_len
+    ):
         request.status = RequestStatus.FINISHED_LENGTH
         return True
     return False

@@ -35,8 +35,12 @@ class IncrementalDetokenizer:
         prompt_token_ids: list[int],
         params: SamplingParams,
         special_token_ids: set[int],
+        token_texts: dict[int, str] | None = None,
     ) -> None:
+        """`token_texts`: a cache of single-token decodes, shared by the detokenizers of one
+        tokenizer (a decode step's prefix window is most often the one token before)."""
         self._tokenizer = tokenizer
+        self._token_texts = token_texts if token_texts is not None else {}
         self._skip_special = params.skip_special_tokens
         self._separator = " " if params.spaces_between_special_tokens else ""
         self._special_ids = special_token_ids
@@ -183,6 +187,14 @@ class IncrementalDetokenizer:
         return separator + text
 
     def _decode(self, token_ids: list[int]) -> str:
+        if len(token_ids) == 1:
+            token_id = token_ids[0]
+            text = self._token_texts.get(token_id)
+            if text is None:
+                text = self._token_texts[token_id] = self._tokenizer.decode(
+                    token_ids, skip_special_tokens=False
+                )
+            return text
         if not token_ids:
             return ""
         return self._tokenizer.decode(token_ids, skip_special_tokens=False)

@@ -89,6 +89,8 @@ class OutputProcessor:
         self.parents: dict[str, ParentState] = {}
         # child request id -> (parent, child)
         self.children: dict[str, tuple[ParentState, ChildState]] = {}
+        # Single-token decodes, shared by every request's detokenizer.
+        self._token_texts: dict[int, str] = {}
 
     def add(self, parent: ParentState, requests: list[Request]) -> None:
         self.parents[parent.request_id] = parent
@@ -102,6 +104,7 @@ class OutputProcessor:
                     request.prompt_token_ids,
                     params,
                     self.tokenizer.special_token_ids,
+                    self._token_texts,
                 ),
                 logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None,
@@ -137,8 +140,10 @@ class OutputProcessor:
                 self._append_prompt_logprobs(entry[0], first, entries)
             except Exception as exc:
                 self._fail_internal(entry[0], exc, processed)
+        children = self.children
+        final_only = RequestOutputKind.FINAL_ONLY
         for request in updated:
-            entry = self.children.get(request.request_id)
+            entry = children.get(request.request_id)
             if entry is None:
                 continue
             parent, child = entry
@@ -152,7 +157,9 @@ class OutputProcessor:
                 self._fail_internal(parent, exc, processed)
                 touched.pop(parent.request_id, None)
                 continue
-            touched[parent.request_id] = parent
+            # A final-only request has nothing to publish before one of its samples ends.
+            if child.finish_reason is not None or parent.params.output_kind is not final_only:
+                touched[parent.request_id] = parent
         if self.metrics is not None and num_generated:
             self.metrics.on_tokens(0, num_generated)
         for parent in touched.values():
@@ -177,9 +184,10 @@ class OutputProcessor:
         """Take one sample's new tokens into its text; returns how many there were."""
         new_tokens = request.output_token_ids[child.num_accepted_tokens :]
         self._record_timing(parent, child, now, len(new_tokens))
-        self._append_logprobs(child, result, request.request_id)
+        if child.logprobs is not None:
+            self._append_logprobs(child, result, request.request_id)
         stop_terminated = (
-            request.status == RequestStatus.FINISHED_STOPPED
+            request.status is RequestStatus.FINISHED_STOPPED
             and request.request_id not in grammar_done
         )
         detokenizer = child.detokenizer
@@ -321,10 +329,11 @@ class OutputProcessor:
             if delta and not done and not force and pending < self.stream_interval:
                 continue
             text = child.detokenizer.get_next_output_text(done, delta)
-            token_ids = child.request.output_token_ids[: child.num_accepted_tokens]
             logprobs = child.logprobs
+            # One copy of the tokens to send (not the whole output each step).
+            first_token = child.num_sent_tokens if delta else 0
+            token_ids = child.request.output_token_ids[first_token : child.num_accepted_tokens]
             if delta:
-                token_ids = token_ids[child.num_sent_tokens :]
                 if logprobs is not None:
                     logprobs = logprobs[child.num_sent_logprobs :]
                 if not text and not token_ids and not done:
@@ -336,7 +345,7 @@ class OutputProcessor:
                 CompletionOutput(
                     index=child.index,
                     text=text,
-                    token_ids=list(token_ids),
+                    token_ids=token_ids,
                     cumulative_logprob=child.cumulative_logprob,
                     logprobs=list(logprobs) if logprobs is not None else None,
                     finish_reason=child.finish_reason,

@@ -13,6 +13,7 @@ from asyncserve.lora.request import LoRARequest
 from asyncserve.models.attention import AttentionMetadata
 from asyncserve.multimodal.inputs import MultiModalFeatures
 from asyncserve.sampling_params import SamplingParams
+from asyncserve.worker.block_table import BlockTable
 
 # Stands for a token sampled by a step still in flight (see model_runner.LaunchedStep).
 PLACEHOLDER_TOKEN = -1
@@ -72,17 +73,19 @@ def build_step_inputs(
     states: dict[str, CachedRequestState],
     block_size: int,
     staging: HostStaging,
+    block_table: BlockTable | None = None,
 ) -> StepInputs:
-    request_ids = list(plan.num_scheduled_tokens)
-    counts = [plan.num_scheduled_tokens[rid] for rid in request_ids]
+    """The step's tensors. `block_table`: the runner's table kept between steps (holding
+    every scheduled request); without it one is built from the states' block ids."""
+    scheduled = plan.num_scheduled_tokens
+    request_ids = list(scheduled)
+    counts = list(scheduled.values())
     total = sum(counts)
     num_reqs = len(request_ids)
 
+    # This loop runs for every request every step: plain ints and list appends only.
     token_ids: list[int] = []
     starts: list[int] = []
-    seq_lens = np.empty(num_reqs, dtype=np.int32)
-    cu_seqlens = np.zeros(num_reqs + 1, dtype=np.int32)
-    max_blocks = 1
     sample_request_ids: list[str] = []
     logits_indices: list[int] = []
     placeholder_index: list[int] = []
@@ -90,23 +93,26 @@ def build_step_inputs(
     placeholder_source: torch.Tensor | None = None
     all_spec = plan.scheduled_spec_tokens
     spec_token_ids: list[list[int]] = []
-    for i, rid in enumerate(request_ids):
+    no_spec: list[int] = []
+    cu = 0  # tokens of the requests before this one
+    for rid, count in scheduled.items():
         state = states[rid]
         start = state.num_computed_tokens
-        end = start + counts[i]
-        spec = all_spec.get(rid, []) if all_spec else []
+        spec = all_spec.get(rid, []) if all_spec else no_spec
         # Proposals follow the last known token; they are not in the state's tokens.
-        known_end = end - len(spec)
+        known_end = start + count - len(spec)
         starts.append(start)
         token_ids.extend(state.token_slice(start, known_end))
-        token_ids.extend(spec)
-        seq_lens[i] = end
-        cu_seqlens[i + 1] = cu_seqlens[i] + counts[i]
-        max_blocks = max(max_blocks, len(state.block_ids))
-        if known_end >= state.num_tokens:
+        if spec:
+            token_ids.extend(spec)
+        cu += count
+        if known_end >= len(state.prompt_token_ids) + len(state.output_token_ids):
             sample_request_ids.append(rid)
-            last = int(cu_seqlens[i + 1]) - 1
-            logits_indices.extend(range(last - len(spec), last + 1))
+            last = cu - 1
+            if spec:
+                logits_indices.extend(range(last - len(spec), last + 1))
+            else:
+                logits_indices.append(last)
             spec_token_ids.append(spec)
             if state.in_flight is not None:
                 # The last output token is still being sampled by the step before.
@@ -118,16 +124,21 @@ def build_step_inputs(
                 placeholder_index.append(last - len(spec))
                 placeholder_rows.append(row)
 
-    block_tables = np.zeros((num_reqs, max_blocks), dtype=np.int32)
-    for i, rid in enumerate(request_ids):
-        ids = states[rid].block_ids
-        block_tables[i, : len(ids)] = ids
+    counts_np = np.asarray(counts, dtype=np.int64)
+    starts_np = np.asarray(starts, dtype=np.int64)
+    cu_seqlens = np.zeros(num_reqs + 1, dtype=np.int32)
+    np.cumsum(counts_np, out=cu_seqlens[1:])
+    seq_lens = (starts_np + counts_np).astype(np.int32)
+    if block_table is None:
+        block_table = BlockTable.of((rid, states[rid].block_ids) for rid in request_ids)
+    block_tables = block_table.gather(request_ids)
+    max_blocks = block_tables.shape[1]
 
     # Positions and slots for every token, vectorised: token t of request i sits at
     # starts[i] + (t - cu[i]).
-    req_index = np.repeat(np.arange(num_reqs), counts)
-    positions = np.arange(total, dtype=np.int64) - np.repeat(cu_seqlens[:-1], counts)
-    positions += np.repeat(np.asarray(starts, dtype=np.int64), counts)
+    req_index = np.repeat(np.arange(num_reqs), counts_np)
+    positions = np.arange(total, dtype=np.int64) - np.repeat(cu_seqlens[:-1], counts_np)
+    positions += np.repeat(starts_np, counts_np)
     block_of_token = block_tables[req_index, positions // block_size].astype(np.int64)
     slot_mapping = block_of_token * block_size + positions % block_size
 

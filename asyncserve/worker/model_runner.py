@@ -32,6 +32,7 @@ from asyncserve.spec_decode.draft_proposer import DraftProposer
 from asyncserve.spec_decode.eagle_proposer import EagleProposer
 from asyncserve.spec_decode.verify import expand_request_ids, verify
 from asyncserve.worker import kv_blocks
+from asyncserve.worker.block_table import BlockTable
 from asyncserve.worker.cuda_graphs import DecodeGraphs, logits_forward
 from asyncserve.worker.encoder_cache import EncoderCache
 from asyncserve.worker.grammar_mask import apply_grammar_bitmask
@@ -106,6 +107,8 @@ class ModelRunner:
         self.num_blocks = 0
         self.decode_graphs: DecodeGraphs | None = None
         self.staging = HostStaging(device)
+        # Every held request's block ids, kept in step with states (see block_table.py).
+        self.block_table = BlockTable()
         self.lora: LoRASlots | None = None
         lora = config.lora
         if lora.enable_lora:
@@ -200,6 +203,7 @@ class ModelRunner:
     def _apply_plan(self, plan: StepPlan) -> None:
         for rid in plan.freed_request_ids:
             self.states.pop(rid, None)
+            self.block_table.remove(rid)
             self.generators.pop(rid, None)
             if isinstance(self.proposer, DraftProposer | EagleProposer):
                 self.proposer.forget(rid)
@@ -219,9 +223,12 @@ class ModelRunner:
                 lora_request=new.lora_request,
                 mm_features=new.mm_features,
             )
+            self.block_table.add(new.request_id, new.block_ids)
         for running in plan.running_requests:
             state = self.states[running.request_id]
-            state.block_ids.extend(running.new_block_ids)
+            if running.new_block_ids:
+                state.block_ids.extend(running.new_block_ids)
+                self.block_table.append(running.request_id, running.new_block_ids)
             state.num_computed_tokens = running.num_computed_tokens
             if running.new_token_ids is not None:
                 # Pipeline stages: the last stage's sampled tokens (which it holds already).
@@ -256,7 +263,9 @@ class ModelRunner:
         forwarded = ForwardedStep()
         if plan.is_empty:
             return forwarded
-        inputs = build_step_inputs(plan, self.states, self.block_size, self.staging)
+        inputs = build_step_inputs(
+            plan, self.states, self.block_size, self.staging, self.block_table
+        )
         if inputs.placeholder_index is not None:
             self._fill_placeholders(inputs)
         if self.lora is not None:

@@ -43,12 +43,13 @@ def sampling_row(
     state: CachedRequestState, generators: dict[str, torch.Generator], device: torch.device
 ) -> SamplingRow:
     """What the sampler needs of one request this step."""
+    params = state.sampling_params
     return SamplingRow(
-        params=state.sampling_params,
-        prompt_token_ids=state.prompt_token_ids,
-        output_token_ids=state.output_token_ids,
-        generator=step_generator(state, generators, device),
-        stop_token_ids=state.stop_token_ids,
+        params,
+        state.prompt_token_ids,
+        state.output_token_ids,
+        None if params.seed is None else step_generator(state, generators, device),
+        state.stop_token_ids,
     )
 
 

@@ -81,13 +81,32 @@ class SamplingMetadata:
         greedy = [p.greedy for p in params]
         all_greedy = all(greedy)
         all_random = not any(greedy)
-        floats = _float_columns(params, greedy, device)
-        ks = [0 if g else min(p.top_k, vocab_size) for p, g in zip(params, greedy, strict=True)]
+        # One pass for the features most batches do not use (penalties, min_tokens, bad
+        # words, logit_bias, allowed_token_ids): without any, their own passes are skipped.
+        extras = any(
+            [
+                p.needs_penalties
+                or p.min_tokens
+                or p.bad_words_token_ids
+                or p.logit_bias
+                or p.allowed_token_ids is not None
+                for p in params
+            ]
+        )
+        floats = _float_columns(params, greedy, device, extras)
+        if all_greedy:
+            ks = []
+        else:
+            ks = [0 if g else min(p.top_k, vocab_size) for p, g in zip(params, greedy, strict=True)]
         max_top_k = max(ks, default=0)
-        output_counts, prompt_mask = _penalty_tensors(rows, vocab_size, device)
-        pairs = _banned_pairs(rows, vocab_size)
+        output_counts, prompt_mask = (
+            _penalty_tensors(rows, vocab_size, device) if extras else (None, None)
+        )
+        pairs = _banned_pairs(rows, vocab_size) if extras else []
         wanted = [p.logprobs for p in params if p.logprobs is not None]
-        bias_index, bias_values = _logit_bias(params, vocab_size, device)
+        bias_index, bias_values = (
+            _logit_bias(params, vocab_size, device) if extras else (None, None)
+        )
         return cls(
             num_rows=len(rows),
             vocab_size=vocab_size,
@@ -111,10 +130,12 @@ class SamplingMetadata:
             )
             if pairs
             else None,  # fmt: skip
-            allowed_token_mask=_allowed_token_mask(params, vocab_size, device),
+            allowed_token_mask=_allowed_token_mask(params, vocab_size, device) if extras else None,
             logit_bias_index=bias_index,
             logit_bias_values=bias_values,
-            generators={
+            generators={}
+            if all_greedy
+            else {
                 i: row.generator
                 for i, (row, g) in enumerate(zip(rows, greedy, strict=True))
                 if row.generator is not None and not g
@@ -124,9 +145,10 @@ class SamplingMetadata:
 
 
 def _float_columns(
-    params: Sequence[SamplingParams], greedy: Sequence[bool], device: torch.device
+    params: Sequence[SamplingParams], greedy: Sequence[bool], device: torch.device, extras: bool
 ) -> dict[str, torch.Tensor]:
-    """The per-row float knobs some row uses, as [N] tensors that cross in one transfer."""
+    """The per-row float knobs some row uses, as [N] tensors that cross in one transfer
+    (`extras`: some row may use penalties)."""
     columns: dict[str, list[float]] = {}
     if not all(greedy):
         # Greedy rows hold 1.0, so dividing by it is harmless.
@@ -137,10 +159,10 @@ def _float_columns(
             columns["top_p"] = [p.top_p for p in params]
         if any(p.min_p > 0.0 for p in params):
             columns["min_p"] = [p.min_p for p in params]
-    if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
+    if extras and any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
         columns["frequency"] = [p.frequency_penalty for p in params]
         columns["presence"] = [p.presence_penalty for p in params]
-    if any(p.repetition_penalty != 1.0 for p in params):
+    if extras and any(p.repetition_penalty != 1.0 for p in params):
         columns["repetition"] = [p.repetition_penalty for p in params]
     if not columns:
         return {}
