@@ -229,13 +229,15 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
         return None
     out: dict[int, float] = {}
     for key, value in bias.items():
-        if not key.strip().isdigit():
+        digits = key.strip()
+        # ASCII digits only: str.isdigit() alone also takes "²", which int() refuses.
+        if not (digits.isascii() and digits.isdigit()):
             raise APIError(
                 f"logit_bias keys must be token ids (non-negative integers), got {key!r}",
                 400,
                 "logit_bias",
             )
-        out[int(key)] = value
+        out[int(digits)] = value
     return out
 
 
