@@ -246,7 +246,10 @@ def completion_params(
 ) -> SamplingParams:
     _check_common(body)
     fields = _shared(body, RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY)
-    fields["max_tokens"] = body.max_tokens
+    # echo with max_tokens 0 returns only the prompt (completions.py drops the one token
+    # the engine generates), as vLLM does for scoring prompts.
+    echo_only = body.echo and body.max_tokens == 0
+    fields["max_tokens"] = 1 if echo_only else body.max_tokens
     fields["logprobs"] = body.logprobs
     fields["structured_outputs"] = structured_outputs(body)
     prompt_logprobs = body.prompt_logprobs
