@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from asyncserve.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
@@ -28,6 +29,8 @@ from asyncserve.pooling.engine import PoolingEngine
 from asyncserve.pooling.outputs import (
     EmbeddingOutput,
     EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
     ScoringOutput,
     ScoringRequestOutput,
 )
@@ -182,6 +185,27 @@ class LLM:
             for vec, tokens in zip(vectors, ids, strict=True)
         ]
 
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_task: str | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """vLLM's encode() for the "embed" task: embed()'s vectors as tensors."""
+        if pooling_task not in (None, "embed"):
+            raise ValueError(f"pooling_task: only 'embed' is supported, got {pooling_task!r}")
+        if pooling_params is not None:
+            raise ValueError("pooling_params: not supported; the model's pooler applies")
+        return [
+            PoolingRequestOutput(
+                o.request_id, PoolingOutput(torch.tensor(o.outputs.embedding)), o.prompt_token_ids
+            )
+            for o in self.embed(prompts, truncate_prompt_tokens)
+        ]
+
     def score(
         self,
         data_1: str | Sequence[str],
@@ -206,7 +230,7 @@ class LLM:
     def _pooling_engine(self) -> PoolingEngine:
         if self._pooling is None:
             raise ValueError(
-                "embed() and score() need a pooling model: LLM(model, runner='pooling')"
+                "embed(), encode() and score() need a pooling model: LLM(model, runner='pooling')"
             )
         return self._pooling
 
