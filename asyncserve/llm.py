@@ -18,7 +18,7 @@ from asyncserve.config import DEFAULT_DECODE_LATENCY_TARGET_MS, EngineConfig, En
 from asyncserve.engine.async_engine import AsyncEngine
 from asyncserve.engine.dp_client import DataParallelClient
 from asyncserve.engine.dp_group import DataParallelGroup
-from asyncserve.engine.request_checks import check_token_params
+from asyncserve.engine.request_checks import check_token_params, check_truncation
 from asyncserve.llm_prompts import PromptType as PromptType
 from asyncserve.llm_prompts import as_prompt_list, chat_prompts, multimodal_inputs, split_prompt
 from asyncserve.lora.request import LoRARequest
@@ -274,6 +274,8 @@ class LLM:
                         f"{self.max_logprobs} (LLM(max_logprobs=...))"
                     )
             check_token_params(params, self.engine.loaded.arch.vocab_size)
+            if params.truncate_prompt_tokens is not None:
+                check_truncation(params.truncate_prompt_tokens, self.engine.max_model_len)
             if params.structured_outputs is not None:
                 # A bad schema, regex or grammar is the caller's error: raise before any work.
                 self.engine.structured.validate(params.structured_outputs)

@@ -188,6 +188,11 @@ def test_logit_bias_forces_and_forbids(llm: LLM) -> None:
         llm.generate("Hi", SamplingParams(logit_bias={10**9: 1.0}), use_tqdm=False)
 
 
+def test_truncate_prompt_tokens_over_max_model_len(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="truncate_prompt_tokens value .257. is greater"):
+        llm.generate("Hi", SamplingParams(truncate_prompt_tokens=257), use_tqdm=False)
+
+
 def test_logprobs_over_max_logprobs(llm: LLM) -> None:
     # The bound is LLM's max_logprobs (20 by default, as in vLLM), not SamplingParams'.
     with pytest.raises(ValueError, match="logprobs.*max allowed: 20"):

@@ -16,6 +16,7 @@ import msgspec
 from starlette.requests import ClientDisconnect, Request
 
 from asyncserve.config import ServerConfig
+from asyncserve.engine.request_checks import check_truncation
 from asyncserve.http.engine_client import EngineClient
 from asyncserve.http.errors import APIError, from_validation_error, from_value_error
 from asyncserve.http.limits import (
@@ -217,6 +218,10 @@ class ServerState:
         keep = params.truncate_prompt_tokens
         if keep is None:
             return prompt
+        try:
+            check_truncation(keep, self.engine.max_model_len)
+        except ValueError as exc:
+            raise APIError(str(exc), 400, "truncate_prompt_tokens") from None
         if keep == -1:
             keep = self.engine.max_model_len - 1
         if len(prompt.token_ids) <= keep:

@@ -65,6 +65,7 @@ BAD_BODIES: list[tuple[str, dict[str, Any], str | None]] = [
     ("/v1/completions", {"prompt": "x", "logit_bias": {"-3": 5}}, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
+    ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 2049}, "truncate_prompt_tokens"),
     ("/v1/completions", {"prompt": "x", "priority": 5}, "priority"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, "model"),
     ("/v1/completions", {"prompt": "x", "model": 3}, "model"),
