@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import math
 import numbers
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +55,10 @@ _REAL_FIELDS = (
     "frequency_penalty",
     "repetition_penalty",
 )
+
+
+def _is_list_like(value: Any) -> bool:
+    return isinstance(value, Iterable) and not isinstance(value, str | bytes | dict)
 
 
 def _is_int(value: Any) -> bool:
@@ -132,10 +137,10 @@ class SamplingParams:
         elif self.stop is None:
             self.stop = []
         else:
-            _check(isinstance(self.stop, list | tuple), "stop", "must be a string or a list")
+            _check(_is_list_like(self.stop), "stop", "must be a string or a list")
             self.stop = list(self.stop)
         _check(
-            isinstance(self.stop_token_ids, list | tuple | None),
+            self.stop_token_ids is None or _is_list_like(self.stop_token_ids),
             "stop_token_ids",
             "must be a list of token ids",
         )
