@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from asyncserve.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
@@ -17,7 +18,7 @@ from asyncserve.config import DEFAULT_DECODE_LATENCY_TARGET_MS, EngineConfig, En
 from asyncserve.engine.async_engine import AsyncEngine
 from asyncserve.engine.dp_client import DataParallelClient
 from asyncserve.engine.dp_group import DataParallelGroup
-from asyncserve.engine.request_checks import check_token_params
+from asyncserve.engine.request_checks import check_token_params, check_truncation
 from asyncserve.llm_prompts import PromptType as PromptType
 from asyncserve.llm_prompts import as_prompt_list, chat_prompts, multimodal_inputs, split_prompt
 from asyncserve.lora.request import LoRARequest
@@ -28,6 +29,8 @@ from asyncserve.pooling.engine import PoolingEngine
 from asyncserve.pooling.outputs import (
     EmbeddingOutput,
     EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
     ScoringOutput,
     ScoringRequestOutput,
 )
@@ -184,6 +187,27 @@ class LLM:
             for vec, tokens in zip(vectors, ids, strict=True)
         ]
 
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_task: str | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """vLLM's encode() for the "embed" task: embed()'s vectors as tensors."""
+        if pooling_task not in (None, "embed"):
+            raise ValueError(f"pooling_task: only 'embed' is supported, got {pooling_task!r}")
+        if pooling_params is not None:
+            raise ValueError("pooling_params: not supported; the model's pooler applies")
+        return [
+            PoolingRequestOutput(
+                o.request_id, PoolingOutput(torch.tensor(o.outputs.embedding)), o.prompt_token_ids
+            )
+            for o in self.embed(prompts, truncate_prompt_tokens)
+        ]
+
     def score(
         self,
         data_1: str | Sequence[str],
@@ -208,7 +232,7 @@ class LLM:
     def _pooling_engine(self) -> PoolingEngine:
         if self._pooling is None:
             raise ValueError(
-                "embed() and score() need a pooling model: LLM(model, runner='pooling')"
+                "embed(), encode() and score() need a pooling model: LLM(model, runner='pooling')"
             )
         return self._pooling
 
@@ -252,6 +276,8 @@ class LLM:
                         f"{self.max_logprobs} (LLM(max_logprobs=...))"
                     )
             check_token_params(params, self.engine.loaded.arch.vocab_size)
+            if params.truncate_prompt_tokens is not None:
+                check_truncation(params.truncate_prompt_tokens, self.engine.max_model_len)
             if params.structured_outputs is not None:
                 # A bad schema, regex or grammar is the caller's error: raise before any work.
                 self.engine.structured.validate(params.structured_outputs)

@@ -3,7 +3,8 @@ into token prompts (images included), and the images of a prompt processed up fr
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import numbers
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from asyncserve.engine.async_engine import AsyncEngine
@@ -14,27 +15,54 @@ PromptType = str | list[int] | dict[str, Any]
 
 
 def as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """The prompts as a list, each checked for its shape (a bad one is a ValueError before
+    any work, not an error from inside the engine)."""
     if isinstance(prompts, str | dict):
-        return [prompts]
-    prompt_list: list[Any] = list(prompts)
-    if prompt_list and all(isinstance(p, int) for p in prompt_list):
-        return [prompt_list]  # one token-id prompt
+        prompt_list: list[Any] = [prompts]
+    elif isinstance(prompts, Iterable) and not isinstance(prompts, bytes):
+        prompt_list = list(prompts)
+        if prompt_list and all(_is_token_id(p) for p in prompt_list):
+            prompt_list = [prompt_list]  # one token-id prompt
+    else:
+        raise ValueError(
+            "prompts must be a string, a list of token ids, a dict or a list of them, "
+            f"got {type(prompts).__name__}"
+        )
     for i, p in enumerate(prompt_list):
         if not isinstance(p, str | list | dict):
             raise ValueError(f"prompts[{i}] must be a string, a list of token ids or a dict")
+        split_prompt(p, f"prompts[{i}]")
     return prompt_list
 
 
-def split_prompt(prompt: PromptType) -> tuple[str | None, list[int] | None]:
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _token_ids(ids: Any, where: str) -> list[int]:
+    if isinstance(ids, str | bytes | dict) or not isinstance(ids, Iterable):
+        raise ValueError(f"{where} must be a list of token ids, got {type(ids).__name__}")
+    out = list(ids)
+    for i, token in enumerate(out):
+        if not _is_token_id(token):
+            raise ValueError(f"{where}[{i}] must be a token id (an integer), got {token!r}")
+    return [int(t) for t in out]
+
+
+def split_prompt(prompt: PromptType, where: str = "prompt") -> tuple[str | None, list[int] | None]:
+    """(text, token ids) of one prompt; a ValueError names what is wrong with its shape."""
     if isinstance(prompt, str):
         return prompt, None
     if isinstance(prompt, dict):
+        text = prompt.get("prompt")
+        if text is not None and not isinstance(text, str):
+            raise ValueError(f"{where}['prompt'] must be a string, got {type(text).__name__}")
         if "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        if "prompt" in prompt:
-            return str(prompt["prompt"]), None
-        raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
-    return None, list(prompt)
+            return text, _token_ids(prompt["prompt_token_ids"], f"{where}['prompt_token_ids']")
+        if text is not None:
+            return text, None
+        raise ValueError(f"{where}: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+    return None, _token_ids(prompt, where)
 
 
 def multimodal_inputs(
@@ -60,6 +88,10 @@ def chat_prompts(
 ) -> list[PromptType]:
     """One token prompt per conversation (one, or a list of them) through the model's chat
     template; a conversation with image parts becomes a prompt with its images."""
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+        raise ValueError(
+            "chat_template_kwargs must be a dict, got " + type(chat_template_kwargs).__name__
+        )
     conversations: list[list[dict[str, Any]]]
     if messages and isinstance(messages[0], dict):
         conversations = [messages]  # type: ignore[list-item]

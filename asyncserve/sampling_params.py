@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +44,25 @@ class StructuredOutputsParams:
 
 # Sampling fields whose default comes from the model's generation_config, as vLLM reads it.
 MODEL_SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+# The float fields checked against their ranges in SamplingParams._validate.
+_REAL_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+
+
+def _is_list_like(value: Any) -> bool:
+    return isinstance(value, Iterable) and not isinstance(value, str | bytes | dict)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check(cond: bool, field_name: str, message: str) -> None:
@@ -116,7 +137,13 @@ class SamplingParams:
         elif self.stop is None:
             self.stop = []
         else:
+            _check(_is_list_like(self.stop), "stop", "must be a string or a list")
             self.stop = list(self.stop)
+        _check(
+            self.stop_token_ids is None or _is_list_like(self.stop_token_ids),
+            "stop_token_ids",
+            "must be a list of token ids",
+        )
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
@@ -124,9 +151,15 @@ class SamplingParams:
         self.all_stop_token_ids = set(self.stop_token_ids)
 
     def _validate(self) -> None:
-        _check(
-            isinstance(self.n, int) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n}"
-        )
+        # Numbers of the wrong type are a ValueError naming the field, not a TypeError below.
+        for name in _REAL_FIELDS:
+            value = getattr(self, name)
+            _check(
+                isinstance(value, numbers.Real) and not isinstance(value, bool),
+                name,
+                f"must be a number, got {value!r}",
+            )
+        _check(_is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n}")
         if self.best_of is not None:
             _check(
                 isinstance(self.best_of, int) and self.best_of >= self.n,
@@ -136,21 +169,21 @@ class SamplingParams:
         _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
         _check(
-            isinstance(self.top_k, int) and self.top_k >= 0,
+            _is_int(self.top_k) and self.top_k >= 0,
             "top_k",
             f"must be 0 or -1 (disabled) or a positive integer, got {self.top_k}",
         )
         _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
-            _check(isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
+            _check(_is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
         if self.max_tokens is not None:
             _check(
-                isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+                _is_int(self.max_tokens) and self.max_tokens >= 1,
                 "max_tokens",
                 f"must be an integer >= 1, got {self.max_tokens}",
             )
         _check(
-            isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+            _is_int(self.min_tokens) and self.min_tokens >= 0,
             "min_tokens",
             f"must be an integer >= 0, got {self.min_tokens}",
         )
@@ -168,7 +201,7 @@ class SamplingParams:
         )
         assert self.stop_token_ids is not None
         _check(
-            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids",
             "must be a list of non-negative integers",
         )
@@ -177,7 +210,7 @@ class SamplingParams:
             if value is not None:
                 # The upper bound is the server's (--max-logprobs) or LLM's (max_logprobs).
                 _check(
-                    isinstance(value, int) and value >= 0,
+                    _is_int(value) and value >= 0,
                     name,
                     f"must be a non-negative integer, got {value}",
                 )

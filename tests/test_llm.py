@@ -133,11 +133,46 @@ def test_too_long_prompt_fails_alone(llm: LLM) -> None:
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
         ({"stop": [""]}, "stop"),
         ({"min_tokens": 9, "max_tokens": 3}, "min_tokens"),
+        ({"temperature": "1"}, "temperature"),
+        ({"top_p": None}, "top_p"),
+        ({"n": True}, "n"),
+        ({"stop": 5}, "stop"),
+        ({"stop_token_ids": [True]}, "stop_token_ids"),
+        ({"stop_token_ids": 7}, "stop_token_ids"),
     ],
 )
 def test_invalid_sampling_params_name_the_field(kwargs: dict, field: str) -> None:  # type: ignore[type-arg]
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("prompts", "match"),
+    [
+        (None, "prompts must be"),
+        (5, "prompts must be"),
+        ([[1.5, 2]], r"prompts\[0\]\[0\] must be a token id"),
+        ([[1, "a"]], r"prompts\[0\]\[1\] must be a token id"),
+        ([1, "a"], r"prompts\[0\] must be"),
+        ([True, False], r"prompts\[0\] must be"),
+        ({"prompt": None}, "needs 'prompt' or 'prompt_token_ids'"),
+        ({"prompt": 5}, r"\['prompt'\] must be a string"),
+        ({"prompt_token_ids": "abc"}, "must be a list of token ids"),
+        (["ok", {"prompt_token_ids": [1, None]}], r"prompts\[1\]\['prompt_token_ids'\]\[1\]"),
+    ],
+)
+def test_malformed_prompts_raise_before_any_work(llm: LLM, prompts: object, match: str) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    with pytest.raises(ValueError, match=match):
+        llm.generate(prompts, params, use_tqdm=False)  # type: ignore[arg-type]
+    assert llm.engine.num_running == 0 and llm.engine.num_waiting == 0
+    after = llm.generate("Hi", params, use_tqdm=False)[0]
+    assert after.error is None and after.outputs[0].token_ids
+
+
+def test_chat_template_kwargs_must_be_a_dict(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="chat_template_kwargs must be a dict"):
+        llm.chat([{"role": "user", "content": "Hi"}], chat_template_kwargs=5)  # type: ignore[arg-type]
 
 
 def test_logit_bias_forces_and_forbids(llm: LLM) -> None:
@@ -151,6 +186,11 @@ def test_logit_bias_forces_and_forbids(llm: LLM) -> None:
     assert first not in llm.generate("The sky is", banned, use_tqdm=False)[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="logit_bias.*out-of-vocab"):
         llm.generate("Hi", SamplingParams(logit_bias={10**9: 1.0}), use_tqdm=False)
+
+
+def test_truncate_prompt_tokens_over_max_model_len(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="truncate_prompt_tokens value .257. is greater"):
+        llm.generate("Hi", SamplingParams(truncate_prompt_tokens=257), use_tqdm=False)
 
 
 def test_logprobs_over_max_logprobs(llm: LLM) -> None:

@@ -142,8 +142,10 @@ def compile_grammar(
         check_regex(params.regex)
         return CompiledGrammar("regex", LLMatcher.grammar_from_regex(params.regex))
     if params.choice is not None:
-        # Lark string literals take JSON's escapes; one alternative per choice.
-        lark = "start: " + " | ".join(json.dumps(c) for c in params.choice)
+        # One terminal (a lexer regex) with one alternative per choice: as parser rule
+        # alternatives, more than 2000 choices overflow the Earley parser's row limit.
+        # Lark string literals take JSON's escapes.
+        lark = "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c) for c in params.choice)
         return CompiledGrammar("choice", LLMatcher.grammar_from_lark(lark))
     if params.grammar is not None:
         return CompiledGrammar("grammar", LLMatcher.grammar_from_lark(params.grammar))

@@ -58,12 +58,22 @@ def check_token_params(params: SamplingParams, vocab_size: int) -> None:
             )
 
 
+def check_truncation(keep: int, max_model_len: int) -> None:
+    """vLLM refuses a truncate_prompt_tokens over max_model_len, whatever the prompt."""
+    if keep > max_model_len:
+        raise ValueError(
+            f"truncate_prompt_tokens value ({keep}) is greater than max_model_len "
+            f"({max_model_len}); select a smaller truncation size"
+        )
+
+
 def truncate_prompt(prompt_ids: list[int], params: SamplingParams, max_model_len: int) -> list[int]:
     """The last truncate_prompt_tokens prompt tokens (-1: what max_model_len leaves room
     for, one token kept for the output)."""
     keep = params.truncate_prompt_tokens
     if keep is None:
         return prompt_ids
+    check_truncation(keep, max_model_len)
     if keep == -1:
         keep = max_model_len - 1
     return prompt_ids[-keep:]

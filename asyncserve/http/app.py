@@ -45,7 +45,7 @@ from asyncserve.metrics import EngineMetrics, ServerMetrics
 logger = logging.getLogger(__name__)
 
 # Reachable without an API key: probes, scrapers and load-aware routers.
-OPEN_PATHS = frozenset({"/health", "/metrics", "/load"})
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/load"})
 
 
 def default_model_name(model_path: str) -> str:

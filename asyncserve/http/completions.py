@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -108,6 +109,21 @@ class _Job:
             )
         )
 
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0 (vLLM's, and OpenAI's, for scoring a prompt): the prompt
+        comes back, with its logprobs if asked, and nothing generated."""
+        return bool(self.body.echo) and self.body.max_tokens == 0
+
+    def shown(self, comp: CompletionOutput) -> CompletionOutput:
+        """The choice as the response shows it: without the one token an echo-only request
+        generates (the engine runs at least one)."""
+        if not self.echo_only:
+            return comp
+        return dataclasses.replace(
+            comp, text="", token_ids=[], logprobs=[] if comp.logprobs is not None else None
+        )
+
     def echo_prefix(self, prompt_index: int) -> str:
         """The prompt text an echoed choice starts with; none with return_token_ids, where
         the prompt comes back as prompt_token_ids instead (as vLLM does)."""
@@ -191,7 +207,7 @@ async def _complete(job: _Job, params: SamplingParams, model: str, request: Requ
         if out.error is not None and not out.internal_error:
             raise engine_error(out, job.state.engine)
         prefix = job.echo_prefix(i)
-        for comp in sorted(out.outputs, key=lambda c: c.index):
+        for comp in sorted(map(job.shown, out.outputs), key=lambda c: c.index):
             completion_tokens += len(comp.token_ids)
             choices.append(
                 CompletionResponseChoice(
@@ -248,7 +264,7 @@ async def _stream(job: _Job, params: SamplingParams, model: str) -> AsyncIterato
                     yield sse_event(engine_error(out, job.state.engine).to_body())
                     failed = True
                     break
-                for comp in out.outputs:
+                for comp in map(job.shown, out.outputs):
                     index = i * n + comp.index
                     if index in finished:
                         continue

@@ -109,6 +109,14 @@ _ENDPOINTS: list[tuple[str, str, str, Any, Any, Any]] = [
     ("/v1/models", "get", "The served model names", None, ModelList, None),
     ("/load", "get", "Generation requests in flight (vLLM)", None, LoadResponse, None),
     ("/health", "get", "200 while the engine loop runs, 503 otherwise", None, HealthResponse, None),
+    (
+        "/ping",
+        "get",
+        "/health's answer, also on POST (vLLM, SageMaker)",
+        None,
+        HealthResponse,
+        None,
+    ),
     ("/version", "get", "Server version", None, VersionResponse, None),
     (
         "/tokenize",
@@ -198,10 +206,11 @@ def openapi_schema(version: str, auth: bool) -> dict[str, Any]:
         if req is not None:
             op["requestBody"] = {"required": True, "content": _json_content(req)}
             op["responses"].update(errors)
-        if auth and path not in ("/health", "/load"):
+        if auth and path not in ("/health", "/ping", "/load"):
             op["security"] = [{"bearer": []}]
             op["responses"]["401"] = errors["401"]
         paths[path] = {method: op}
+    paths["/ping"]["post"] = paths["/ping"]["get"]
     paths["/invocations"] = {
         "post": {
             "summary": "A chat completion body (`messages`) or a completion body (`prompt`), "

@@ -1,4 +1,4 @@
-"""Operational routes: /health, /metrics, /load, /version, /openapi.json, and the legacy
+"""Operational routes: /health (and /ping), /metrics, /load, /version, /openapi.json, and the legacy
 /generate."""
 
 from __future__ import annotations
@@ -145,6 +145,8 @@ def routes(state: ServerState) -> list[Route]:
 
     return [
         Route("/health", health, methods=["GET"]),
+        # vLLM's /ping (SageMaker's health check, beside /invocations): /health's answer.
+        Route("/ping", health, methods=["GET", "POST"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/load", load, methods=["GET"]),
         Route("/version", version, methods=["GET"]),

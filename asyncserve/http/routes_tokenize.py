@@ -106,7 +106,10 @@ async def detokenize(state: ServerState, request: Request) -> Response:
             400,
             f"tokens[{bad}]",
         )
-    text = await state.preprocessor.run(lambda: state.engine.tokenizer.decode(body.tokens))
+    # Special tokens stay, as vLLM's (Hugging Face's default): /tokenize's chat prompt
+    # comes back as the template's text.
+    tokenizer = state.engine.tokenizer
+    text = await state.preprocessor.run(lambda: tokenizer.decode(body.tokens, False))
     return Response(msgspec.json.encode(DetokenizeResponse(text)), media_type="application/json")
 
 

@@ -229,13 +229,15 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
         return None
     out: dict[int, float] = {}
     for key, value in bias.items():
-        if not key.strip().isdigit():
+        digits = key.strip()
+        # ASCII digits only: str.isdigit() alone also takes "²", which int() refuses.
+        if not (digits.isascii() and digits.isdigit()):
             raise APIError(
                 f"logit_bias keys must be token ids (non-negative integers), got {key!r}",
                 400,
                 "logit_bias",
             )
-        out[int(key)] = value
+        out[int(digits)] = value
     return out
 
 
@@ -244,7 +246,10 @@ def completion_params(
 ) -> SamplingParams:
     _check_common(body)
     fields = _shared(body, RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY)
-    fields["max_tokens"] = body.max_tokens
+    # echo with max_tokens 0 returns only the prompt (completions.py drops the one token
+    # the engine generates), as vLLM does for scoring prompts.
+    echo_only = body.echo and body.max_tokens == 0
+    fields["max_tokens"] = 1 if echo_only else body.max_tokens
     fields["logprobs"] = body.logprobs
     fields["structured_outputs"] = structured_outputs(body)
     prompt_logprobs = body.prompt_logprobs

@@ -16,6 +16,7 @@ import msgspec
 from starlette.requests import ClientDisconnect, Request
 
 from asyncserve.config import ServerConfig
+from asyncserve.engine.request_checks import check_truncation
 from asyncserve.http.engine_client import EngineClient
 from asyncserve.http.errors import APIError, from_validation_error, from_value_error
 from asyncserve.http.limits import (
@@ -44,6 +45,18 @@ from asyncserve.outputs import RequestOutput
 from asyncserve.sampling_params import SamplingParams
 
 T = TypeVar("T")
+
+
+def _decode_nulls_as_defaults(body: bytes, body_type: type[T]) -> T:
+    """OpenAI's optional fields are nullable (clients send "n": null, "stream": null): a
+    top-level null for a field with a default means that default, as in vLLM."""
+    raw = msgspec.json.decode(body)
+    if isinstance(raw, dict) and issubclass(body_type, msgspec.Struct):  # type: ignore[arg-type]
+        defaulted = {f.encode_name for f in msgspec.structs.fields(body_type) if not f.required}
+        raw = {k: v for k, v in raw.items() if v is not None or k not in defaulted}
+    return msgspec.convert(raw, body_type)
+
+
 logger = logging.getLogger("asyncserve.http.requests")
 # Prompt characters (and token ids) logged per request when --max-log-len is not given.
 DEFAULT_MAX_LOG_LEN = 512
@@ -121,7 +134,12 @@ class ServerState:
             raise ClientDisconnected from None
         check_json_depth(body)
         try:
-            return msgspec.json.decode(body, type=body_type)
+            try:
+                return msgspec.json.decode(body, type=body_type)
+            except msgspec.ValidationError as exc:
+                if "got `null`" not in str(exc):
+                    raise
+                return _decode_nulls_as_defaults(body, body_type)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise from_validation_error(exc) from exc
         except UnicodeDecodeError as exc:
@@ -200,6 +218,10 @@ class ServerState:
         keep = params.truncate_prompt_tokens
         if keep is None:
             return prompt
+        try:
+            check_truncation(keep, self.engine.max_model_len)
+        except ValueError as exc:
+            raise APIError(str(exc), 400, "truncate_prompt_tokens") from None
         if keep == -1:
             keep = self.engine.max_model_len - 1
         if len(prompt.token_ids) <= keep:

@@ -1,8 +1,10 @@
-"""What LLM.embed() and LLM.score() return, in vLLM's shapes."""
+"""What LLM.embed(), LLM.encode() and LLM.score() return, in vLLM's shapes."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 
 @dataclass
@@ -32,4 +34,17 @@ class ScoringRequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     outputs: ScoringOutput
+    finished: bool = True
+
+
+@dataclass
+class PoolingOutput:
+    data: torch.Tensor
+
+
+@dataclass
+class PoolingRequestOutput:
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
     finished: bool = True

@@ -109,6 +109,20 @@ def test_choice_accepts_exactly_the_choices(
         assert matcher.is_error()
 
 
+def test_thousands_of_choices(manager: StructuredOutputManager, tokenizer: Tokenizer) -> None:
+    # Past 2000 alternatives of one parser rule llguidance's Earley row overflows.
+    choices = [f"opt{i}" for i in range(5000)]
+    params = StructuredOutputsParams(choice=choices)
+    for choice in ("opt1", "opt4999"):
+        matcher = matcher_for(manager, params)
+        assert matcher.consume_tokens(tokenizer.encode(choice, add_special_tokens=False))
+        assert matcher.is_accepting(), matcher.get_error()
+    matcher = matcher_for(manager, params)
+    assert matcher.consume_tokens(tokenizer.encode("opt12", add_special_tokens=False))
+    assert EOS in mask_of(manager, matcher)  # opt12 is a choice, and so is opt123
+    assert not matcher.consume_tokens(tokenizer.encode("3x", add_special_tokens=False))
+
+
 def test_regex_mask_allows_digits_and_eos_only_where_accepting(
     manager: StructuredOutputManager, tokenizer: Tokenizer
 ) -> None:

@@ -3,11 +3,13 @@ stop, seeds, batched prompts, echo, usage, chat-template options."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+import httpx
 import pytest
 
-from tests.http.conftest import ALIAS, MODEL
+from tests.http.conftest import ALIAS, MODEL, sse_events
 
 pytestmark = pytest.mark.timeout(300)
 CHAT = [{"role": "user", "content": "Name three colors."}]
@@ -99,6 +101,32 @@ def test_completion_logprobs_and_echo(oai: Any) -> None:
     assert len(lp.tokens) == 3 + 4
     assert lp.text_offset == sorted(lp.text_offset)
     assert "".join(lp.tokens) == choice.text
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt(oai: Any, client: httpx.Client) -> None:
+    # How evaluation harnesses score a text: the prompt back with its logprobs, nothing more.
+    full = oai.completions.create(
+        model=MODEL, prompt="The sky is", max_tokens=1, temperature=0, logprobs=1, echo=True
+    ).choices[0]
+    out = oai.completions.create(
+        model=MODEL, prompt="The sky is", max_tokens=0, logprobs=1, echo=True
+    )
+    choice = out.choices[0]
+    assert choice.text == "The sky is"
+    assert choice.logprobs.tokens == full.logprobs.tokens[:3]
+    assert choice.logprobs.token_logprobs == full.logprobs.token_logprobs[:3]
+    assert choice.finish_reason == "length"
+    assert out.usage.prompt_tokens == 3 and out.usage.completion_tokens == 0
+    body = {"model": MODEL, "prompt": "The sky is", "max_tokens": 0, "echo": True, "stream": True}
+    raw = client.post("/v1/completions", json={**body, "logprobs": 1}).text
+    chunks = [json.loads(e) for e in sse_events(raw)[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "The sky is"
+    tokens = [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]]
+    assert tokens == full.logprobs.tokens[:3]
+    plain = client.post("/v1/completions", json={**body, "stream": False}).json()
+    assert plain["choices"][0]["text"] == "The sky is"
+    no_echo = client.post("/v1/completions", json={**body, "echo": False, "stream": False})
+    assert no_echo.status_code == 400 and no_echo.json()["error"]["param"] == "max_tokens"
 
 
 def test_batched_prompts(oai: Any) -> None:

@@ -142,7 +142,11 @@ def test_api_key_required(
 
 
 def test_health_and_metrics_are_open(server: ServerProcess) -> None:
-    assert httpx.get(server.base_url + "/health").status_code == 200
+    health = httpx.get(server.base_url + "/health")
+    assert health.status_code == 200
+    for method in ("GET", "POST"):  # vLLM's /ping, SageMaker's health check
+        ping = httpx.request(method, server.base_url + "/ping")
+        assert ping.status_code == 200 and ping.json()["status"] == "ok"
     assert httpx.get(server.base_url + "/metrics").status_code == 200
 
 

@@ -128,3 +128,19 @@ def test_logit_bias_forces_and_forbids_tokens(client: httpx.Client) -> None:
     r = chat(client, messages, logit_bias={"42": 1e9}, max_tokens=2, return_token_ids=True)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["token_ids"] == [42, 42]
+
+
+def test_null_fields_take_their_defaults(client: httpx.Client) -> None:
+    # OpenAI's optional fields are nullable; clients that send every field send nulls.
+    nulls = dict.fromkeys(["n", "stream", "echo", "ignore_eos", "min_tokens", "stop", "seed"])
+    r = complete(client, **nulls)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1
+    messages = [{"role": "user", "content": "Hi"}]
+    r = chat(client, messages, n=None, stream=None, logprobs=None, continue_final_message=None)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["logprobs"] is None
+    required = complete(client, prompt=None)
+    assert required.status_code == 400 and required.json()["error"]["param"] == "prompt"
+    nested = chat(client, [{"role": None, "content": "Hi"}])
+    assert nested.status_code == 400 and nested.json()["error"]["param"] == "messages[0].role"

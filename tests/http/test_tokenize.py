@@ -43,6 +43,8 @@ def test_tokenize_chat_messages_as_the_chat_route_does(
     ).json()
     assert without["count"] < with_prompt["count"]
     assert with_prompt["tokens"][: without["count"]] == without["tokens"]
+    back = client.post("/detokenize", json={"tokens": with_prompt["tokens"]}).json()
+    assert back == {"prompt": text}  # special tokens included, as in vLLM
     # The same count as the chat completion's prompt_tokens.
     chat = client.post(
         "/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "max_tokens": 1}

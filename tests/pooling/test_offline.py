@@ -27,6 +27,14 @@ def test_embed_and_cosine_score(st_bert_dir: Path) -> None:
         # Token ids embed as their text does.
         again = llm.embed([{"prompt_token_ids": outs[1].prompt_token_ids}])
         assert again[0].outputs.embedding == pytest.approx(outs[1].outputs.embedding, abs=1e-6)
+        # vLLM's encode(): the same vectors as tensors; other tasks are a ValueError.
+        encoded = llm.encode(TEXTS, pooling_task="embed")
+        torch.testing.assert_close(torch.stack([o.outputs.data for o in encoded]), got)
+        assert encoded[0].prompt_token_ids == outs[0].prompt_token_ids
+        with pytest.raises(ValueError, match="pooling_task"):
+            llm.encode(TEXTS, pooling_task="classify")
+        with pytest.raises(ValueError, match=r"prompts\[0\]\[0\] must be a token id"):
+            llm.encode([[0.5]])
         # An embedding model scores by cosine similarity.
         scores = llm.score(TEXTS[0], TEXTS[1:])
         want_cos = torch.nn.functional.cosine_similarity(want[0:1], want[1:]).tolist()
@@ -61,3 +69,5 @@ def test_cross_encoder_scores(cross_encoder_dir: Path) -> None:
 def test_embed_needs_a_pooling_model(smollm2_llm: LLM) -> None:
     with pytest.raises(ValueError, match="runner='pooling'"):
         smollm2_llm.embed("hello")
+    with pytest.raises(ValueError, match="runner='pooling'"):
+        smollm2_llm.encode("hello")
