@@ -10,7 +10,10 @@
 #             KV pull times over NCCL
 #   4 vllm    carry .peer/p1: vLLM installed; W2 at TP=1 and TP=2 (one-shot all-reduce, NCCL only)
 #             with asyncserve, then vLLM at TP=2, same prompts (side_by_side.py)
-# Usage: bash benchmarks/gpu_x2.sh tp|ray|disagg|vllm
+#   check     carry .whl: after fixes, on a fresh machine: disaggregated prefill vs DP=2 again,
+#             TP=2 equality with the one-shot all-reduce, W2 start-up with every decode graph
+#             captured at start, W1b, the GPU tests of the changed parts
+# Usage: bash benchmarks/gpu_x2.sh tp|ray|disagg|vllm|check
 set -u
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton-x2 NCCL_NVLS_ENABLE=0 \
   TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -58,6 +61,15 @@ case $1 in
     as tp2_nccl 120 --tensor-parallel-size 2 --disable-custom-all-reduce
     PYTHONPATH=/tmp/site_v VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
       step vllm_tp2 330 python3 $SBS --engine vllm --workloads w2 --model $L3 --repeat 3 --tensor-parallel-size 2
+    ;;
+  check)
+    export PYTHONPATH=$AS_PATH
+    TAIL=30 step disagg_serving 330 python3 benchmarks/disagg_serving.py --input-len 4096 --output-len 256 --num-prompts 200 --request-rate 5 --out $OUT
+    TAIL=3 step disagg_pull 70 python3 benchmarks/disagg_bench.py --connector PyNcclConnector --num-requests 10 --out $OUT
+    TAIL=8 step tp_equality 150 python3 benchmarks/tp_equality.py --device cuda --output-json $OUT/tp_equality.json
+    TAIL=3 step tests_gpu 120 python3 -m pytest -q -p no:cacheprovider -rs tests/worker/test_fast_all_reduce.py tests/worker/test_cuda_graphs_gpu.py tests/disagg/test_kv_group_transport.py
+    TAIL=2 step as_tp1 60 python3 $SBS --engine asyncserve --workloads w2,w1b --model $L3
+    TAIL=2 step as_tp2 80 python3 $SBS --engine asyncserve --workloads w2 --model $L3 --repeat 3 --tensor-parallel-size 2
     ;;
 esac
 grep -h RESULT $OUT/*.log > $OUT/results.jsonl 2>/dev/null
