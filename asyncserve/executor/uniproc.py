@@ -41,6 +41,7 @@ class UniProcExecutor(Executor):
 
     def shutdown(self) -> None:
         self._thread.shutdown(wait=True, cancel_futures=True)
+        self.runner.release()
 
 
 def _sample(

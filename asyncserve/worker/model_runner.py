@@ -13,6 +13,7 @@ tensor the sampler wrote.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -56,6 +57,7 @@ from asyncserve.worker.mm_embeds import (
     past_image_prompts,
     step_mrope_positions,
 )
+from asyncserve.worker.plan_state import apply_plan
 from asyncserve.worker.runner_steps import ForwardedStep as ForwardedStep
 from asyncserve.worker.runner_steps import LaunchedStep as LaunchedStep
 from asyncserve.worker.runner_steps import sampling_row
@@ -178,6 +180,21 @@ class ModelRunner:
             )
             self.decode_graphs.capture_all()
 
+    def release(self) -> None:
+        """Free the device memory this runner holds (weights, KV cache, CUDA graphs, the
+        proposer): its engine is closed, and a later engine in this process (another LLM)
+        must find the memory free even while the closed one is still referenced."""
+        self.decode_graphs = None
+        self.kv_caches = []
+        self.proposer = None
+        self.lora = None
+        self.states.clear()
+        # In place, so every holder of the module (the engine's LoadedModel) lets go too.
+        self.model.to("meta")
+        if self.device.type == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()
+
     def watch_full_vocab(self, on: bool) -> int:
         """Start or stop counting this rank's full-vocabulary-wide tensors; the count so far."""
         self._vocab_watch, count = switch_watch(self._vocab_watch, on, self.vocab_size)
@@ -199,41 +216,6 @@ class ModelRunner:
                                            self.tp.kv_heads(total), total)  # fmt: skip
 
     # ---- one step ------------------------------------------------------------------------
-
-    def _apply_plan(self, plan: StepPlan) -> None:
-        for rid in plan.freed_request_ids:
-            self.states.pop(rid, None)
-            self.block_table.remove(rid)
-            self.generators.pop(rid, None)
-            if isinstance(self.proposer, DraftProposer | EagleProposer):
-                self.proposer.forget(rid)
-        if self.lora is not None and (plan.removed_lora_ids or self.lora.has_unloaded):
-            in_use = {s.lora_request.lora_int_id for s in self.states.values() if s.lora_request}
-            self.lora.unload(plan.removed_lora_ids, in_use)
-        for new in plan.new_requests:
-            params = new.sampling_params
-            self.states[new.request_id] = CachedRequestState(
-                request_id=new.request_id,
-                prompt_token_ids=new.prompt_token_ids,
-                output_token_ids=list(new.output_token_ids),
-                sampling_params=params,
-                block_ids=list(new.block_ids),
-                num_computed_tokens=new.num_computed_tokens,
-                stop_token_ids=set(params.all_stop_token_ids),
-                lora_request=new.lora_request,
-                mm_features=new.mm_features,
-            )
-            self.block_table.add(new.request_id, new.block_ids)
-        for running in plan.running_requests:
-            state = self.states[running.request_id]
-            if running.new_block_ids:
-                state.block_ids.extend(running.new_block_ids)
-                self.block_table.append(running.request_id, running.new_block_ids)
-            state.num_computed_tokens = running.num_computed_tokens
-            if running.new_token_ids is not None:
-                # Pipeline stages: the last stage's sampled tokens (which it holds already).
-                del state.output_token_ids[running.new_tokens_from :]
-                state.output_token_ids.extend(running.new_token_ids)
 
     def launch_forward(
         self, plan: StepPlan, on_launched: Callable[[], object] | None = None
@@ -259,7 +241,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _forward(self, plan: StepPlan, launched: Callable[[], None]) -> ForwardedStep:
-        self._apply_plan(plan)
+        apply_plan(self, plan)
         forwarded = ForwardedStep()
         if plan.is_empty:
             return forwarded
