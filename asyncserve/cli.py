@@ -29,6 +29,7 @@ from asyncserve.config import (
     EngineConfig,
     Environment,
 )
+from asyncserve.gc_heap import collection_paused
 
 if TYPE_CHECKING:
     from asyncserve.metrics import EngineMetrics
@@ -40,14 +41,27 @@ def _configure_logging(level: str) -> None:
     )
 
 
+def _import_serve_modules(data_parallel: bool) -> None:
+    """The server's and the engine's modules (torch among them), imported up front so that
+    they load with garbage collection paused (see gc_heap.py)."""
+    import asyncserve.http.server  # noqa: F401
+
+    if data_parallel:
+        import asyncserve.engine.dp_client  # noqa: F401
+    else:
+        import asyncserve.engine.async_engine  # noqa: F401
+
+
 def run_serve(args: argparse.Namespace) -> int:
     env = Environment.read()
-    try:
-        server_config = server_config_from_args(args, env)
-        engine_config = engine_config_from_args(args, env)
-    except ValueError as exc:
-        print(f"asyncserve serve: error: {exc}", file=sys.stderr)
-        return 2
+    with collection_paused():
+        try:
+            server_config = server_config_from_args(args, env)
+            engine_config = engine_config_from_args(args, env)
+        except ValueError as exc:
+            print(f"asyncserve serve: error: {exc}", file=sys.stderr)
+            return 2
+        _import_serve_modules(engine_config.parallel.data_parallel_size > 1)
     _configure_logging(server_config.log_level)
     from asyncserve.http.listener import bound_socket
 
@@ -190,7 +204,8 @@ async def _generate(engine: Any, args: argparse.Namespace) -> int:
 def run_generate(args: argparse.Namespace) -> int:
     env = Environment.read()
     _configure_logging("warning" if env.log_level.upper() == "INFO" else env.log_level)
-    from asyncserve.engine.async_engine import AsyncEngine
+    with collection_paused():
+        from asyncserve.engine.async_engine import AsyncEngine
 
     try:
         config = engine_config_from_args(args, env)
@@ -213,7 +228,14 @@ class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def build_parser() -> argparse.ArgumentParser:
+# Commands that never run the proxy or the benchmarks: for them build_parser leaves those
+# subcommands out, and their modules unimported (start-up time; tests/test_cli_imports.py).
+_ENGINE_COMMANDS = ("serve", "generate")
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser; given the `command` about to run (serve or generate), one without
+    the proxy and bench subcommands."""
     parser = argparse.ArgumentParser(
         prog="asyncserve",
         description="An LLM inference and serving engine with an OpenAI-compatible server.",
@@ -247,6 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_arguments(generate)
     add_engine_arguments(generate)
     generate.set_defaults(handler=run_generate)
+    if command in _ENGINE_COMMANDS:
+        return parser
     from asyncserve.disagg.proxy import add_proxy_arguments, run_proxy
 
     proxy = commands.add_parser(
@@ -267,8 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv[0] if argv else None)
     if argv and argv[0] == "serve":
         argv = expand_config_file(argv, parser.get_default("serve_parser"))
     args = parser.parse_args(argv)

@@ -30,3 +30,25 @@ def test_freeze_startup_heap_collects_then_freezes() -> None:
     finally:
         gc.unfreeze()
         gc.set_threshold(*thresholds)
+
+
+def test_collection_paused_stops_collections_and_restores() -> None:
+    from asyncserve.gc_heap import collection_paused
+
+    assert gc.isenabled()
+    with collection_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    try:
+        with collection_paused():
+            raise RuntimeError("an import failed")
+    except RuntimeError:
+        pass
+    assert gc.isenabled()  # back on after an error too
+    gc.disable()
+    try:
+        with collection_paused():
+            pass
+        assert not gc.isenabled()  # a caller that had it off keeps it off
+    finally:
+        gc.enable()

@@ -23,9 +23,8 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
@@ -35,6 +34,9 @@ from starlette.routing import Route
 from asyncserve.cli_server import _positive_or_none, parse_bytes
 from asyncserve.http.errors import APIError
 from asyncserve.http.limits import check_json_depth, read_body
+
+if TYPE_CHECKING:
+    import httpx
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +91,8 @@ def build_proxy(
     body_limit: int = DEFAULT_BODY_BYTES,
     body_timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S,
 ) -> Starlette:
+    import httpx  # here: `serve` builds this module's flags and needs no HTTP client
+
     prefills, decodes = Pool("prefill", prefill), Pool("decode", decode)
     client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
 
@@ -191,6 +195,8 @@ async def _forward(
     client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str], stream: bool
 ) -> Response:
     """The decode instance's answer as the client's; Unreachable before it starts."""
+    import httpx
+
     try:
         upstream = await client.send(client.build_request("POST", url, json=body, headers=headers),
                                      stream=True)  # fmt: skip

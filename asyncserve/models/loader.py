@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -24,22 +24,17 @@ from asyncserve.config import ModelConfig
 from asyncserve.kernels.ops import select_ops
 from asyncserve.models.arch_config import ArchConfig
 from asyncserve.models.base import CausalLM
-from asyncserve.models.gguf_loader import (
-    GGUFFile,
-    gguf_hf_config,
-    iter_gguf_weights,
-    linear_tensor_types,
-    open_gguf,
-)
 from asyncserve.models.parallel import SINGLE, TensorParallel, check_tensor_parallel
 from asyncserve.models.pipeline import PipelineStage
 from asyncserve.models.registry import resolve_model_class
 from asyncserve.models.weights import param_source
 from asyncserve.quantization import QuantConfig, quantized_build, resolve_quant_config
-from asyncserve.quantization.gguf import GGUFConfig
 from asyncserve.quantization.kv_scales import KVScales
 from asyncserve.sampling_params import MODEL_SAMPLING_DEFAULTS
 from asyncserve.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from asyncserve.models.gguf_loader import GGUFFile
 
 logger = logging.getLogger(__name__)
 
@@ -312,6 +307,9 @@ def load_model(
     root: Path | None
     hf_config: dict[str, Any] = {}
     if kind == "gguf":
+        # Imported here: the gguf package (and what it pulls in) only for a GGUF model.
+        from asyncserve.models.gguf_loader import gguf_hf_config, open_gguf
+
         gguf_file = open_gguf(source)
         arch = ArchConfig.from_hf_dict(gguf_hf_config(gguf_file))
         root = None
@@ -328,6 +326,9 @@ def load_model(
     dtype = resolve_dtype(config.dtype, arch.torch_dtype, device)
     quant: QuantConfig | None
     if gguf_file is not None and config.quantization == "gguf":
+        from asyncserve.models.gguf_loader import linear_tensor_types
+        from asyncserve.quantization.gguf import GGUFConfig
+
         quant = GGUFConfig(linear_tensor_types(gguf_file))
     else:
         quant = resolve_quant_config(config.quantization, hf_config, device)
@@ -341,6 +342,9 @@ def load_model(
     elif config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
     elif gguf_file is not None:
+        from asyncserve.models.gguf_loader import iter_gguf_weights
+        from asyncserve.quantization.gguf import GGUFConfig
+
         raw = quant.keeps_raw if isinstance(quant, GGUFConfig) else None
         model.load_weights(iter_gguf_weights(gguf_file, arch, raw))
     elif root is not None:
