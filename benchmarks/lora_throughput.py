@@ -13,8 +13,11 @@ i % N. The adapters are random rank-R PEFT adapters on q/k/v/o/gate/up/down writ
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
+import logging
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -71,10 +74,20 @@ def run_asyncserve(
     per_prompt = [loras[i % n] for i in range(len(prompts))] if n else None
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     warm = per_prompt[:8] if per_prompt else None
+    _phase("engine ready; warm-up (8 prompts, every adapter read on first use)")
     llm.generate(prompts[:8], params, use_tqdm=False, lora_request=warm)
+    _phase(f"warm-up done; generating {len(prompts)} prompts")
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False, lora_request=per_prompt)
-    return time.perf_counter() - start
+    elapsed = time.perf_counter() - start
+    _phase(f"generated in {elapsed:.1f} s; closing the engine")
+    llm.close()
+    return elapsed
+
+
+def _phase(message: str) -> None:
+    """Progress on stderr at once (stdout to a pipe is held back until the process ends)."""
+    print(f"[lora_throughput {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def run_vllm(args: argparse.Namespace, prompts: list[list[int]], adapters: list[Path]) -> float:
@@ -111,7 +124,14 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--adapter-dir", default="/tmp/lora-bench-adapters")
     parser.add_argument("--output-json", default=None)
+    parser.add_argument("--dump-stacks-after", type=float, default=100.0,
+                        help="every this many seconds, print every thread's stack to stderr "
+                        "(where a run that does not finish waits); 0: never")  # fmt: skip
     args = parser.parse_args()
+    # The engine's INFO lines (graph capture, KV budget, adapter reads) show how far it got.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.dump_stacks_after > 0:
+        faulthandler.dump_traceback_later(args.dump_stacks_after, repeat=True)
 
     from asyncserve.bench.workload import random_prompts
 
@@ -120,6 +140,7 @@ def main() -> None:
     adapters = write_adapters(
         Path(args.model), Path(args.adapter_dir), args.num_adapters, args.rank
     )
+    _phase(f"{len(adapters)} adapters written to {args.adapter_dir}; starting {args.engine}")
     runner = run_asyncserve if args.engine == "asyncserve" else run_vllm
     elapsed = runner(args, prompts, adapters)
     num_in = sum(len(p) for p in prompts)
@@ -134,7 +155,8 @@ def main() -> None:
         "total_tokens_per_s": (num_in + num_out) / elapsed,
         "output_tokens_per_s": num_out / elapsed,
     }
-    print(json.dumps(report))
+    faulthandler.cancel_dump_traceback_later()
+    print(json.dumps(report), flush=True)
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(report, indent=2))
 

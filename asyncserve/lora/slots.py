@@ -9,6 +9,8 @@ of max_cpu_loras adapters.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -19,6 +21,8 @@ from torch import nn
 from asyncserve.lora.adapter import LoRAWeights, load_adapter
 from asyncserve.lora.layers import LoRABatch, LoRATargets, attach_lora, module_shapes
 from asyncserve.lora.request import LoRARequest
+
+logger = logging.getLogger(__name__)
 
 
 def _read_error(request: LoRARequest, exc: Exception) -> str:
@@ -132,6 +136,7 @@ class LoRASlots:
         if weights is not None:
             self._host.move_to_end(lora_id)
             return weights
+        start = time.perf_counter()
         weights = load_adapter(
             request.lora_name, request.lora_path, self.shapes, self.max_lora_rank, self.dtype
         )
@@ -141,8 +146,18 @@ class LoRASlots:
                 key: (a.pin_memory(), b.pin_memory()) for key, (a, b) in weights.weights.items()
             }
         self._host[lora_id] = weights
+        # Read on the step thread, which waits meanwhile: a user sees when and how long, and
+        # an adapter read again and again (host cache too small) shows up here.
+        logger.info(
+            "LoRA adapter %r (id %d, rank %d) read from %s in %.2f s; host cache %d/%d",
+            request.lora_name, lora_id, weights.rank, request.lora_path,
+            time.perf_counter() - start, min(len(self._host), self.max_cpu_loras),
+            self.max_cpu_loras,
+        )  # fmt: skip
         while len(self._host) > self.max_cpu_loras:
-            self._host.popitem(last=False)
+            dropped, _ = self._host.popitem(last=False)
+            logger.info("LoRA adapter id %d dropped from the host cache (max_cpu_loras %d)",
+                        dropped, self.max_cpu_loras)  # fmt: skip
         return weights
 
     def _clear(self, slot: int) -> None:
