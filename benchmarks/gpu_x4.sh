@@ -35,7 +35,22 @@ export PYTHONPATH=$AS
 # step NAME LIMIT CMD...: one command, its log in $OUT/NAME.log, its tail printed.
 step() { name=$1; limit=$2; shift 2; echo "=== $name $(date +%T)"; timeout $limit "$@" 2>&1 | grep -v -e "Warning" -e "warnings.warn" -e "tokenizer.json" > $OUT/$name.log; tail -${TAIL:-4} $OUT/$name.log; }
 # lane GPU FUNCTION: the function on one GPU in the background, its output in $OUT/lane_FUNCTION.txt.
-lane() { (export CUDA_VISIBLE_DEVICES=$1; $2) > $OUT/lane_$2.txt 2>&1 & }
+# Each lane is its own process group (set -m), so a lane still running at the deadline is
+# ended whole and the results of the others still come back (the call's limit is 600 s).
+set -m
+LANES=()
+lane() { (export CUDA_VISIBLE_DEVICES=$1; $2) > $OUT/lane_$2.txt 2>&1 & LANES+=($!); }
+wait_lanes() {
+  local deadline=$((SECONDS + ${DEADLINE:-540}))
+  while [ $SECONDS -lt $deadline ]; do
+    local alive=0
+    for pid in "${LANES[@]}"; do kill -0 $pid 2>/dev/null && alive=1; done
+    [ $alive = 0 ] && return
+    sleep 2
+  done
+  for pid in "${LANES[@]}"; do kill -0 $pid 2>/dev/null && { echo "lane $pid past the deadline: ended"; kill -- -$pid; }; done
+  sleep 3
+}
 wait_up() { for i in $(seq 1 600); do curl -s localhost:$1/health >/dev/null && return 0; sleep 0.5; done; return 1; }
 # serve_as / serve_vllm PORT NAME [flags]: a server in the background (pid in $SERVER).
 serve_as() { port=$1; name=$2; shift 2; python3 -m asyncserve serve --model $L3 --load-format dummy --max-model-len 2048 --port $port --disable-uvicorn-access-log "$@" > $OUT/$name.log 2>&1 & SERVER=$!; wait_up $port || tail -5 $OUT/$name.log; }
@@ -97,7 +112,8 @@ p4_lora() {
 }
 p4_llava() {
   TAIL=3 step llava_as 200 python3 benchmarks/llava_bench.py --engine asyncserve --output-json $OUT/llava_as.json
-  TAIL=6 step llava_vllm 380 env $VENV python3 benchmarks/llava_bench.py --engine vllm --output-json $OUT/llava_vllm.json
+  # vLLM's LLaVA imports a transformers name the image's transformers renamed (peer_shims/).
+  TAIL=6 step llava_vllm 380 env $VENV PYTHONPATH=$PWD/benchmarks/peer_shims:/tmp/site_v:$AS python3 benchmarks/llava_bench.py --engine vllm --output-json $OUT/llava_vllm.json
 }
 p4_w1b_w4() {
   TAIL=2 step sbs_as_w1b 150 python3 $SBS --engine asyncserve --workloads w1b --model $L3
@@ -181,7 +197,7 @@ case $1 in
   side3)
     lane 0 p6_w1b; lane 1 p6_w4; lane 2 p6_lora; lane 3 p6_spec ;;
 esac
-wait
+wait_lanes
 for f in $OUT/lane_*.txt; do echo "##### $f"; tail -40 $f; done
 grep -h RESULT $OUT/*.log > $OUT/results.jsonl 2>/dev/null
 (cd $OUT && tar -czf /tmp/results_$1.tgz . && rm -rf ./* && mv /tmp/results_$1.tgz .)
