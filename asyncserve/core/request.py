@@ -72,6 +72,9 @@ class Request:
     # Wall time of the steps it was in (only counted for detailed traces).
     model_execute_time: float = 0.0
     first_token_time: float | None = None
+    # Nothing reads its tokens before it finishes (offline, final-only): Scheduler.update
+    # leaves it out of the requests it returns until then.
+    tokens_read_at_end: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:

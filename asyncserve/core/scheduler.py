@@ -340,9 +340,10 @@ class Scheduler:
     def update(self, plan: StepPlan, result: StepResult) -> list[Request]:
         """Append sampled tokens, apply stop rules, release finished requests.
 
-        Returns the requests that got tokens this step, finished ones included. Requests
-        finished (e.g. aborted) since the plan was made are skipped; one preempted since
-        (async scheduling) still gets its token, which was computed before its K/V went.
+        Returns the requests that got tokens this step, finished ones included, but none
+        whose tokens are read only at its end (Request.tokens_read_at_end) before it ends.
+        Requests finished (e.g. aborted) since the plan was made are skipped; one preempted
+        since (async scheduling) still gets its token, which was computed before its K/V went.
         """
         self.micro_batches.returned(plan)
         sampled = result.sampled_token_ids
@@ -385,7 +386,8 @@ class Scheduler:
                 if now is None:
                     now = time.monotonic()
                 request.first_token_time = now
-            updated.append(request)
+            if not request.tokens_read_at_end or request.status >= _FIRST_FINISHED:
+                updated.append(request)
         if any_finished:
             still_running: list[Request] = []
             for request in self._running:
