@@ -75,6 +75,9 @@ class Request:
     # Nothing reads its tokens before it finishes (offline, final-only): Scheduler.update
     # leaves it out of the requests it returns until then.
     tokens_read_at_end: bool = False
+    # Its sampling reads the output tokens' values (SamplingParams.needs_output_tokens),
+    # read once at admission: the scheduler asks every step.
+    needs_output_tokens: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:

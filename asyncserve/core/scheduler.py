@@ -104,6 +104,7 @@ class Scheduler:
         if request.request_id in self._requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         request.status = RequestStatus.WAITING
+        request.needs_output_tokens = request.sampling_params.needs_output_tokens
         self._requests[request.request_id] = request
         self._waiting.push(request)
 
@@ -200,8 +201,13 @@ class Scheduler:
         target, no decode running, or no step measured yet)."""
         if self._latency_target_s <= 0:
             return None
+        # _num_pending_tokens inline: this runs for every running request every step.
         num_decodes = sum(
-            [_num_pending_tokens(r) - r.num_computed_tokens == 1 for r in self._running]
+            [
+                len(r.prompt_token_ids) + len(r.output_token_ids) + r.num_output_placeholders
+                == r.num_computed_tokens + 1
+                for r in self._running
+            ]
         )
         if num_decodes == 0:
             return None
@@ -222,7 +228,12 @@ class Scheduler:
             if busy is not None and busy(request):
                 index += 1  # its step is still in the pipeline
                 continue
-            num_new = step.limit(_num_pending_tokens(request) - request.num_computed_tokens)
+            num_pending = (  # _num_pending_tokens inline
+                len(request.prompt_token_ids)
+                + len(request.output_token_ids)
+                + request.num_output_placeholders
+            )
+            num_new = step.limit(num_pending - request.num_computed_tokens)
             if num_new <= 0 or (
                 request.num_output_placeholders and at_length_limit(request, max_model_len)
             ):
@@ -330,9 +341,11 @@ class Scheduler:
         needs_output_tokens = False
         for r in itertools.chain(step.running, step.new):
             r.num_computed_tokens += num_scheduled[r.request_id]
-            if r.num_computed_tokens >= _num_pending_tokens(r):
+            # _num_pending_tokens inline (every scheduled request, every step).
+            pending = len(r.prompt_token_ids) + len(r.output_token_ids) + r.num_output_placeholders
+            if r.num_computed_tokens >= pending:
                 r.num_output_placeholders += 1
-            if not needs_output_tokens and r.sampling_params.needs_output_tokens:
+            if r.needs_output_tokens:
                 needs_output_tokens = True
         plan.needs_output_tokens = needs_output_tokens
         return plan
