@@ -43,6 +43,9 @@ class StagedRunner:
         self.events.append(("collect", launched[0]))
         return launched[1]
 
+    def release(self) -> None:
+        """The executor's shutdown frees the runner's memory; a fake holds none."""
+
 
 def run(depth: int) -> tuple[list[tuple[str, int]], dict[str, list[int]]]:
     events: list[tuple[str, int]] = []
