@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from asyncserve.lora.request import LoRARequest
@@ -103,6 +104,19 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status >= RequestStatus.FINISHED_STOPPED  # status.finished, one call less
+
+
+def count_decodes(requests: Iterable[Request]) -> int:
+    """How many have one token left to compute (known tokens plus the ones being sampled by
+    a step in flight, past the computed ones): a decode. Runs over every running request
+    every step, so the arithmetic is inline."""
+    return sum(
+        [
+            len(r.prompt_token_ids) + len(r.output_token_ids) + r.num_output_placeholders
+            == r.num_computed_tokens + 1
+            for r in requests
+        ]
+    )
 
 
 def token_slice(prompt: list[int], output: list[int], start: int, end: int) -> list[int]:

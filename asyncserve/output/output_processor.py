@@ -20,11 +20,12 @@ from asyncserve.core.request import Request, RequestStatus
 from asyncserve.core.step import StepResult
 from asyncserve.metrics import EngineMetrics
 from asyncserve.output.detokenizer import IncrementalDetokenizer, decode_token
+from asyncserve.output.request_metrics import finish_metrics
 from asyncserve.output.request_stream import RequestStream
 from asyncserve.outputs import CompletionOutput, Logprob, LogprobsDict, RequestOutput
 from asyncserve.sampling_params import RequestOutputKind, SamplingParams
 from asyncserve.tokenizer import Tokenizer
-from asyncserve.tracing import FinishedRequest, RequestTracer
+from asyncserve.tracing import RequestTracer
 
 logger = logging.getLogger(__name__)
 
@@ -439,46 +440,7 @@ class OutputProcessor:
         parent.stream.put(output)
 
     def _finish_metrics(self, parent: ParentState, now: float) -> dict[str, float]:
-        first = parent.children[0].request
-        queue_s = (first.first_scheduled_time or now) - parent.arrival_time
-        e2e_s = now - parent.arrival_time
-        reason = parent.children[0].finish_reason or "abort"
-        if self.metrics is not None:
-            generated = sum(c.request.num_output_tokens for c in parent.children)
-            self.metrics.on_request_finished(
-                reason, e2e_s, queue_s, len(parent.prompt_token_ids), generated
-            )
-        metrics = {"e2e_s": e2e_s, "queue_s": queue_s}
-        if parent.first_token_time is not None:
-            metrics["ttft_s"] = parent.first_token_time - parent.arrival_time
-        if self.tracer is not None:
-            self._trace(parent, now)
-        return metrics
-
-    def _trace(self, parent: ParentState, now: float) -> None:
-        assert self.tracer is not None
-        requests = [c.request for c in parent.children]
-        scheduled = [r.first_scheduled_time for r in requests if r.first_scheduled_time]
-        params = parent.params
-        self.tracer.record(
-            FinishedRequest(
-                request_id=parent.request_id,
-                arrival=parent.arrival_time,
-                first_scheduled=min(scheduled) if scheduled else None,
-                first_token=parent.first_token_time,
-                finished=now,
-                prompt_tokens=len(parent.prompt_token_ids),
-                completion_tokens=sum(r.num_output_tokens for r in requests),
-                num_sequences=len(requests),
-                max_tokens=params.max_tokens,
-                temperature=params.temperature,
-                top_p=params.top_p,
-                model_execute_s=(
-                    sum(r.model_execute_time for r in requests) if self.tracer.detailed else None
-                ),
-                headers=parent.trace_headers,
-            )
-        )
+        return finish_metrics(parent, now, self.metrics, self.tracer)
 
     def _forget(self, parent: ParentState) -> None:
         self.parents.pop(parent.request_id, None)
