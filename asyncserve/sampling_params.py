@@ -110,6 +110,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # False: no text is made (CompletionOutput.text stays "", logprobs' decoded_token None);
+    # token ids only, as vLLM's detokenize=False. Stop strings need the text.
+    detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
     # Sampling draws only from these token ids.
@@ -198,6 +201,17 @@ class SamplingParams:
             all(isinstance(s, str) and s for s in self.stop),
             "stop",
             "must be a list of non-empty strings",
+        )
+        _check(
+            isinstance(self.detokenize, bool),
+            "detokenize",
+            f"must be a boolean, got {self.detokenize!r}",
+        )
+        # vLLM's rule and message: a stop string is found in the text, which is not made.
+        _check(
+            self.detokenize or not self.stop,
+            "stop",
+            "strings are only supported when detokenize is True. Set detokenize=True to use stop.",
         )
         assert self.stop_token_ids is not None
         _check(

@@ -4,7 +4,8 @@ Run each engine in its own process on the same device, one after the other:
   python side_by_side.py --engine vllm       --workloads w1b,w2 --model CONFIG_DIR
   python side_by_side.py --engine asyncserve --workloads w1b,w2 --model CONFIG_DIR
 Prompts are random token ids from a fixed seed (the same for both), greedy, EOS ignored,
-dummy weights, the engines' own defaults otherwise (flags below override both the same way).
+dummy weights, token ids only (detokenize=False for both: vLLM runs without a tokenizer),
+the engines' own defaults otherwise (flags below override both the same way).
 Prints one JSON line: engine, workload, elapsed, req/s, total tok/s, output tok/s, ms/token.
 """
 
@@ -96,7 +97,10 @@ def build_asyncserve(a):
 def gen_asyncserve(llm, prompts, outs):
     from asyncserve import SamplingParams
 
-    sps = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in outs]
+    sps = [
+        SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True, detokenize=False)
+        for o in outs
+    ]
     return [len(r.outputs[0].token_ids) for r in llm.generate(prompts, sps, use_tqdm=False)]
 
 

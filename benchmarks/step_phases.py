@@ -12,7 +12,13 @@ outputs (detokenizing, stop strings, request outputs). On CUDA it also times one
 replay alone (the device's share of the step).
 
     python benchmarks/step_phases.py --model benchmarks/configs/llama3-8b --load-format dummy \
-        [--batch-size 1] [--input-len 128] [--output-len 128] [--max-num-seqs N]
+        [--batch-size 1] [--input-len 128] [--output-len 128] [--max-num-seqs N] \
+        [--no-detokenize]
+
+--no-detokenize: token ids only (SamplingParams(detokenize=False)), as the side-by-side
+comparison runs vLLM. "publish, whole run" adds up every publish of the timed run: work a
+request defers to its end (offline outputs are read only then) leaves the median step but
+not this total.
 
 Host time at large batch, on the CPU with a tiny model (the host's Python is the same):
 
@@ -52,6 +58,7 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=None, help="default: the batch size")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="default: max(8192, the batch size)")  # fmt: skip
+    parser.add_argument("--no-detokenize", action="store_true", help="token ids only")
     parser.add_argument(
         "--switch-interval", type=float, default=None, help="sys.setswitchinterval (seconds)"
     )
@@ -77,7 +84,12 @@ def main() -> None:
     runner = engine.runner
     core = engine.core
     prompts = random_prompts(batch, args.input_len, engine.loaded.arch.vocab_size)
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=args.output_len,
+        ignore_eos=True,
+        detokenize=not args.no_detokenize,
+    )
     llm.generate(prompts, params, use_tqdm=False)  # warm-up: compile, capture
 
     timers: dict[str, Timer] = {
@@ -85,7 +97,7 @@ def main() -> None:
         "update": Timer(core.update),
         "  scheduler.update": Timer(engine.scheduler.update),
         "forward": Timer(runner.launch_forward),
-        "  apply_plan": Timer(runner._apply_plan),
+        "  apply_plan": Timer(model_runner.apply_plan),
         "  build_inputs": Timer(model_runner.build_step_inputs),
         "sample": Timer(runner._sample),
         "  sampling_meta": Timer(model_runner.SamplingMetadata.build),
@@ -130,7 +142,7 @@ def main() -> None:
     core.update = marked_update  # type: ignore[method-assign]
     engine.scheduler.update = timers["  scheduler.update"]  # type: ignore[method-assign]
     runner.launch_forward = marked_forward  # type: ignore[method-assign]
-    runner._apply_plan = timers["  apply_plan"]  # type: ignore[method-assign]
+    model_runner.apply_plan = timers["  apply_plan"]  # type: ignore[attr-defined]
     model_runner.build_step_inputs = timers["  build_inputs"]  # type: ignore[attr-defined]
     meta_build = model_runner.SamplingMetadata.build
     model_runner.SamplingMetadata.build = timers["  sampling_meta"]  # type: ignore[method-assign]
@@ -145,6 +157,7 @@ def main() -> None:
         llm.generate(prompts, params, use_tqdm=False)
     finally:
         model_runner.SamplingMetadata.build = meta_build  # type: ignore[method-assign]
+        model_runner.apply_plan = timers["  apply_plan"].fn  # type: ignore[attr-defined]
     _report(args, engine, timers, marks, schedule_end, full_decode)
     llm.close()
 
@@ -206,6 +219,8 @@ def _report(
             print(
                 f"{'  sampling_rows':>22}: {us(sample_rows):9.1f} us {us(sample_rows_cpu):9.1f} us"
             )
+    publish_ms = 1e3 * sum(timers["publish"].times)
+    print(f"{'publish, whole run':>22}: {publish_ms:9.1f} ms")
     print(f"{'loop -> step thread':>22}: {us(to_thread):9.1f} us")
     print(f"{'step thread -> loop':>22}: {us(to_loop):9.1f} us")
     runner = engine.runner

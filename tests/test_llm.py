@@ -222,3 +222,21 @@ async def _collect(stream) -> str:  # type: ignore[no-untyped-def]
     async for out in stream:
         text += out.outputs[0].text if out.outputs else ""
     return text
+
+
+def test_detokenize_false_gives_the_same_tokens_without_text(llm: LLM) -> None:
+    prompts = ["Hello, my name is", "The sky is"]
+    with_text = SamplingParams(temperature=0.0, max_tokens=8)
+    ids_only = SamplingParams(temperature=0.0, max_tokens=8, detokenize=False)
+    # With logprobs the outputs are taken step by step (not deferred to the end).
+    stepwise = SamplingParams(temperature=0.0, max_tokens=8, logprobs=1)
+    texts = llm.generate(prompts, with_text, use_tqdm=False)
+    ids = llm.generate(prompts, ids_only, use_tqdm=False)
+    steps = llm.generate(prompts, stepwise, use_tqdm=False)
+    for a, b, c in zip(texts, ids, steps, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
+        assert a.outputs[0].text and a.outputs[0].text == c.outputs[0].text
+        assert b.outputs[0].text == ""
+    with pytest.raises(ValueError, match="detokenize"):
+        llm.generate(prompts, SamplingParams(stop=["."], detokenize=False), use_tqdm=False)
+    assert_pool_whole(llm)

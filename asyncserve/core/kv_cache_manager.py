@@ -119,6 +119,7 @@ class KVCacheManager:
             total = request.num_computed_tokens + num_new_tokens
             if -(-(total + num_lookahead_tokens) // bs) <= len(blocks) and (
                 not self.enable_prefix_caching
+                or total // bs <= self._num_cached[rid]  # no block newly full, known or not
                 or min(total, request.num_tokens) // bs <= self._num_cached[rid]
             ):
                 return []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from asyncserve.lora.request import LoRARequest
@@ -72,6 +73,12 @@ class Request:
     # Wall time of the steps it was in (only counted for detailed traces).
     model_execute_time: float = 0.0
     first_token_time: float | None = None
+    # Nothing reads its tokens before it finishes (offline, final-only): Scheduler.update
+    # leaves it out of the requests it returns until then.
+    tokens_read_at_end: bool = False
+    # Its sampling reads the output tokens' values (SamplingParams.needs_output_tokens),
+    # read once at admission: the scheduler asks every step.
+    needs_output_tokens: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -97,6 +104,19 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status >= RequestStatus.FINISHED_STOPPED  # status.finished, one call less
+
+
+def count_decodes(requests: Iterable[Request]) -> int:
+    """How many have one token left to compute (known tokens plus the ones being sampled by
+    a step in flight, past the computed ones): a decode. Runs over every running request
+    every step, so the arithmetic is inline."""
+    return sum(
+        [
+            len(r.prompt_token_ids) + len(r.output_token_ids) + r.num_output_placeholders
+            == r.num_computed_tokens + 1
+            for r in requests
+        ]
+    )
 
 
 def token_slice(prompt: list[int], output: list[int], start: int, end: int) -> list[int]:

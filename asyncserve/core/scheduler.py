@@ -38,7 +38,7 @@ from asyncserve.config import CacheConfig, SchedulerConfig
 from asyncserve.core.block_pool import BlockPool
 from asyncserve.core.kv_cache_manager import KVCacheManager
 from asyncserve.core.micro_batches import MicroBatches
-from asyncserve.core.request import Request, RequestStatus
+from asyncserve.core.request import Request, RequestStatus, count_decodes
 from asyncserve.core.step import StepPlan, StepResult
 from asyncserve.core.step_budget import StepBudget
 from asyncserve.core.step_plan import build_step_plan
@@ -104,6 +104,7 @@ class Scheduler:
         if request.request_id in self._requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         request.status = RequestStatus.WAITING
+        request.needs_output_tokens = request.sampling_params.needs_output_tokens
         self._requests[request.request_id] = request
         self._waiting.push(request)
 
@@ -200,9 +201,7 @@ class Scheduler:
         target, no decode running, or no step measured yet)."""
         if self._latency_target_s <= 0:
             return None
-        num_decodes = sum(
-            [_num_pending_tokens(r) - r.num_computed_tokens == 1 for r in self._running]
-        )
+        num_decodes = count_decodes(self._running)
         if num_decodes == 0:
             return None
         return self.step_time.prefill_budget(num_decodes, self._latency_target_s, self.block_size)
@@ -222,7 +221,11 @@ class Scheduler:
             if busy is not None and busy(request):
                 index += 1  # its step is still in the pipeline
                 continue
-            num_new = step.limit(_num_pending_tokens(request) - request.num_computed_tokens)
+            # Tokens known or in flight, less those computed (inline: every request, every step).
+            num_known = len(request.prompt_token_ids) + len(request.output_token_ids)
+            num_new = step.limit(
+                num_known + request.num_output_placeholders - request.num_computed_tokens
+            )
             if num_new <= 0 or (
                 request.num_output_placeholders and at_length_limit(request, max_model_len)
             ):
@@ -330,9 +333,10 @@ class Scheduler:
         needs_output_tokens = False
         for r in itertools.chain(step.running, step.new):
             r.num_computed_tokens += num_scheduled[r.request_id]
-            if r.num_computed_tokens >= _num_pending_tokens(r):
+            pending = len(r.prompt_token_ids) + len(r.output_token_ids) + r.num_output_placeholders
+            if r.num_computed_tokens >= pending:  # pending: tokens known or in flight
                 r.num_output_placeholders += 1
-            if not needs_output_tokens and r.sampling_params.needs_output_tokens:
+            if r.needs_output_tokens:
                 needs_output_tokens = True
         plan.needs_output_tokens = needs_output_tokens
         return plan
@@ -340,9 +344,9 @@ class Scheduler:
     def update(self, plan: StepPlan, result: StepResult) -> list[Request]:
         """Append sampled tokens, apply stop rules, release finished requests.
 
-        Returns the requests that got tokens this step, finished ones included. Requests
-        finished (e.g. aborted) since the plan was made are skipped; one preempted since
-        (async scheduling) still gets its token, which was computed before its K/V went.
+        Returns the requests that got tokens this step, finished ones included (one whose
+        tokens are read at its end only once it ends). Requests finished (e.g. aborted) since
+        the plan are skipped; one preempted since (async scheduling) still gets its token.
         """
         self.micro_batches.returned(plan)
         sampled = result.sampled_token_ids
@@ -385,7 +389,8 @@ class Scheduler:
                 if now is None:
                     now = time.monotonic()
                 request.first_token_time = now
-            updated.append(request)
+            if not request.tokens_read_at_end or request.status >= _FIRST_FINISHED:
+                updated.append(request)
         if any_finished:
             still_running: list[Request] = []
             for request in self._running:
@@ -437,15 +442,6 @@ class Scheduler:
 # Module constants: compared for every request every step.
 _FIRST_FINISHED = RequestStatus.FINISHED_STOPPED
 _PREEMPTED = RequestStatus.PREEMPTED
-
-
-def _num_pending_tokens(request: Request) -> int:
-    """Known tokens plus the ones being sampled by a step in flight."""
-    return (
-        len(request.prompt_token_ids)
-        + len(request.output_token_ids)
-        + request.num_output_placeholders
-    )
 
 
 def _priority_key(request: Request) -> tuple[int, float]:

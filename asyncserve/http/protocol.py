@@ -108,6 +108,8 @@ class CompletionRequest(SamplingFields, kw_only=True):
     echo: bool = False
     suffix: str | None = None
     add_special_tokens: bool = True
+    # vLLM extra: False gives token ids only (text "", as SamplingParams.detokenize).
+    detokenize: bool = True
 
 
 class ContentPart(msgspec.Struct, kw_only=True):

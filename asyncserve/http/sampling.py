@@ -251,6 +251,7 @@ def completion_params(
     echo_only = body.echo and body.max_tokens == 0
     fields["max_tokens"] = 1 if echo_only else body.max_tokens
     fields["logprobs"] = body.logprobs
+    fields["detokenize"] = body.detokenize
     fields["structured_outputs"] = structured_outputs(body)
     prompt_logprobs = body.prompt_logprobs
     if body.echo and body.logprobs is not None and prompt_logprobs is None:

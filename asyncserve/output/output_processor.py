@@ -1,6 +1,12 @@
 """Turns sampled tokens into RequestOutputs: detokenize, stop strings, logprobs, n > 1 fan-in.
 
 Runs on the event-loop thread while the device computes the next step.
+
+A final-only request that needs nothing from its tokens before it ends (no stop strings, no
+logprobs, no grammar, no metrics to observe per token: offline `LLM.generate`) is deferred:
+the scheduler leaves it out of a step's updated requests until it finishes
+(Request.tokens_read_at_end), and then its tokens are detokenized in one go (the same
+incremental decode, so the same text).
 """
 
 from __future__ import annotations
@@ -14,13 +20,17 @@ from asyncserve.core.request import Request, RequestStatus
 from asyncserve.core.step import StepResult
 from asyncserve.metrics import EngineMetrics
 from asyncserve.output.detokenizer import IncrementalDetokenizer, decode_token
+from asyncserve.output.request_metrics import finish_metrics
 from asyncserve.output.request_stream import RequestStream
 from asyncserve.outputs import CompletionOutput, Logprob, LogprobsDict, RequestOutput
 from asyncserve.sampling_params import RequestOutputKind, SamplingParams
 from asyncserve.tokenizer import Tokenizer
-from asyncserve.tracing import FinishedRequest, RequestTracer
+from asyncserve.tracing import RequestTracer
 
 logger = logging.getLogger(__name__)
+
+# The step result of a catch-up outside a step: nothing but the request's own tokens.
+_NO_RESULT = StepResult()
 
 
 @dataclass
@@ -29,7 +39,7 @@ class ChildState:
 
     index: int
     request: Request
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None  # None: detokenize=False, no text
     logprobs: list[LogprobsDict] | None
     cumulative_logprob: float | None
     num_sent_tokens: int = 0
@@ -68,6 +78,8 @@ class ParentState:
     internal_error: bool = False
     # W3C trace context of the HTTP request (only kept when tracing is on).
     trace_headers: Mapping[str, str] | None = None
+    # Its samples' tokens are taken only when they end (see the module's docstring).
+    deferred: bool = False
 
     @property
     def finished(self) -> bool:
@@ -94,23 +106,40 @@ class OutputProcessor:
 
     def add(self, parent: ParentState, requests: list[Request]) -> None:
         self.parents[parent.request_id] = parent
+        parent.deferred = self._can_defer(parent.params)
         for index, request in enumerate(requests):
             params = request.sampling_params
             child = ChildState(
                 index=index,
                 request=request,
-                detokenizer=IncrementalDetokenizer(
-                    self.tokenizer.backend,
-                    request.prompt_token_ids,
-                    params,
-                    self.tokenizer.special_token_ids,
-                    self._token_texts,
+                detokenizer=(
+                    IncrementalDetokenizer(
+                        self.tokenizer.backend,
+                        request.prompt_token_ids,
+                        params,
+                        self.tokenizer.special_token_ids,
+                        self._token_texts,
+                    )
+                    if params.detokenize
+                    else None
                 ),
                 logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None,
             )
             parent.children.append(child)
             self.children[request.request_id] = (parent, child)
+            request.tokens_read_at_end = parent.deferred
+
+    def _can_defer(self, params: SamplingParams) -> bool:
+        """Nothing reads the request's tokens before it ends: no output until then, no stop
+        string to look for, no per-step logprobs and no per-token metrics."""
+        return (
+            params.output_kind is RequestOutputKind.FINAL_ONLY
+            and not params.stop
+            and params.logprobs is None
+            and params.structured_outputs is None  # its matcher takes every step's tokens
+            and self.metrics is None
+        )
 
     def child_ids(self, request_id: str) -> list[str]:
         parent = self.parents.get(request_id)
@@ -183,6 +212,8 @@ class OutputProcessor:
     ) -> int:
         """Take one sample's new tokens into its text; returns how many there were."""
         new_tokens = request.output_token_ids[child.num_accepted_tokens :]
+        if parent.deferred and parent.first_token_time is None:
+            parent.first_token_time = request.first_token_time  # when the scheduler took it
         self._record_timing(parent, child, now, len(new_tokens))
         if child.logprobs is not None:
             self._append_logprobs(child, result, request.request_id)
@@ -191,7 +222,9 @@ class OutputProcessor:
             and request.request_id not in grammar_done
         )
         detokenizer = child.detokenizer
-        if len(new_tokens) > 1 and detokenizer.has_stop_strings:
+        if detokenizer is None:
+            stop_str = None  # no text: stop strings are refused with detokenize=False
+        elif len(new_tokens) > 1 and detokenizer.has_stop_strings:
             # Several tokens in one step (speculative decoding): the output ends with the
             # token that completes a stop string, as it would one token a step.
             stop_str = None
@@ -241,17 +274,25 @@ class OutputProcessor:
         """End these samples from outside the step (abort, error, grammar end) and publish
         each request whose samples have all ended. Samples already ended keep their reason."""
         touched: dict[str, ParentState] = {}
+        now = time.monotonic()
         for child_id in child_ids:
             entry = self.children.get(child_id)
             if entry is None:
                 continue
             parent, child = entry
+            if parent.deferred and child.finish_reason is None:
+                # Its output so far goes out: take the tokens it holds now.
+                try:
+                    self._process_child(
+                        parent, child, child.request, _NO_RESULT, (), now, ProcessedStep()
+                    )
+                except Exception:
+                    logger.exception("processing the output of request %s failed", child_id)
             if child.finish_reason is None:
                 child.finish_reason = reason
             if error is not None and parent.error is None:
                 parent.error = error
             touched[parent.request_id] = parent
-        now = time.monotonic()
         for parent in touched.values():
             if not parent.finished:
                 continue
@@ -278,12 +319,13 @@ class OutputProcessor:
     def _append_logprobs(self, child: ChildState, result: StepResult, rid: str) -> None:
         if child.logprobs is None or rid not in result.logprobs:
             return
+        detokenize = child.detokenizer is not None
         for (entry, rank), token in zip(
             result.logprobs[rid],
             child.request.output_token_ids[child.num_accepted_tokens :],
             strict=False,
         ):
-            child.logprobs.append(self._to_logprobs(entry, token, rank))
+            child.logprobs.append(self._to_logprobs(entry, token, rank, detokenize))
             if child.cumulative_logprob is not None:
                 child.cumulative_logprob += entry.get(token, 0.0)
 
@@ -301,16 +343,20 @@ class OutputProcessor:
         for position in range(len(rows), first + len(entries)):
             entry, rank = entries[position - first]
             token = parent.prompt_token_ids[position]
-            rows.append(self._to_logprobs(entry, token, rank))
+            rows.append(self._to_logprobs(entry, token, rank, parent.params.detokenize))
 
-    def _to_logprobs(self, entry: dict[int, float], token: int, rank: int) -> LogprobsDict:
+    def _to_logprobs(
+        self, entry: dict[int, float], token: int, rank: int, detokenize: bool
+    ) -> LogprobsDict:
+        """One position's top logprobs; without detokenize their decoded_token is None."""
         ranked = sorted(entry.items(), key=lambda kv: -kv[1])
         out: LogprobsDict = {}
+        backend = self.tokenizer.backend
         for position, (tid, value) in enumerate(ranked, start=1):
             out[tid] = Logprob(
                 logprob=value,
                 rank=rank if tid == token else position,
-                decoded_token=decode_token(self.tokenizer.backend, tid),
+                decoded_token=decode_token(backend, tid) if detokenize else None,
             )
         return out
 
@@ -328,7 +374,8 @@ class OutputProcessor:
             pending = child.num_accepted_tokens - child.num_sent_tokens
             if delta and not done and not force and pending < self.stream_interval:
                 continue
-            text = child.detokenizer.get_next_output_text(done, delta)
+            detokenizer = child.detokenizer
+            text = detokenizer.get_next_output_text(done, delta) if detokenizer else ""
             logprobs = child.logprobs
             # One copy of the tokens to send (not the whole output each step).
             first_token = child.num_sent_tokens if delta else 0
@@ -393,46 +440,7 @@ class OutputProcessor:
         parent.stream.put(output)
 
     def _finish_metrics(self, parent: ParentState, now: float) -> dict[str, float]:
-        first = parent.children[0].request
-        queue_s = (first.first_scheduled_time or now) - parent.arrival_time
-        e2e_s = now - parent.arrival_time
-        reason = parent.children[0].finish_reason or "abort"
-        if self.metrics is not None:
-            generated = sum(c.request.num_output_tokens for c in parent.children)
-            self.metrics.on_request_finished(
-                reason, e2e_s, queue_s, len(parent.prompt_token_ids), generated
-            )
-        metrics = {"e2e_s": e2e_s, "queue_s": queue_s}
-        if parent.first_token_time is not None:
-            metrics["ttft_s"] = parent.first_token_time - parent.arrival_time
-        if self.tracer is not None:
-            self._trace(parent, now)
-        return metrics
-
-    def _trace(self, parent: ParentState, now: float) -> None:
-        assert self.tracer is not None
-        requests = [c.request for c in parent.children]
-        scheduled = [r.first_scheduled_time for r in requests if r.first_scheduled_time]
-        params = parent.params
-        self.tracer.record(
-            FinishedRequest(
-                request_id=parent.request_id,
-                arrival=parent.arrival_time,
-                first_scheduled=min(scheduled) if scheduled else None,
-                first_token=parent.first_token_time,
-                finished=now,
-                prompt_tokens=len(parent.prompt_token_ids),
-                completion_tokens=sum(r.num_output_tokens for r in requests),
-                num_sequences=len(requests),
-                max_tokens=params.max_tokens,
-                temperature=params.temperature,
-                top_p=params.top_p,
-                model_execute_s=(
-                    sum(r.model_execute_time for r in requests) if self.tracer.detailed else None
-                ),
-                headers=parent.trace_headers,
-            )
-        )
+        return finish_metrics(parent, now, self.metrics, self.tracer)
 
     def _forget(self, parent: ParentState) -> None:
         self.parents.pop(parent.request_id, None)

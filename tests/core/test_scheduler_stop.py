@@ -150,3 +150,16 @@ def test_duplicate_request_id_is_refused() -> None:
     scheduler.add_request(make_request("x", 3))
     with pytest.raises(ValueError, match="duplicate"):
         scheduler.add_request(make_request("x", 3))
+
+
+def test_a_request_read_at_its_end_is_returned_only_when_it_ends() -> None:
+    scheduler, runner = make_scheduler()
+    late = make_request("late", 3, max_tokens=3)
+    late.tokens_read_at_end = True
+    scheduler.add_request(late)
+    scheduler.add_request(make_request("each", 3, max_tokens=3))
+    returned = []
+    while scheduler.has_unfinished_requests():
+        returned.append(sorted(r.request_id for r in step(scheduler, runner)[1]))
+    assert returned == [["each"], ["each"], ["each", "late"]]
+    assert len(late.output_token_ids) == 3

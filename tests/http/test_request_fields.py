@@ -144,3 +144,15 @@ def test_null_fields_take_their_defaults(client: httpx.Client) -> None:
     assert required.status_code == 400 and required.json()["error"]["param"] == "prompt"
     nested = chat(client, [{"role": None, "content": "Hi"}])
     assert nested.status_code == 400 and nested.json()["error"]["param"] == "messages[0].role"
+
+
+def test_detokenize_false_returns_no_text(client: httpx.Client) -> None:
+    text = complete(client, logprobs=0, return_tokens_as_token_ids=True).json()["choices"][0]
+    r = complete(client, detokenize=False, logprobs=0, return_tokens_as_token_ids=True)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert text["text"] and choice["text"] == ""
+    assert token_ids(choice) == token_ids(text)
+    refused = complete(client, detokenize=False, stop=["."])
+    assert refused.status_code == 400
+    assert "detokenize" in refused.json()["error"]["message"]

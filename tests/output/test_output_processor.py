@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from asyncserve.core.request import Request, RequestStatus
 from asyncserve.core.step import StepResult
 from asyncserve.output.output_processor import OutputProcessor, ParentState
@@ -90,3 +92,61 @@ def test_a_failing_request_does_not_stop_the_others(monkeypatch) -> None:  # typ
     assert failed.finished and failed.internal_error and "broken detokenizer" in failed.error
     assert get(good).outputs[0].text == "k" and "g" in proc.parents
     assert update is not None
+
+
+def add_final(proc: OutputProcessor, rid: str, **params: object) -> RequestStream:
+    sampling = SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, **params)  # type: ignore[arg-type]
+    stream = RequestStream(rid, sampling.output_kind)
+    request = Request(f"{rid}#0", [104, 105], sampling)
+    proc.add(ParentState(rid, "hi", [104, 105], sampling, stream), [request])
+    return stream
+
+
+def test_detokenize_false_gives_token_ids_without_text_or_decoded_tokens() -> None:
+    proc = OutputProcessor(TOKENIZER, 1, None)
+    stream = add(proc, "d", 1, detokenize=False, logprobs=1)
+    request = proc.children["d#0"][1].request
+    request.output_token_ids.extend([ord("o"), ord("k")])
+    request.status = RequestStatus.FINISHED_LENGTH
+    logprobs = [({ord("o"): -0.1, ord("p"): -2.0}, 1), ({ord("k"): -0.2}, 1)]
+    proc.process([request], StepResult(logprobs={"d#0": logprobs}))
+    out = get(stream).outputs[0]
+    assert out.text == "" and out.token_ids == [ord("o"), ord("k")]
+    assert out.logprobs is not None and len(out.logprobs) == 2
+    assert all(lp.decoded_token is None for entry in out.logprobs for lp in entry.values())
+
+
+def test_a_deferred_request_is_taken_whole_at_its_end() -> None:
+    """A final-only request without stop strings or logprobs is detokenized once, when it
+    ends, to the same text a step-by-step one gets."""
+    tokens = [ord(c) for c in "hello world"]
+    proc = OutputProcessor(TOKENIZER, 1, None)
+    deferred = add_final(proc, "x")
+    eager = add_final(proc, "y", logprobs=0)
+    assert proc.parents["x"].deferred and not proc.parents["y"].deferred
+    x, y = proc.children["x#0"][1].request, proc.children["y#0"][1].request
+    assert x.tokens_read_at_end and not y.tokens_read_at_end
+    for i, token in enumerate(tokens):
+        x.output_token_ids.append(token)
+        emit(proc, {"y#0": token}, finished={"y#0"} if i == len(tokens) - 1 else set())
+    x.status = RequestStatus.FINISHED_LENGTH
+    proc.process([x], StepResult())
+    a, b = get(deferred).outputs[0], get(eager).outputs[0]
+    assert a.text == b.text == "hello world" and a.token_ids == b.token_ids == tokens
+
+
+def test_an_aborted_deferred_request_returns_its_output_so_far() -> None:
+    proc = OutputProcessor(TOKENIZER, 1, None)
+    stream = add_final(proc, "a")
+    proc.children["a#0"][1].request.output_token_ids.extend([ord("o"), ord("k")])
+    proc.finish(["a#0"], "abort")
+    out = get(stream).outputs[0]
+    assert (out.text, out.token_ids, out.finish_reason) == ("ok", [ord("o"), ord("k")], "abort")
+
+
+def test_stop_strings_need_detokenize() -> None:
+    with pytest.raises(ValueError, match="stop strings are only supported when detokenize"):
+        SamplingParams(stop=["!"], detokenize=False)
+    with pytest.raises(ValueError, match="detokenize must be a boolean"):
+        SamplingParams(detokenize="no")  # type: ignore[arg-type]
+    assert SamplingParams(stop_token_ids=[3], detokenize=False).stop == []
