@@ -218,9 +218,10 @@ class AsyncEngine:
     async def close(self) -> None:
         """Shut down, then stop the workers for good (worker processes end here)."""
         await self.shutdown(timeout=0)
-        await asyncio.to_thread(self.executor.shutdown)
+        # Transfers first: they read the KV cache, which the executor's shutdown frees.
         if self.kv_transfer is not None:
             self.kv_transfer.close()
+        await asyncio.to_thread(self.executor.shutdown)
         if self.tracer is not None:
             self.tracer.shutdown()
 
