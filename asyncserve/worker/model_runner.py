@@ -60,8 +60,9 @@ from asyncserve.worker.mm_embeds import (
 from asyncserve.worker.plan_state import apply_plan
 from asyncserve.worker.runner_steps import ForwardedStep as ForwardedStep
 from asyncserve.worker.runner_steps import LaunchedStep as LaunchedStep
-from asyncserve.worker.runner_steps import sampling_row
+from asyncserve.worker.runner_steps import sampling_rows
 from asyncserve.worker.sampler import Sampler, SamplerOutput
+from asyncserve.worker.sampling_columns import SamplingColumns
 from asyncserve.worker.sampling_metadata import SamplingMetadata
 from asyncserve.worker.speculation import Proposer, draft_probs, make_proposer, propose
 from asyncserve.worker.vocab_watch import FullVocabWatch, switch_watch
@@ -111,6 +112,8 @@ class ModelRunner:
         self.staging = HostStaging(device)
         # Every held request's block ids, kept in step with states (see block_table.py).
         self.block_table = BlockTable()
+        # Every held request's sampling knobs, by row (see sampling_columns.py).
+        self.sampling_columns = SamplingColumns()
         self.lora: LoRASlots | None = None
         lora = config.lora
         if lora.enable_lora:
@@ -350,11 +353,11 @@ class ModelRunner:
             if bitmask is not None:
                 row_ids = request_ids if spec is None else expand_request_ids(request_ids, spec)
                 apply_grammar_bitmask(logits, bitmask, row_ids)
-            rows = [
-                sampling_row(self.states[rid], self.generators, self.device) for rid in request_ids
-            ]
+            columns = self.sampling_columns.gather(request_ids)
+            states = list(map(self.states.__getitem__, request_ids))
+            rows = sampling_rows(states, columns.seeded, self.generators, self.device)
             if spec is None:
-                meta = SamplingMetadata.build(rows, self.vocab_size, self.device)
+                meta = SamplingMetadata.build(rows, self.vocab_size, self.device, columns)
                 out = self.sampler(logits, meta)
             else:
                 probs = draft_probs(self.proposer, request_ids, spec)
