@@ -115,11 +115,17 @@ def build_step_inputs(
         # Proposals follow the last known token; they are not in the state's tokens.
         known_end = start + count - len(spec)
         starts.append(start)
-        token_ids.extend(state.token_slice(start, known_end))
-        if spec:
+        prompt = state.prompt_token_ids
+        output = state.output_token_ids
+        num_prompt = len(prompt)
+        if count == 1 and not spec:
+            # A decode's one token, read without a slice.
+            token_ids.append(output[start - num_prompt] if start >= num_prompt else prompt[start])
+        else:
+            token_ids.extend(token_slice(prompt, output, start, known_end))
             token_ids.extend(spec)
         cu += count
-        if known_end >= len(state.prompt_token_ids) + len(state.output_token_ids):
+        if known_end >= num_prompt + len(output):
             sample_request_ids.append(rid)
             last = cu - 1
             if spec:

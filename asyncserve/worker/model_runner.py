@@ -382,10 +382,13 @@ class ModelRunner:
         """Mark each sampled token as a placeholder and start the one device->host copy."""
         sampled = out.sampled_token_ids
         step.sampled = sampled
+        states = self.states
+        rows = step.rows
         for row, rid in enumerate(inputs.sample_request_ids):
-            state = self.states[rid]
-            step.rows.append((rid, state, len(state.output_token_ids)))
-            state.output_token_ids.append(PLACEHOLDER_TOKEN)
+            state = states[rid]
+            output = state.output_token_ids
+            rows.append((rid, state, len(output)))
+            output.append(PLACEHOLDER_TOKEN)
             state.in_flight = (sampled, row)
         tensors = [sampled, out.logprob_token_ids, out.logprobs, out.sampled_ranks]
         if self.device.type != "cuda":
@@ -406,18 +409,26 @@ class ModelRunner:
             step.copied.synchronize()
         sampled, lp_ids, lp_vals, ranks = (t.tolist() if t is not None else None for t in step.host)
         assert sampled is not None
+        source = step.sampled
+        # [B] one token per row, or [B, K + 1] when verifying proposals.
+        one_token = source.dim() == 1
+        sampled_token_ids = result.sampled_token_ids
         for row, (rid, state, index) in enumerate(step.rows):
             value = sampled[row]
             # A verifying request gets its accepted proposals and one more (-1 padded).
-            tokens = [t for t in value if t >= 0] if isinstance(value, list) else [int(value)]
+            tokens = [value] if one_token else [t for t in value if t >= 0]
             state.output_token_ids[index : index + 1] = tokens
-            if state.in_flight is not None and state.in_flight[0] is step.sampled:
+            in_flight = state.in_flight
+            if in_flight is not None and in_flight[0] is source:
                 state.in_flight = None
-            result.sampled_token_ids[rid] = tokens
-            num_logprobs = state.sampling_params.logprobs
-            if num_logprobs is not None and lp_ids is not None and lp_vals is not None:
-                rank = int(ranks[row]) if ranks is not None else 0
-                result.logprobs[rid] = [row_entry(lp_ids[row], lp_vals[row], rank, num_logprobs)]
+            sampled_token_ids[rid] = tokens
+        if lp_ids is not None and lp_vals is not None:
+            for row, (rid, state, _) in enumerate(step.rows):
+                num_logprobs = state.sampling_params.logprobs
+                if num_logprobs is not None:
+                    rank = int(ranks[row]) if ranks is not None else 0
+                    entry = row_entry(lp_ids[row], lp_vals[row], rank, num_logprobs)
+                    result.logprobs[rid] = [entry]
         if self.proposer is not None:
             states = [state for _, state, _ in step.rows]
             propose(self.proposer, states, result, self.max_model_len)
