@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -14,6 +14,7 @@ from asyncserve.models.attention import AttentionMetadata
 from asyncserve.multimodal.inputs import MultiModalFeatures
 from asyncserve.sampling_params import SamplingParams
 from asyncserve.worker.block_table import BlockTable
+from asyncserve.worker.sampling_metadata import SamplingRow
 
 # Stands for a token sampled by a step still in flight (see model_runner.LaunchedStep).
 PLACEHOLDER_TOKEN = -1
@@ -35,6 +36,18 @@ class CachedRequestState:
     in_flight: tuple[torch.Tensor, int] | None = None
     lora_request: LoRARequest | None = None
     mm_features: MultiModalFeatures | None = None
+    # The request's sampling row, made once: it holds the token lists themselves, which
+    # change in place (a seeded row's generator is set on each of its sampling steps).
+    sampling_row: SamplingRow = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.sampling_row = SamplingRow(
+            self.sampling_params,
+            self.prompt_token_ids,
+            self.output_token_ids,
+            None,
+            self.stop_token_ids,
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -102,11 +115,17 @@ def build_step_inputs(
         # Proposals follow the last known token; they are not in the state's tokens.
         known_end = start + count - len(spec)
         starts.append(start)
-        token_ids.extend(state.token_slice(start, known_end))
-        if spec:
+        prompt = state.prompt_token_ids
+        output = state.output_token_ids
+        num_prompt = len(prompt)
+        if count == 1 and not spec:
+            # A decode's one token, read without a slice.
+            token_ids.append(output[start - num_prompt] if start >= num_prompt else prompt[start])
+        else:
+            token_ids.extend(token_slice(prompt, output, start, known_end))
             token_ids.extend(spec)
         cu += count
-        if known_end >= len(state.prompt_token_ids) + len(state.output_token_ids):
+        if known_end >= num_prompt + len(output):
             sample_request_ids.append(rid)
             last = cu - 1
             if spec:

@@ -60,8 +60,9 @@ from asyncserve.worker.mm_embeds import (
 from asyncserve.worker.plan_state import apply_plan
 from asyncserve.worker.runner_steps import ForwardedStep as ForwardedStep
 from asyncserve.worker.runner_steps import LaunchedStep as LaunchedStep
-from asyncserve.worker.runner_steps import sampling_row
+from asyncserve.worker.runner_steps import sampling_rows
 from asyncserve.worker.sampler import Sampler, SamplerOutput
+from asyncserve.worker.sampling_columns import SamplingColumns
 from asyncserve.worker.sampling_metadata import SamplingMetadata
 from asyncserve.worker.speculation import Proposer, draft_probs, make_proposer, propose
 from asyncserve.worker.vocab_watch import FullVocabWatch, switch_watch
@@ -111,6 +112,8 @@ class ModelRunner:
         self.staging = HostStaging(device)
         # Every held request's block ids, kept in step with states (see block_table.py).
         self.block_table = BlockTable()
+        # Every held request's sampling knobs, by row (see sampling_columns.py).
+        self.sampling_columns = SamplingColumns()
         self.lora: LoRASlots | None = None
         lora = config.lora
         if lora.enable_lora:
@@ -350,11 +353,11 @@ class ModelRunner:
             if bitmask is not None:
                 row_ids = request_ids if spec is None else expand_request_ids(request_ids, spec)
                 apply_grammar_bitmask(logits, bitmask, row_ids)
-            rows = [
-                sampling_row(self.states[rid], self.generators, self.device) for rid in request_ids
-            ]
+            columns = self.sampling_columns.gather(request_ids)
+            states = list(map(self.states.__getitem__, request_ids))
+            rows = sampling_rows(states, columns.seeded, self.generators, self.device)
             if spec is None:
-                meta = SamplingMetadata.build(rows, self.vocab_size, self.device)
+                meta = SamplingMetadata.build(rows, self.vocab_size, self.device, columns)
                 out = self.sampler(logits, meta)
             else:
                 probs = draft_probs(self.proposer, request_ids, spec)
@@ -379,10 +382,13 @@ class ModelRunner:
         """Mark each sampled token as a placeholder and start the one device->host copy."""
         sampled = out.sampled_token_ids
         step.sampled = sampled
+        states = self.states
+        rows = step.rows
         for row, rid in enumerate(inputs.sample_request_ids):
-            state = self.states[rid]
-            step.rows.append((rid, state, len(state.output_token_ids)))
-            state.output_token_ids.append(PLACEHOLDER_TOKEN)
+            state = states[rid]
+            output = state.output_token_ids
+            rows.append((rid, state, len(output)))
+            output.append(PLACEHOLDER_TOKEN)
             state.in_flight = (sampled, row)
         tensors = [sampled, out.logprob_token_ids, out.logprobs, out.sampled_ranks]
         if self.device.type != "cuda":
@@ -403,18 +409,26 @@ class ModelRunner:
             step.copied.synchronize()
         sampled, lp_ids, lp_vals, ranks = (t.tolist() if t is not None else None for t in step.host)
         assert sampled is not None
+        source = step.sampled
+        # [B] one token per row, or [B, K + 1] when verifying proposals.
+        one_token = source.dim() == 1
+        sampled_token_ids = result.sampled_token_ids
         for row, (rid, state, index) in enumerate(step.rows):
             value = sampled[row]
             # A verifying request gets its accepted proposals and one more (-1 padded).
-            tokens = [t for t in value if t >= 0] if isinstance(value, list) else [int(value)]
+            tokens = [value] if one_token else [t for t in value if t >= 0]
             state.output_token_ids[index : index + 1] = tokens
-            if state.in_flight is not None and state.in_flight[0] is step.sampled:
+            in_flight = state.in_flight
+            if in_flight is not None and in_flight[0] is source:
                 state.in_flight = None
-            result.sampled_token_ids[rid] = tokens
-            num_logprobs = state.sampling_params.logprobs
-            if num_logprobs is not None and lp_ids is not None and lp_vals is not None:
-                rank = int(ranks[row]) if ranks is not None else 0
-                result.logprobs[rid] = [row_entry(lp_ids[row], lp_vals[row], rank, num_logprobs)]
+            sampled_token_ids[rid] = tokens
+        if lp_ids is not None and lp_vals is not None:
+            for row, (rid, state, _) in enumerate(step.rows):
+                num_logprobs = state.sampling_params.logprobs
+                if num_logprobs is not None:
+                    rank = int(ranks[row]) if ranks is not None else 0
+                    entry = row_entry(lp_ids[row], lp_vals[row], rank, num_logprobs)
+                    result.logprobs[rid] = [entry]
         if self.proposer is not None:
             states = [state for _, state, _ in step.rows]
             propose(self.proposer, states, result, self.max_model_len)

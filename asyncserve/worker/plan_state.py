@@ -19,6 +19,7 @@ def apply_plan(runner: ModelRunner, plan: StepPlan) -> None:
     for rid in plan.freed_request_ids:
         states.pop(rid, None)
         runner.block_table.remove(rid)
+        runner.sampling_columns.remove(rid)
         runner.generators.pop(rid, None)
         if isinstance(runner.proposer, DraftProposer | EagleProposer):
             runner.proposer.forget(rid)
@@ -40,6 +41,7 @@ def apply_plan(runner: ModelRunner, plan: StepPlan) -> None:
             mm_features=new.mm_features,
         )
         runner.block_table.add(new.request_id, new.block_ids)
+        runner.sampling_columns.add(new.request_id, params)
     for running in plan.running_requests:
         state = states[running.request_id]
         if running.new_block_ids:

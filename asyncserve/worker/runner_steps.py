@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from asyncserve.core.step import StepResult
@@ -39,18 +40,18 @@ def step_generator(
     return gen
 
 
-def sampling_row(
-    state: CachedRequestState, generators: dict[str, torch.Generator], device: torch.device
-) -> SamplingRow:
-    """What the sampler needs of one request this step."""
-    params = state.sampling_params
-    return SamplingRow(
-        params,
-        state.prompt_token_ids,
-        state.output_token_ids,
-        None if params.seed is None else step_generator(state, generators, device),
-        state.stop_token_ids,
-    )
+def sampling_rows(
+    states: list[CachedRequestState],
+    seeded: np.ndarray,
+    generators: dict[str, torch.Generator],
+    device: torch.device,
+) -> list[SamplingRow]:
+    """What the sampler needs of these requests this step: each state's own row, with
+    the seeded rows' (`seeded`, a bool per row) generators seeded for this step."""
+    rows = [state.sampling_row for state in states]
+    for i in np.flatnonzero(seeded).tolist():
+        rows[i].generator = step_generator(states[i], generators, device)
+    return rows
 
 
 @dataclass

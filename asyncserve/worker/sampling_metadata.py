@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from asyncserve.sampling_params import SamplingParams
+from asyncserve.worker.sampling_columns import NO_LOGPROBS, BatchColumns
 
 
 @dataclass
@@ -75,35 +76,36 @@ class SamplingMetadata:
 
     @classmethod
     def build(
-        cls, rows: Sequence[SamplingRow], vocab_size: int, device: torch.device
+        cls,
+        rows: Sequence[SamplingRow],
+        vocab_size: int,
+        device: torch.device,
+        columns: BatchColumns | None = None,
     ) -> SamplingMetadata:
-        params = [row.params for row in rows]
-        greedy = [p.greedy for p in params]
-        all_greedy = all(greedy)
-        all_random = not any(greedy)
-        # One pass for the features most batches do not use (penalties, min_tokens, bad
-        # words, logit_bias, allowed_token_ids): without any, their own passes are skipped.
-        extras = any(
-            [
-                p.needs_penalties
-                or p.min_tokens
-                or p.bad_words_token_ids
-                or p.logit_bias
-                or p.allowed_token_ids is not None
-                for p in params
-            ]
-        )
-        floats = _float_columns(params, greedy, device, extras)
+        """`columns`: the rows' knobs, gathered from the runner's SamplingColumns; without
+        them they are read from each row's parameters."""
+        if columns is None:
+            seeded = [row.generator is not None for row in rows]
+            columns = BatchColumns.of([row.params for row in rows], seeded)
+        greedy = columns.greedy
+        all_greedy = bool(greedy.all())
+        all_random = not greedy.any()
+        # The features most batches do not use (penalties, min_tokens, bad words,
+        # logit_bias, allowed_token_ids): without any, their passes are skipped.
+        extras = bool(columns.extras.any())
+        params = [row.params for row in rows] if extras else []
+        floats = _float_columns(columns, params, all_greedy, device)
         if all_greedy:
-            ks = []
+            ks = np.zeros(0, dtype=np.int64)
         else:
-            ks = [0 if g else min(p.top_k, vocab_size) for p, g in zip(params, greedy, strict=True)]
-        max_top_k = max(ks, default=0)
+            ks = np.where(greedy, 0, np.minimum(columns.top_k, vocab_size))
+        max_top_k = int(ks.max(initial=0))
         output_counts, prompt_mask = (
             _penalty_tensors(rows, vocab_size, device) if extras else (None, None)
         )
         pairs = _banned_pairs(rows, vocab_size) if extras else []
-        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        wanted = columns.logprobs
+        max_logprobs = int(wanted.max(initial=NO_LOGPROBS))
         bias_index, bias_values = (
             _logit_bias(params, vocab_size, device) if extras else (None, None)
         )
@@ -115,8 +117,8 @@ class SamplingMetadata:
             temperature=floats.get("temperature"),
             greedy_mask=None
             if all_greedy or all_random
-            else _to_device(greedy, torch.bool, device),
-            top_k=_to_device(ks, torch.int64, device) if max_top_k > 0 else None,
+            else _to_device(greedy.tolist(), torch.bool, device),
+            top_k=_to_device(ks.tolist(), torch.int64, device) if max_top_k > 0 else None,
             max_top_k=max_top_k,
             top_p=floats.get("top_p"),
             min_p=floats.get("min_p"),
@@ -133,41 +135,46 @@ class SamplingMetadata:
             allowed_token_mask=_allowed_token_mask(params, vocab_size, device) if extras else None,
             logit_bias_index=bias_index,
             logit_bias_values=bias_values,
-            generators={}
-            if all_greedy
-            else {
-                i: row.generator
-                for i, (row, g) in enumerate(zip(rows, greedy, strict=True))
-                if row.generator is not None and not g
+            # Only seeded rows have a generator of their own: few, so few are looked at.
+            generators={
+                i: generator
+                for i in np.flatnonzero(columns.seeded).tolist()
+                if (generator := rows[i].generator) is not None
             },
-            max_num_logprobs=max(wanted) if wanted else None,
+            max_num_logprobs=None if max_logprobs == NO_LOGPROBS else max_logprobs,
         )
 
 
 def _float_columns(
-    params: Sequence[SamplingParams], greedy: Sequence[bool], device: torch.device, extras: bool
+    columns: BatchColumns,
+    params: Sequence[SamplingParams],
+    all_greedy: bool,
+    device: torch.device,
 ) -> dict[str, torch.Tensor]:
     """The per-row float knobs some row uses, as [N] tensors that cross in one transfer
-    (`extras`: some row may use penalties)."""
-    columns: dict[str, list[float]] = {}
-    if not all(greedy):
+    (`params`: every row's, given when some row may use penalties; else empty)."""
+    columns_used: dict[str, np.ndarray | list[float]] = {}
+    if not all_greedy:
         # Greedy rows hold 1.0, so dividing by it is harmless.
-        columns["temperature"] = [
-            1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)
-        ]
-        if any(p.top_p < 1.0 for p in params):
-            columns["top_p"] = [p.top_p for p in params]
-        if any(p.min_p > 0.0 for p in params):
-            columns["min_p"] = [p.min_p for p in params]
-    if extras and any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
-        columns["frequency"] = [p.frequency_penalty for p in params]
-        columns["presence"] = [p.presence_penalty for p in params]
-    if extras and any(p.repetition_penalty != 1.0 for p in params):
-        columns["repetition"] = [p.repetition_penalty for p in params]
-    if not columns:
+        columns_used["temperature"] = np.where(columns.greedy, 1.0, columns.temperature)
+        if (columns.top_p < 1.0).any():
+            columns_used["top_p"] = columns.top_p
+        if (columns.min_p > 0.0).any():
+            columns_used["min_p"] = columns.min_p
+    if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
+        columns_used["frequency"] = [p.frequency_penalty for p in params]
+        columns_used["presence"] = [p.presence_penalty for p in params]
+    if any(p.repetition_penalty != 1.0 for p in params):
+        columns_used["repetition"] = [p.repetition_penalty for p in params]
+    if not columns_used:
         return {}
-    packed = _to_device(list(columns.values()), torch.float32, device)
-    return dict(zip(columns, packed.unbind(0), strict=True))
+    packed = np.asarray(list(columns_used.values()), dtype=np.float32)
+    tensor = torch.from_numpy(packed)
+    if device.type == "cuda":
+        tensor = tensor.pin_memory().to(device, non_blocking=True)
+    else:
+        tensor = tensor.to(device)
+    return dict(zip(columns_used, tensor.unbind(0), strict=True))
 
 
 def _penalty_tensors(
