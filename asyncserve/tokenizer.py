@@ -101,7 +101,11 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise ValueError(f"text must be a string, got {type(text).__name__}")
-        ids: list[int] = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch, not encode: only it lets go of the GIL while the tokenizer runs, and a
+        # long prompt holding it for milliseconds per call stalls the step thread's every
+        # torch op behind it (decode steps 100x slower while a batch of prompts tokenizes).
+        (encoding,) = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)
+        ids: list[int] = encoding.ids
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

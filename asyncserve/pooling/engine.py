@@ -221,8 +221,9 @@ class PoolingEngine:
 
         def encode() -> list[tuple[list[int], list[int]]]:
             pairs = []
-            for a, b in zip(firsts, seconds, strict=True):
-                enc = self.tokenizer.backend.encode(a, b)
+            # encode_batch lets go of the GIL while it runs (see Tokenizer.encode).
+            encodings = self.tokenizer.backend.encode_batch(list(zip(firsts, seconds, strict=True)))
+            for enc in encodings:
                 ids = truncate_tokens(enc.ids, truncate_prompt_tokens)
                 types = truncate_tokens(enc.type_ids, truncate_prompt_tokens)
                 self.check_prompt(ids, "text_2")

@@ -104,9 +104,9 @@ def test_stream_keeps_flowing_while_large_prompts_are_handled(hc: httpx.Client) 
     streamer.join(60)
     assert LAST_CHUNK[0] > batch_done, "the stream ended before the batch was handled"
     assert len(gaps) > 50
-    # The first gap also holds the stream's own start beside the server's other work on a
-    # busy 2-core machine; the stalls this guards against come later, during the batch.
-    assert max(gaps[1:]) < 1.0, f"longest gap between tokens: {max(gaps[1:]):.2f} s"
+    # The batch's tokenizing starts during the first gaps: a tokenizer call that holds the
+    # GIL shows there (every torch op of the step thread waits behind it).
+    assert max(gaps) < 1.0, f"longest gap between tokens: {max(gaps):.2f} s"
 
 
 BURST = 24
