@@ -21,13 +21,14 @@ W2="python3 -m asyncserve bench latency --load-format dummy --batch-size 1 --inp
 W1B="python3 -m asyncserve bench throughput --load-format dummy --num-prompts 1000 --input-len 256 --output-len 256 --max-model-len 2048"
 part=${1:-all}
 if [ "$part" = 1 ] || [ "$part" = all ]; then
-  TAIL=6 step gpu_tests 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_gemm.py tests/kernels/test_int4_gemm.py tests/kernels/test_fp8_kv.py tests/kernels/test_attention.py tests/kernels/test_kv_store.py tests/quantization -rs
+  TAIL=6 step gpu_tests 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_gemm.py tests/kernels/test_int4_gemm.py tests/kernels/test_int4_gemv.py tests/kernels/test_fp8_kv.py tests/kernels/test_attention.py tests/kernels/test_kv_store.py tests/quantization -rs
 fi
 if [ "$part" = 2 ] || [ "$part" = all ]; then
   step w2_bf16 150 $W2 --model $L3 --output-json $OUT/w2_bf16.json
   step w2_fp8 150 $W2 --model $L3 --quantization fp8 --output-json $OUT/w2_fp8.json
   step w2_fp8_block 150 $W2 --model $L3B --output-json $OUT/w2_fp8_block.json
   step w2_w4a16 150 $W2 --model $L3W4 --output-json $OUT/w2_w4a16.json
+  TAIL=6 step int4_gemv 300 python3 benchmarks/int4_gemv_bench.py
   step w1b_bf16 200 $W1B --model $L3 --output-json $OUT/w1b_bf16.json
   step w1b_fp8 200 $W1B --model $L3 --quantization fp8 --output-json $OUT/w1b_fp8.json
   step w1b_fp8_block 200 $W1B --model $L3B --output-json $OUT/w1b_fp8_block.json

@@ -1,10 +1,10 @@
 """Triton 4-bit weight-only matmuls (W4A16): x [M, K] @ W^T with W in the int4 layout of
 kernels/quant_reference.py (qweight int32 [N, K / 8], scales / zeros [N, groups], optional g_idx).
 
-Two kernels: a dequant-GEMM for prefill (tiles of W dequantized in registers and fed to
-tl.dot), and a GEMV for small batches (decode), where the step reads every weight once and
-the time is the bytes read: one program per output block and token, the packed words read
-along K (contiguous), products summed in fp32.
+Two kernels: a dequant-GEMM for prefill, here (tiles of W dequantized in registers and fed
+to tl.dot), and for small batches (decode) the split-K GEMV of kernels/int4_gemv.py, whose
+time is the packed bytes read (one scale and zero per row and group, per element only an
+unpack and a multiply-add). int4_matmul picks one by the number of tokens.
 References: quant_reference.int4_matmul.
 """
 
@@ -16,11 +16,13 @@ import torch
 import triton
 import triton.language as tl
 
+from asyncserve.kernels.int4_gemv import int4_gemv
+
 # The interpreter (CPU tests) mis-converts a computed fp32 tile to bf16 before a dot; there
 # the tiles are multiplied in fp32 instead (x widened), which the reference also does.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# Up to this many tokens the GEMV path runs (each token reads the packed weight again, but
-# from L2 after the first).
+# Up to this many tokens the GEMV runs (each token reads the packed weight again, from L2
+# after the first: the GEMV runs a block's tokens side by side).
 GEMV_MAX_TOKENS = 4
 
 
@@ -127,53 +129,6 @@ def _int4_gemm_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-@triton.jit
-def _int4_gemv_kernel(
-    x_ptr,
-    qw_ptr,
-    s_ptr,
-    z_ptr,
-    gidx_ptr,
-    out_ptr,
-    n,
-    k,
-    stride_xm,
-    stride_qn,
-    stride_sn,
-    stride_om,
-    GROUP: tl.constexpr,
-    HAS_GIDX: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    pid_n = tl.program_id(0)
-    row = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < n
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, k, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + row * stride_xm + ks, mask=ks < k, other=0.0).to(tl.float32)
-        w = _dequant_tile(
-            qw_ptr,
-            s_ptr,
-            z_ptr,
-            gidx_ptr,
-            offs_n,
-            mask_n,
-            k0,
-            k,
-            stride_qn,
-            stride_sn,
-            GROUP,
-            HAS_GIDX,
-            BLOCK_N,
-            BLOCK_K,
-        )  # [BLOCK_N, BLOCK_K]
-        acc += tl.sum(w * x[None, :], axis=1)
-    tl.store(out_ptr + row * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
-
-
 def int4_matmul(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -189,28 +144,11 @@ def int4_matmul(
         raise ValueError(f"x {tuple(x.shape)} does not match an int4 weight of {n} x {k}")
     if scales.stride() != zeros.stride() or scales.stride(1) != 1:
         raise ValueError("int4 scales and zeros must be contiguous [N, groups] matrices")
+    if m <= GEMV_MAX_TOKENS:
+        return int4_gemv(x, qweight, scales, zeros, g_idx, group_size)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out
     gidx = g_idx if g_idx is not None else scales  # unused when HAS_GIDX is False
     common = (qweight, scales, zeros, gidx, out)
-    if m <= GEMV_MAX_TOKENS:
-        # Narrow output blocks: a decode step's layers need enough programs to fill the SMs.
-        _int4_gemv_kernel[(triton.cdiv(n, 32), m)](
-            x,
-            *common,
-            n,
-            k,
-            x.stride(0),
-            qweight.stride(0),
-            scales.stride(0),
-            out.stride(0),
-            GROUP=group_size,
-            HAS_GIDX=g_idx is not None,
-            BLOCK_N=32,
-            BLOCK_K=256,
-        )
-        return out
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     _int4_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, 64))](
         x,

@@ -11,8 +11,11 @@ act-order checkpoints. The published layouts:
   v1) format; scales [groups, N]; g_idx [K] (act order: the group of each input column).
 - AWQ (GEMM version): qweight int32 [K, N / 8] and qzeros [groups, N / 8] with outputs in
   the order 0 2 4 6 1 3 5 7 within a word; scales [groups, N]; zero points as stored.
-CUDA: Triton dequant-GEMM (prefill) and GEMV (small batches) in kernels/int4_gemm.py; CPU:
-the reference on a dequantized copy.
+Act-order weights whose groups sorting makes contiguous again (a whole layer's g_idx) are
+stored with their input columns sorted by group, and x is permuted to match (one
+index_select a call), so the kernels read one scale and zero per group.
+CUDA: Triton dequant-GEMM (prefill, kernels/int4_gemm.py) and GEMV (small batches,
+kernels/int4_gemv.py); CPU: the reference on a dequantized copy.
 """
 
 from __future__ import annotations
@@ -94,6 +97,9 @@ class Int4LinearMethod(LinearMethod):
         """values [N, K] (0..15), scales / zeros [N, groups]: the layout apply() reads."""
         for name in drop:
             delattr(layer, name)
+        perm = None
+        if g_idx is not None:
+            values, g_idx, perm = _contiguous_groups(values, g_idx, self.group_size, scales)
         dtype = scales.dtype
         layer.w4_qweight = nn.Parameter(pack_int4(values).contiguous(), False)
         layer.w4_scales = nn.Parameter(scales.contiguous(), False)
@@ -101,6 +107,7 @@ class Int4LinearMethod(LinearMethod):
         layer.register_parameter(
             "w4_g_idx", None if g_idx is None else nn.Parameter(g_idx.to(torch.int32), False)
         )
+        layer.register_parameter("w4_perm", None if perm is None else nn.Parameter(perm, False))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape
@@ -108,6 +115,9 @@ class Int4LinearMethod(LinearMethod):
         qweight, scales = _param(layer, "w4_qweight"), _param(layer, "w4_scales")
         zeros = _param(layer, "w4_zeros")
         g_idx: torch.Tensor | None = getattr(layer, "w4_g_idx", None)
+        perm: torch.Tensor | None = getattr(layer, "w4_perm", None)
+        if perm is not None:
+            x2 = x2.index_select(1, perm)  # the input order of the sorted columns
         if x.is_cuda:
             from asyncserve.kernels.int4_gemm import int4_matmul
 
@@ -195,6 +205,24 @@ class AWQLinearMethod(Int4LinearMethod):
         zeros = _awq_unpack(_param(layer, "qzeros")).t().float()  # [N, groups]
         scales = _param(layer, "scales").t()
         self.set_layout(layer, values, scales, zeros, None, ("qweight", "qzeros", "scales"))
+
+
+def _contiguous_groups(
+    values: torch.Tensor, g_idx: torch.Tensor, group_size: int, scales: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Act order made contiguous: the input columns sorted by group, so group g is columns
+    g * group_size onward again and the kernels read one scale and zero per group; apply()
+    permutes x the same way. Returns (values [N, K] in sorted order, None, the order), or
+    the inputs unchanged where sorting leaves groups of other sizes (a row-parallel rank's
+    slice of g_idx draws a varying number of columns from each group)."""
+    k = g_idx.numel()
+    order = torch.argsort(g_idx.long(), stable=True)
+    expected = torch.arange(k, device=g_idx.device) // group_size
+    if scales.shape[1] * group_size != k or not torch.equal(g_idx.long()[order], expected):
+        return values, g_idx, None
+    if torch.equal(order, torch.arange(k, device=order.device)):
+        return values, None, None  # already in group order
+    return values[:, order], None, order
 
 
 def _awq_unpack(packed: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,258 @@
+"""Triton int4 GEMV for decode (W4A16, one to a few tokens): x [M, K] @ W^T with W in the int4
+layout of kernels/quant_reference.py (qweight int32 [N, K / 8], scales / zeros [N, groups],
+optional g_idx). At batch 1 a layer's time is the packed bytes read, so the kernel is built
+to stream them:
+
+- Per element only unpack + multiply-add: the scale and zero are read once per (output row,
+  group) as vectors, and a group adds `scale * (sum q * x - zero * sum x)`, which equals
+  sum (q - zero) * scale * x.
+- Split-K: programs take a slice of K each (grid: tokens x output blocks, splits), so even a
+  4096 x 4096 layer runs several programs per SM; the splits' fp32 partial sums go to a
+  [splits, M, N] buffer that a second small kernel adds in a fixed order (deterministic).
+- A program's packed words are read along K (contiguous), each thread a few adjacent words.
+
+Act-order weights (a g_idx) whose groups the layer could not make contiguous (a row-parallel
+rank's slice, quantization/int4.py) and group sizes that are not a power of two take a slower
+path that reads the scale and zero of every column.
+References: quant_reference.int4_matmul.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Launch shape: outputs per program, K columns per loop step, K splits, warps."""
+
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int = 4
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _per_column_groups(g_idx: torch.Tensor | None, group_size: int) -> bool:
+    """Whether the scale and zero must be looked up per column (see the module docstring)."""
+    return g_idx is not None or group_size & (group_size - 1) != 0
+
+
+def gemv_config(n: int, k: int, group_size: int, per_column: bool, sms: int) -> GemvConfig:
+    """The launch shape for an N x K weight on a GPU of `sms` SMs, from the shape alone.
+
+    block_n 32 x block_k 512 with 4 warps: a loop step reads 32 rows of 64 words (256
+    contiguous bytes a row, 8 KiB a step) and each thread unpacks 128 weights, enough to
+    amortize its loads of x and the group sums: the loop Triton compiles for sm_90 has about
+    4.5 instructions a weight (block_n 16: about 6; counted in the SASS, not yet timed) and
+    72 registers, so 7 programs fit an SM.
+    block_k holds whole groups, or part of one group when groups are larger.
+    Then K is split until the grid holds about 4 programs per SM (Hopper's 132 SMs: 528),
+    into a divisor of the number of steps (every program the same work), at most 16 splits
+    and at least 2 steps a split: Llama-3-8B's layers get qkv 6144 x 4096 -> 4 splits, o
+    4096 x 4096 -> 4, gate_up 28672 x 4096 -> 1 (896 programs), down 4096 x 14336 -> 7.
+    """
+    block_n = 32
+    block_k = min(512, triton.next_power_of_2(k))
+    if not per_column:
+        block_k = max(block_k, min(group_size, 512))  # whole groups a step
+    steps = triton.cdiv(k, block_k)
+    tiles = triton.cdiv(n, block_n)
+    split_k = 1
+    for candidate in range(1, min(16, max(1, steps // 2)) + 1):
+        if steps % candidate == 0:
+            split_k = candidate
+            if tiles * candidate >= 4 * sms:
+                break
+    return GemvConfig(block_n, block_k, split_k)
+
+
+@triton.jit
+def _int4_gemv_kernel(
+    x_ptr,
+    qw_ptr,
+    s_ptr,
+    z_ptr,
+    gidx_ptr,
+    out_ptr,
+    m,
+    n,
+    k,
+    k_split,
+    stride_xm,
+    stride_qn,
+    stride_sn,
+    stride_om,
+    stride_osplit,
+    GROUP: tl.constexpr,
+    PER_COLUMN: tl.constexpr,
+    HAS_GIDX: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SUB_K: tl.constexpr,
+):
+    """out[split, row, n-block] = the split's K slice of x[row] @ W[n-block]^T (fp32 sums).
+    Program 0's axis runs over tokens first, so the tokens of one block of W run together
+    and read it from L2 after the first."""
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    row = pid % m
+    pid_n = pid // m
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < n
+    # Rows past N re-read row N - 1 (no load mask along N); only the store is masked.
+    rows = tl.minimum(offs_n, n - 1)
+    k_start = pid_k * k_split
+    k_end = tl.minimum(k_start + k_split, k)
+    WORDS: tl.constexpr = BLOCK_K // 8
+    offs_w = tl.arange(0, WORDS)
+    qw_rows = qw_ptr + rows[:, None] * stride_qn
+    x_row = x_ptr + row * stride_xm
+    NSUB: tl.constexpr = BLOCK_K // SUB_K
+    acc = tl.zeros([BLOCK_N, NSUB], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        cols = k0 + offs_w * 8  # first column of each word
+        if EVEN_K:
+            words = tl.load(qw_rows + (k0 // 8 + offs_w)[None, :])
+        else:
+            words = tl.load(
+                qw_rows + (k0 // 8 + offs_w)[None, :], mask=(cols < k_end)[None, :], other=0
+            )
+        qx = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
+        xs = tl.zeros([WORDS], dtype=tl.float32)
+        wu = words.to(tl.uint32, bitcast=True)
+        for i in tl.static_range(8):
+            # Nibble i of each word is column 8j + i (a strided load of x, from L1).
+            if EVEN_K:
+                xi = tl.load(x_row + cols + i).to(tl.float32)
+            else:
+                xi = tl.load(x_row + cols + i, mask=cols < k_end, other=0.0).to(tl.float32)
+            if PER_COLUMN:
+                # Columns past K (a ragged tail) read group 0; their x is 0.
+                if HAS_GIDX:
+                    grp = tl.load(gidx_ptr + cols + i, mask=cols < k_end, other=0)
+                else:
+                    grp = tl.where(cols < k_end, (cols + i) // GROUP, 0)
+                s_off = rows[:, None] * stride_sn + grp[None, :]
+                scale = tl.load(s_ptr + s_off).to(tl.float32)
+                zero = tl.load(z_ptr + s_off).to(tl.float32)
+                q = ((wu >> (4 * i)) & 0xF).to(tl.float32)
+                qx += (q - zero) * scale * xi[None, :]
+            else:
+                # q * 16^i is the nibble masked in place, converted exactly; times x / 16^i
+                # (exact too, and once per column, not per element) it is q * x. Per element:
+                # a mask, a conversion and a multiply-add.
+                q_at = (wu & (0xF << (4 * i))).to(tl.float32)
+                qx += q_at * (xi * (1.0 / (1 << (4 * i))))[None, :]
+                xs += xi
+        if PER_COLUMN:
+            acc += tl.sum(qx, axis=1)[:, None]
+        else:
+            # Per (row, group): scale * (sum q * x - zero * sum x).
+            if NSUB == 1:
+                qg = tl.sum(qx, axis=1)[:, None]
+                xg = tl.sum(xs, axis=0)
+                starts = k0 + tl.arange(0, 1) * SUB_K
+            else:
+                qg = tl.sum(tl.reshape(qx, [BLOCK_N, NSUB, WORDS // NSUB]), axis=2)
+                xg = tl.sum(tl.reshape(xs, [NSUB, WORDS // NSUB]), axis=1)[None, :]
+                starts = k0 + tl.arange(0, NSUB) * SUB_K
+            s_off = rows[:, None] * stride_sn + (starts // GROUP)[None, :]
+            if EVEN_K:
+                scale = tl.load(s_ptr + s_off).to(tl.float32)
+                zero = tl.load(z_ptr + s_off).to(tl.float32)
+            else:
+                in_k = (starts < k_end)[None, :]
+                scale = tl.load(s_ptr + s_off, mask=in_k, other=0.0).to(tl.float32)
+                zero = tl.load(z_ptr + s_off, mask=in_k, other=0.0).to(tl.float32)
+            acc += scale * (qg - zero * xg)
+    out = out_ptr + pid_k * stride_osplit + row * stride_om + offs_n
+    tl.store(out, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
+def _sum_splits_kernel(part_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    """out = the sum over splits of part [SPLIT_K, numel], added in split order."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + s * numel + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def int4_gemv(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    g_idx: torch.Tensor | None,
+    group_size: int,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ dequant(W)^T -> [M, N] in x's dtype; `config` overrides gemv_config's pick.
+    The caller (int4_gemm.int4_matmul) has checked the shapes and strides."""
+    m, k = x.shape
+    n = qweight.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    per_column = _per_column_groups(g_idx, group_size)
+    if config is None:
+        sms = _sm_count(x.device.index or 0) if x.is_cuda else 1
+        config = gemv_config(n, k, group_size, per_column, sms)
+    block_k, split_k = config.block_k, config.split_k
+    if per_column:
+        sub_k = block_k
+    else:
+        sub_k = min(block_k, group_size)
+        if block_k % sub_k or (group_size % sub_k and sub_k != block_k):
+            raise ValueError(f"int4 GEMV block_k {block_k} does not fit groups of {group_size}")
+    steps = triton.cdiv(k, block_k)
+    k_split = triton.cdiv(steps, split_k) * block_k
+    split_k = triton.cdiv(k, k_split)  # no empty splits
+    partial = out
+    if split_k > 1:
+        partial = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    grid = (m * triton.cdiv(n, config.block_n), split_k)
+    _int4_gemv_kernel[grid](
+        x,
+        qweight,
+        scales,
+        zeros,
+        g_idx if g_idx is not None else scales,  # unused when HAS_GIDX is False
+        partial,
+        m,
+        n,
+        k,
+        k_split,
+        x.stride(0),
+        qweight.stride(0),
+        scales.stride(0),
+        n,
+        m * n,
+        GROUP=group_size,
+        PER_COLUMN=per_column,
+        HAS_GIDX=g_idx is not None,
+        EVEN_K=k % k_split == 0 and k_split % block_k == 0,
+        BLOCK_N=config.block_n,
+        BLOCK_K=block_k,
+        SUB_K=sub_k,
+        num_warps=config.num_warps,
+    )
+    if split_k > 1:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](
+            partial, out, m * n, SPLIT_K=split_k, BLOCK=block
+        )
+    return out

@@ -1,0 +1,216 @@
+"""The int4 GEMV (W4A16 decode) on Llama-3-8B's linear shapes, group 128, against the previous
+GEMV (a copy below) and the bf16 torch.matmul.
+
+For each shape: device time per call (a CUDA graph of CALLS calls replayed; CUDA events, median
+of --reps replays after a warm-up), with the weights rotated over copies larger than L2 so each
+call reads its weight from memory as a decode step does; and the bandwidth against the bytes
+the int4 kernels read (packed weight + scales + zeros). The new kernel's output is checked
+against quant_reference on the GPU first. --sweep also times a grid of launch shapes.
+Results as JSON lines on stdout and in $OUT/int4_gemv.json.
+Usage: OUT=/tmp/out python benchmarks/int4_gemv_bench.py [--m 1] [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import os
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from asyncserve.kernels import quant_reference as reference
+from asyncserve.kernels.int4_gemv import GemvConfig, gemv_config, int4_gemv
+
+CUDA = torch.device("cuda")
+# Llama-3-8B: fused qkv, o, fused gate_up, down as (N, K).
+SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+GROUP = 128
+CALLS = 20  # calls per graph replay
+ROTATE_BYTES = 256 << 20  # weight copies per shape: at least this many bytes (L2 is 50 MiB)
+
+
+# --- The previous GEMV, kept here for comparison: one program per 32 outputs and token,
+# all of K in steps of 256, a scale and a zero loaded per weight element.
+@triton.jit
+def _old_dequant_tile(
+    qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k0, k, stride_qn, stride_sn, GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    offs_w = tl.arange(0, BLOCK_K // 8)
+    words = tl.load(
+        qw_ptr + offs_n[:, None] * stride_qn + (k0 // 8 + offs_w)[None, :],
+        mask=mask_n[:, None] & ((k0 + offs_w * 8) < k)[None, :],
+        other=0,
+    )
+    shifts = tl.arange(0, 8) * 4
+    q = (words[:, :, None] >> shifts[None, None, :]) & 0xF
+    q = tl.reshape(q, [BLOCK_N, BLOCK_K]).to(tl.float32)
+    ks = k0 + tl.arange(0, BLOCK_K)
+    mask_k = ks < k
+    group = (ks // GROUP)[None, :]
+    mask = mask_n[:, None] & mask_k[None, :]
+    scale = tl.load(s_ptr + offs_n[:, None] * stride_sn + group, mask=mask, other=0.0)
+    zero = tl.load(z_ptr + offs_n[:, None] * stride_sn + group, mask=mask, other=0.0)
+    return (q - zero.to(tl.float32)) * scale.to(tl.float32)
+
+
+@triton.jit
+def _old_gemv_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, n, k, stride_xm, stride_qn, stride_sn, stride_om,
+    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    row = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < n
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + row * stride_xm + ks, mask=ks < k, other=0.0).to(tl.float32)
+        w = _old_dequant_tile(
+            qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k0, k, stride_qn, stride_sn, GROUP, BLOCK_N,
+            BLOCK_K,
+        )  # fmt: skip
+        acc += tl.sum(w * x[None, :], axis=1)
+    tl.store(out_ptr + row * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
+def old_gemv(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+) -> torch.Tensor:
+    m, k = x.shape
+    n = qweight.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    _old_gemv_kernel[(triton.cdiv(n, 32), m)](
+        x, qweight, scales, zeros, out, n, k, x.stride(0), qweight.stride(0), scales.stride(0),
+        out.stride(0), GROUP=GROUP, BLOCK_N=32, BLOCK_K=256,
+    )  # fmt: skip
+    return out
+
+
+# --- Timing.
+def time_ms(fns: list[Callable[[], object]], reps: int) -> float:
+    """Median device time of one call: fns (each on its own weight copy) called round-robin,
+    CALLS calls captured in a CUDA graph, the graph replayed `reps` times between events."""
+    calls = [fns[i % len(fns)] for i in range(CALLS)]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in calls:  # warm-up (and compilation) outside the capture
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    for _ in range(10):
+        graph.replay()
+    times = []
+    for _ in range(reps):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / CALLS)
+    return statistics.median(times)
+
+
+def make_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A random int4 weight (asymmetric zeros) in the layout of quant_reference, on the GPU."""
+    g = torch.Generator(device=CUDA).manual_seed(seed)
+    values = torch.randint(0, 16, (n, k), device=CUDA, generator=g)
+    scales = (torch.rand(n, k // GROUP, device=CUDA, generator=g) * 0.02).bfloat16()
+    zeros = torch.randint(0, 16, (n, k // GROUP), device=CUDA, generator=g).bfloat16()
+    return reference.pack_int4(values), scales, zeros
+
+
+def check(n: int, k: int, m: int) -> float:
+    """Max abs error of the new GEMV against quant_reference (bf16 x), relative to the
+    reference's largest output; raises when it exceeds bf16 rounding."""
+    qweight, scales, zeros = make_weight(n, k, 0)
+    x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)
+    out = int4_gemv(x, qweight, scales, zeros, None, GROUP).float()
+    ref = reference.int4_matmul(x.float(), qweight, scales, zeros, None, GROUP)
+    err = float((out - ref).abs().max() / ref.abs().max())
+    if err > 1e-2:
+        raise AssertionError(f"int4 GEMV {n} x {k} differs from the reference: {err:.3g}")
+    return err
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--m", type=int, default=1, help="tokens (1 to 4)")
+    parser.add_argument("--reps", type=int, default=100)
+    parser.add_argument("--sweep", action="store_true", help="also time a grid of configs")
+    args = parser.parse_args()
+    sms = torch.cuda.get_device_properties(CUDA).multi_processor_count
+    print(json.dumps({"device": torch.cuda.get_device_name(CUDA), "sms": sms}), flush=True)
+    results = []
+    for n, k in SHAPES:
+        err = check(n, k, args.m)
+        nbytes = n * k // 2 + 2 * n * (k // GROUP) * 2  # packed + bf16 scales + zeros
+        copies = max(2, -(-ROTATE_BYTES // nbytes))
+        weights = [make_weight(n, k, seed) for seed in range(copies)]
+        x = torch.randn(args.m, k, device=CUDA, dtype=torch.bfloat16)
+        config = gemv_config(n, k, GROUP, False, sms)
+        new_ms = time_ms(
+            [lambda w=w, x=x: int4_gemv(x, *w, None, GROUP) for w in weights], args.reps
+        )
+        old_ms = time_ms([lambda w=w, x=x: old_gemv(x, *w) for w in weights], args.reps)
+        del weights
+        bf16_copies = max(2, -(-ROTATE_BYTES // (2 * n * k)))
+        dense = [torch.randn(n, k, device=CUDA, dtype=torch.bfloat16) for _ in range(bf16_copies)]
+        bf16_ms = time_ms([lambda w=w, x=x: x @ w.t() for w in dense], args.reps)
+        del dense
+        row = {
+            "n": n,
+            "k": k,
+            "m": args.m,
+            "config": dataclasses.asdict(config),
+            "rel_err": err,
+            "new_ms": round(new_ms, 4),
+            "old_ms": round(old_ms, 4),
+            "bf16_ms": round(bf16_ms, 4),
+            "new_gb_s": round(nbytes / new_ms / 1e6, 1),
+            "old_gb_s": round(nbytes / old_ms / 1e6, 1),
+            "bf16_gb_s": round(2 * n * k / bf16_ms / 1e6, 1),
+        }
+        print(json.dumps(row), flush=True)
+        results.append(row)
+        if args.sweep:
+            results += sweep(n, k, args.m, nbytes, copies, args.reps)
+    out = Path(os.environ.get("OUT", "/tmp/out"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "int4_gemv.json").write_text(json.dumps(results, indent=1))
+
+
+def sweep(n: int, k: int, m: int, nbytes: int, copies: int, reps: int) -> list[dict]:
+    """The new GEMV under a grid of launch shapes; prints each and the best."""
+    weights = [make_weight(n, k, seed) for seed in range(copies)]
+    x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)
+    rows = []
+    grid = itertools.product((16, 32, 64), (256, 512, 1024), (1, 2, 4, 7, 8, 16), (4, 8))
+    for block_n, block_k, split_k, warps in grid:
+        config = GemvConfig(block_n, block_k, split_k, warps)
+        fns = [lambda w=w, c=config: int4_gemv(x, *w, None, GROUP, c) for w in weights]
+        ms = time_ms(fns, reps // 2)
+        row = {"n": n, "k": k, "sweep": dataclasses.asdict(config), "ms": round(ms, 4)}
+        row["gb_s"] = round(nbytes / ms / 1e6, 1)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    print(json.dumps({"best": min(rows, key=lambda r: r["ms"])}), flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""The int4 GEMV (decode) equals quant_reference: one to four tokens, group sizes 32 to 128
+and larger than a step, asymmetric zeros, ragged N, K of one group, the split-K reduction
+(even and ragged splits), per-column groups (g_idx, odd group sizes), and act order made
+contiguous by the layer. Under Triton's interpreter on CPU, so the shapes are tiny."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from asyncserve.kernels import quant_reference as reference
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+from asyncserve.kernels.int4_gemm import int4_matmul  # noqa: E402
+from asyncserve.kernels.int4_gemv import GemvConfig, gemv_config, int4_gemv  # noqa: E402
+from asyncserve.quantization.int4 import GPTQLinearMethod  # noqa: E402
+
+Weight = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _weight(n: int, k: int, group: int, device: torch.device, seed: int = 0) -> Weight:
+    """(values [N, K], qweight, scales, zeros): random nibbles, asymmetric zeros."""
+    g = torch.Generator().manual_seed(seed + n * k + group)
+    values = torch.randint(0, 16, (n, k), generator=g)
+    groups = -(-k // group)
+    scales = torch.rand(n, groups, generator=g) * 0.02 + 0.001
+    zeros = torch.randint(0, 16, (n, groups), generator=g).float()
+    return values, reference.pack_int4(values).to(device), scales.to(device), zeros.to(device)
+
+
+def _x(m: int, k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(m + k)).to(device, dtype)
+
+
+def _check(out: torch.Tensor, ref: torch.Tensor) -> None:
+    tol = 1e-4 if out.dtype == torch.float32 else 2e-2
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_matches_reference(
+    device: torch.device, m: int, group: int, dtype: torch.dtype
+) -> None:
+    """N = 40 is not a multiple of the 32-output blocks; two steps of two groups each."""
+    n, k = 40, 4 * group
+    _, qweight, scales, zeros = _weight(n, k, group, device)
+    scales, zeros = scales.to(dtype), zeros.to(dtype)
+    x = _x(m, k, dtype, device)
+    config = GemvConfig(block_n=32, block_k=2 * group, split_k=1)
+    out = int4_gemv(x, qweight, scales, zeros, None, group, config)
+    _check(out, reference.int4_matmul(x, qweight, scales, zeros, None, group))
+
+
+@pytest.mark.parametrize(
+    ("k", "group", "block_k", "split_k"),
+    [
+        (64, 64, 64, 1),  # K of one group
+        (256, 32, 64, 2),  # split-K: two splits of two steps
+        (384, 64, 64, 3),  # three splits
+        (320, 32, 64, 3),  # five steps in splits of two: the last one short
+        (96, 32, 64, 1),  # K not a multiple of the step (ragged tail)
+        (512, 128, 64, 2),  # groups larger than a step: a step is half a group
+    ],
+)
+def test_gemv_steps_and_splits(
+    device: torch.device, k: int, group: int, block_k: int, split_k: int
+) -> None:
+    _, qweight, scales, zeros = _weight(24, k, group, device)
+    for m in (1, 3):
+        x = _x(m, k, torch.float32, device)
+        config = GemvConfig(block_n=16, block_k=block_k, split_k=split_k)
+        out = int4_gemv(x, qweight, scales, zeros, None, group, config)
+        _check(out, reference.int4_matmul(x, qweight, scales, zeros, None, group))
+
+
+def test_gemv_per_column_groups(device: torch.device) -> None:
+    """A g_idx (a row-parallel rank's act-order slice, split over K) and a group size that
+    is not a power of two read a scale and zero per column."""
+    n, k = 24, 96
+    _, qweight, scales, zeros = _weight(n, k, 32, device)
+    g_idx = (torch.randperm(k, generator=torch.Generator().manual_seed(1)) // 32).int()
+    g_idx = g_idx.to(device)
+    x = _x(2, k, torch.float32, device)
+    config = GemvConfig(block_n=16, block_k=32, split_k=2)
+    out = int4_gemv(x, qweight, scales, zeros, g_idx, 32, config)
+    _check(out, reference.int4_matmul(x, qweight, scales, zeros, g_idx, 32))
+    _, qweight, scales, zeros = _weight(n, k, 24, device)  # groups of 24: 4 of them
+    out = int4_gemv(x, qweight, scales, zeros, None, 24)
+    _check(out, reference.int4_matmul(x, qweight, scales, zeros, None, 24))
+
+
+def _act_order_layer(n: int, group: int, g_idx: torch.Tensor, groups: int) -> nn.Module:
+    """A GPTQ act-order layer over len(g_idx) input columns, after loading; the reference
+    tensors (unsorted) in layer.reference."""
+    g = torch.Generator().manual_seed(4)
+    values = torch.randint(0, 16, (n, g_idx.numel()), generator=g)
+    scales = torch.rand(n, groups, generator=g) * 0.02 + 0.001
+    zeros = torch.randint(0, 16, (n, groups), generator=g).float()
+    layer = nn.Module()
+    method = GPTQLinearMethod(group, desc_act=True, zeros_minus_one=False)
+    method.set_layout(layer, values, scales, zeros, g_idx, ())
+    layer.quant_method = method
+    layer.reference = (reference.pack_int4(values), scales, zeros)
+    return layer
+
+
+def test_act_order_layer_sorts_groups(device: torch.device) -> None:
+    """A whole layer's act-order g_idx: the layer stores its columns sorted by group (no
+    g_idx left), permutes x, and the kernels and the CPU path equal the reference."""
+    n, k, group = 40, 128, 32
+    g_idx = (torch.randperm(k, generator=torch.Generator().manual_seed(2)) // group).int()
+    layer = _act_order_layer(n, group, g_idx, k // group)
+    assert layer.w4_g_idx is None and layer.w4_perm is not None
+    qweight, scales, zeros = layer.reference
+    for m in (1, 4, 9):  # the GEMV and the GEMM
+        x = _x(m, k, torch.float32, torch.device("cpu"))
+        ref = reference.int4_matmul(x, qweight, scales, zeros, g_idx, group)
+        # The CPU path of the layer.
+        _check(layer.quant_method.apply(layer, x, None), ref)
+        # The kernels, as apply() calls them on CUDA.
+        x_sorted = x.index_select(1, layer.w4_perm).to(device)
+        out = int4_matmul(
+            x_sorted, layer.w4_qweight.to(device), scales.to(device), zeros.to(device), None, group
+        )
+        _check(out.cpu(), ref)
+
+
+def test_act_order_rank_slice_keeps_g_idx() -> None:
+    """A rank's half of the columns draws a varying number from each group: not sortable
+    into whole groups, so the layer keeps the g_idx (the per-column path)."""
+    g_idx = (torch.randperm(128, generator=torch.Generator().manual_seed(3)) // 32).int()
+    layer = _act_order_layer(40, 32, g_idx[64:], 4)
+    assert layer.w4_perm is None
+    assert torch.equal(layer.w4_g_idx, g_idx[64:])
+
+
+def test_gemv_config_for_llama_3_8b() -> None:
+    """Every layer of an 8B model gets at least 3 programs per SM of an H100 (132 SMs), in
+    splits that divide K's steps evenly."""
+    for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]:
+        config = gemv_config(n, k, 128, False, 132)
+        steps = k // config.block_k
+        assert config.block_k % 128 == 0 and steps % config.split_k == 0
+        assert -(-n // config.block_n) * config.split_k >= 3 * 132
+    assert gemv_config(4096, 14336, 128, False, 132).split_k == 7
+    assert gemv_config(28672, 4096, 128, False, 132).split_k == 1
