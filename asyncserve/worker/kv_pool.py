@@ -103,6 +103,13 @@ def _free_gpu_bytes_after_profile(
         spec = config.speculative
         sets = 2 if spec is not None and spec.model is not None else 1
         budget -= sets * (rows * arch.vocab_size * 4 * 2 + (512 << 20))
+        if spec is not None and spec.method not in ("eagle", "eagle3"):
+            # Verification graphs (k + 1 rows a request, no more than a step's budget):
+            # each size keeps its hidden states, the shared pool the largest one's
+            # activations (about an MLP's width a row).
+            q = spec.num_speculative_tokens + 1
+            q_rows = min(rows * q, max(config.scheduler.max_num_batched_tokens, q))
+            budget -= q_rows * (2 * arch.hidden_size + 3 * arch.intermediate_size) * 4
     logger.info(
         "GPU memory: total %.1f GiB, peak step %.1f GiB, KV budget %.1f GiB",
         total / 2**30,

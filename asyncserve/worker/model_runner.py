@@ -34,7 +34,7 @@ from asyncserve.spec_decode.eagle_proposer import EagleProposer
 from asyncserve.spec_decode.verify import expand_request_ids, verify
 from asyncserve.worker import kv_blocks
 from asyncserve.worker.block_table import BlockTable
-from asyncserve.worker.cuda_graphs import DecodeGraphs, logits_forward
+from asyncserve.worker.cuda_graphs import DecodeGraphs
 from asyncserve.worker.encoder_cache import EncoderCache
 from asyncserve.worker.grammar_mask import apply_grammar_bitmask
 from asyncserve.worker.input_batch import (
@@ -65,6 +65,7 @@ from asyncserve.worker.sampler import Sampler, SamplerOutput
 from asyncserve.worker.sampling_columns import SamplingColumns
 from asyncserve.worker.sampling_metadata import SamplingMetadata
 from asyncserve.worker.speculation import Proposer, draft_probs, make_proposer, propose
+from asyncserve.worker.target_graphs import capture_target_graphs, choose_graphs, max_graph_batch
 from asyncserve.worker.vocab_watch import FullVocabWatch, switch_watch
 
 logger = logging.getLogger(__name__)
@@ -109,6 +110,7 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self.decode_graphs: DecodeGraphs | None = None
+        self.verify_graphs: DecodeGraphs | None = None
         self.staging = HostStaging(device)
         # Every held request's block ids, kept in step with states (see block_table.py).
         self.block_table = BlockTable()
@@ -165,29 +167,22 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
         graphs = self.device.type == "cuda" and self.config.enable_cuda_graphs
-        max_graph_batch = min(self.config.scheduler.max_num_seqs, 512)
         if isinstance(self.proposer, DraftProposer | EagleProposer):
             self.proposer.allocate_kv_cache(num_blocks)
             if graphs:  # its one-token proposal steps replay graphs of their own
-                self.proposer.use_cuda_graphs(max_graph_batch, max_model_len)
+                self.proposer.use_cuda_graphs(max_graph_batch(self.config), max_model_len)
         # A graph cannot hold the stages' sends and receives; an EAGLE head reads the
-        # hidden states, which a captured graph does not return.
+        # hidden states of every step (EAGLE-3: of inner layers), which the graphs keep.
         if graphs and self.pp is None and not isinstance(self.proposer, EagleProposer):
-            self.decode_graphs = DecodeGraphs(
-                # This rank's vocabulary slice: the gather to the driver runs after the replay.
-                logits_forward(self.model, self.kv_caches, self.model.local_logits),
-                max_graph_batch,
-                max_model_len,
-                self.block_size,
-                self.device,
+            self.decode_graphs, self.verify_graphs = capture_target_graphs(
+                self.model, self.kv_caches, self.config, max_model_len, self.device
             )
-            self.decode_graphs.capture_all()
 
     def release(self) -> None:
         """Free the device memory this runner holds (weights, KV cache, CUDA graphs, the
         proposer): its engine is closed, and a later engine in this process (another LLM)
         must find the memory free even while the closed one is still referenced."""
-        self.decode_graphs = None
+        self.decode_graphs = self.verify_graphs = None
         self.kv_caches = []
         self.proposer = None
         self.lora = None
@@ -253,10 +248,13 @@ class ModelRunner:
         )
         if inputs.placeholder_index is not None:
             self._fill_placeholders(inputs)
+        graphs = self._graphs_for(inputs)
         if self.lora is not None:
             states = self.states
             requests = [states[rid].lora_request for rid in inputs.request_ids]
-            unreadable = self.lora.prepare(requests, inputs.counts)
+            # A verification graph's rows: query_len for each request, padding included.
+            rows = inputs.counts if graphs is None else [graphs.query_len] * len(requests)
+            unreadable = self.lora.prepare(requests, rows)
             if unreadable:
                 forwarded.step.result.failed_requests = {
                     rid: unreadable[lora.lora_int_id]
@@ -265,15 +263,16 @@ class ModelRunner:
                 }
                 logger.warning("%s", "; ".join(sorted(set(unreadable.values()))))
         forwarded.inputs = inputs
-        if self._can_replay(inputs):
-            assert self.decode_graphs is not None
-            positions = None
-            if uses_mrope(self.model):
-                positions = mrope_plain_positions(inputs, self.states)
-            forwarded.logits = self.decode_graphs.run(inputs, positions)
+        positions = None
+        if graphs is not None and uses_mrope(self.model):
+            positions = mrope_plain_positions(inputs, self.states)
+        if graphs is not None and graphs is self.decode_graphs:
+            forwarded.logits = graphs.run(inputs, positions)
             launched()
         else:
-            if self.embedder is not None:
+            if graphs is not None:  # a verification graph: the step's hidden states
+                hidden = graphs.run(inputs, positions, inputs.counts)
+            elif self.embedder is not None:
                 hidden = self._forward_multimodal(inputs)
             else:
                 hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
@@ -434,15 +433,10 @@ class ModelRunner:
             propose(self.proposer, states, result, self.max_model_len)
         return result
 
-    def _can_replay(self, inputs: StepInputs) -> bool:
-        """A pure-decode step (one token per request, all sampling) fits a captured graph;
-        not a last prompt token of a request with images (its image rows are not in it)."""
-        graphs = self.decode_graphs
-        n = len(inputs.request_ids)
-        return (
-            graphs is not None
-            and inputs.meta.max_seqlen_q == 1
-            and len(inputs.sample_request_ids) == n
-            and graphs.padded_size(n) is not None
-            and (self.embedder is None or past_image_prompts(inputs, self.states))
-        )
+    def _graphs_for(self, inputs: StepInputs) -> DecodeGraphs | None:
+        """The graphs this step replays (None: eager); not a last prompt token of a request
+        with images (its image rows are not in a graph)."""
+        graphs = choose_graphs(self.decode_graphs, self.verify_graphs, inputs)
+        if graphs is None or self.embedder is None or past_image_prompts(inputs, self.states):
+            return graphs
+        return None

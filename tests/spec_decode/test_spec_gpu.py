@@ -1,11 +1,12 @@
 """Speculative decoding on the GPU: Triton kernels, CUDA graphs for the steps without
-proposals and for the draft model's and EAGLE head's one-token proposal steps, the draft's
-pool on the device (skipped without CUDA)."""
+proposals, for the verification steps and for the draft model's and EAGLE head's one-token
+proposal steps, the draft's pool on the device (skipped without CUDA)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -25,8 +26,11 @@ PROMPTS = PLAIN_PROMPTS + REPEATING
 PARAMS = SamplingParams(temperature=0.0, max_tokens=48)
 
 
-def _greedy(gguf_path: Path, spec: dict[str, object] | None) -> tuple[list[list[int]], LLM]:
-    llm = LLM(str(gguf_path), device="cuda", dtype="float32", speculative_config=spec)
+def _greedy(
+    gguf_path: Path, spec: dict[str, object] | None, enforce_eager: bool = False
+) -> tuple[list[list[int]], LLM]:
+    llm = LLM(str(gguf_path), device="cuda", dtype="float32", speculative_config=spec,
+              enforce_eager=enforce_eager)  # fmt: skip
     outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outputs], llm
 
@@ -138,6 +142,36 @@ def test_gpu_greedy_with_speculation(gguf_path: Path, tmp_path: Path, method: st
     finally:
         llm.close()
     assert _prefix_match(ours, expected) >= 0.95
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_gpu_verification_graphs_equal_eager(gguf_path: Path, method: str) -> None:
+    """Verification steps replaying graphs of k + 1 rows a request (padded where a request
+    has fewer proposals) give the eager steps' greedy tokens."""
+    spec = NGRAM if method == "ngram" else {"model": str(gguf_path), "num_speculative_tokens": 3}
+    expected, eager = _greedy(gguf_path, spec, enforce_eager=True)
+    eager.close()
+    llm = LLM(str(gguf_path), device="cuda", dtype="float32", speculative_config=spec)
+    try:
+        runner = llm.engine.runner
+        assert runner is not None
+        graphs = runner.verify_graphs
+        assert graphs is not None and sorted(graphs.graphs) == graphs.sizes
+        assert graphs.query_len == int(spec["num_speculative_tokens"]) + 1  # type: ignore[call-overload]
+        replay = graphs.replay
+        counts: list[list[int] | None] = []
+
+        def counted(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+            counts.append(args[3] if len(args) > 3 else kwargs.get("counts"))
+            return replay(*args, **kwargs)
+
+        graphs.replay = counted  # type: ignore[method-assign]
+        outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        ours = [list(o.outputs[0].token_ids) for o in outputs]
+    finally:
+        llm.close()
+    assert counts, "no verification step replayed a graph"
+    assert ours == expected
 
 
 def _assert_proposer_graphs(llm: LLM) -> None:
