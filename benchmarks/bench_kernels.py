@@ -6,7 +6,10 @@ bandwidth: bytes of K/V the kernel must read over its median time. Times are of 
 replays (launch overhead excluded, as in the runner's decode steps); "eager" adds it back. A mixed prefill+decode
 batch is reported in TFLOP/s. --sweep also times other tile shapes and split-KV factors.
 
-    python benchmarks/bench_kernels.py [--sweep]
+    python benchmarks/bench_kernels.py [--sweep] [--shape gemma3-4b]
+
+--shape picks another model's attention heads (Gemma 3 4B: 8 query, 4 KV, head dim 256,
+where a 64-row prefill tile holds twice the registers of Llama's).
 """
 
 from __future__ import annotations
@@ -27,7 +30,10 @@ from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 from asyncserve.kernels import attention, reference  # noqa: E402
 from tests.kernels.paged_batch import PagedBatch, make_batch, rel_err  # noqa: E402
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+# (query heads, KV heads, head dim) of the shapes --shape offers.
+SHAPES = {"llama3-8b": (32, 8, 128), "gemma3-4b": (8, 4, 256), "qwen3-0.6b": (16, 8, 128)}
+HEADS, KV_HEADS, HEAD_DIM = SHAPES["llama3-8b"]
+BLOCK = 16
 SCALE = HEAD_DIM**-0.5
 DTYPE = torch.bfloat16
 CUDA = torch.device("cuda")
@@ -153,7 +159,7 @@ def bench_mixed(sweep: bool) -> None:
     ms = _ms(call)
     print(f"\nmixed: 4 prefill chunks (6.6k tokens) + 60 decodes: {flops / 1e12:.2f} TFLOP")
     print(
-        f"  triton default {attention.default_config(4, 2048)}: {ms * 1e3:8.1f} us  "
+        f"  triton default {attention.default_config(HEADS // KV_HEADS, 2048)}: {ms * 1e3:8.1f} us  "
         f"{flops / ms / 1e9:6.1f} TFLOP/s  err {rel_err(call(), ref):.1e}"
     )
     if not sweep:
@@ -175,7 +181,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time other tiles and splits")
     parser.add_argument("--splits", action="store_true", help="also time other split factors")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
     args = parser.parse_args()
+    global HEADS, KV_HEADS, HEAD_DIM, SCALE
+    HEADS, KV_HEADS, HEAD_DIM = SHAPES[args.shape]
+    SCALE = HEAD_DIM**-0.5
+    print(f"{args.shape}: {HEADS} query heads, {KV_HEADS} KV heads, head dim {HEAD_DIM}")
     props = torch.cuda.get_device_properties(CUDA)
     print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}")
     x = torch.empty(2**30, dtype=torch.uint8, device=CUDA)
