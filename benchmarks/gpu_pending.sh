@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# The GPU measurements the open issues wait for, on one GPU or several: each part's jobs are
+# dealt over the GPUs (job i on GPU i mod count; a GPU's jobs run in turn, first ones first),
+# each job one engine or a pair run one after the other on the same GPU and inputs (asyncserve,
+# then vLLM 0.26.0). On one GPU a part may not finish all its jobs in a call: the jobs are
+# in order of importance and the ones left at the deadline (540 s) are ended.
+# Here first: ../shared/peers/vllm/build.sh (.peer/), ../shared/device-wheels copied to .whl/,
+# SmolLM2's GGUF split into .smol/a/part and .smol/b/part (+ .smol/b/sha256).
+#   1 prep   carry .whl .smol/a: int4 GEMV (issue 14) and attention tiles at head dim 256
+#            (Gemma 3, issue 13) microbenchmarks; LoRA with 8 adapters alone (issue 17)
+#   2 smol   carry .smol/b: speculative decoding with verification graphs, tests and
+#            speed (issue 16); the GPU test files
+#   3 stage  carry .peer/p0: vLLM part 0 staged
+#   4 side   carry .peer/p1: vLLM installed; pairs: W1b and W4 (issue 18), W4A16 W2 (14),
+#            speculative decoding (16), Gemma 3 W1b (13)
+#   5 side2  (warm) pairs: LoRA with 8 adapters (17), FP8 W2/W1b (14)
+# Usage: bash benchmarks/gpu_pending.sh prep|smol|stage|side|side2
+source "$(dirname "$0")/gpu_lanes.sh"
+GEMMA=benchmarks/configs/gemma3-4b
+W4A16=benchmarks/configs/llama3-8b-w4a16
+QWEN=benchmarks/configs/qwen3-0.6b
+
+# deal JOB...: job i on GPU i mod the GPU count, a GPU's jobs one after another.
+deal() {
+  local count
+  count=$(nvidia-smi -L 2>/dev/null | wc -l)
+  [ "$count" -ge 1 ] || count=1
+  for gpu in $(seq 0 $((count - 1))); do
+    local jobs=() i=0
+    for job in "$@"; do [ $((i % count)) = "$gpu" ] && jobs+=("$job"); i=$((i + 1)); done
+    [ ${#jobs[@]} = 0 ] && continue
+    (export CUDA_VISIBLE_DEVICES=$gpu; for job in "${jobs[@]}"; do echo "--- $job $(date +%T)"; $job; done) > $OUT/lane_gpu$gpu.txt 2>&1 &
+    LANES+=($!)
+  done
+}
+
+# --- asyncserve alone ------------------------------------------------------------------
+j_int4() {
+  TAIL=6 step int4_tests 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_int4_gemv.py tests/kernels/test_int4_gemm.py tests/quantization/test_int4_checkpoints.py
+  TAIL=30 step int4_gemv_bench 200 python3 benchmarks/int4_gemv_bench.py --sweep
+  TAIL=12 step int4_gemv_bench_m4 100 python3 benchmarks/int4_gemv_bench.py --m 4
+}
+j_attn256() { TAIL=40 step attn_gemma 300 python3 benchmarks/bench_kernels.py --shape gemma3-4b --sweep; }
+j_lora_alone() { TAIL=20 step lora_as_alone 300 python3 benchmarks/lora_throughput.py --engine asyncserve --num-adapters 8 --output-json $OUT/lora_as_alone.json; }
+j_spec_tests() { ASYNCSERVE_TEST_GGUF=$SMOL TAIL=12 step spec_tests 300 python3 -m pytest -q -p no:cacheprovider -rfs tests/worker/test_verify_graphs.py tests/spec_decode; }
+j_spec_as() { TAIL=30 step spec_as 300 python3 benchmarks/spec_decode.py --gguf $SMOL; }
+GPU_TESTS="tests/kernels tests/engine/test_gpu_engine.py tests/engine/test_async_scheduling_gpu.py tests/worker tests/quantization tests/lora/test_lora_gpu.py tests/models/test_sliding_window_kv.py"
+j_gpu_tests() { ASYNCSERVE_TEST_GGUF=$SMOL TAIL=25 step gpu_tests 500 python3 -m pytest -q -p no:cacheprovider -rfs $GPU_TESTS; }
+
+# --- pairs: asyncserve, then vLLM, same GPU ----------------------------------------------
+pair() {  # pair NAME LIMIT_AS LIMIT_VLLM ARGS...: side_by_side.py with each engine
+  local name=$1 la=$2 lv=$3; shift 3
+  TAIL=2 step ${name}_as $la python3 $SBS --engine asyncserve "$@"
+  TAIL=2 step ${name}_vllm $lv env $VENV python3 $SBS --engine vllm "$@"
+}
+j_w1b() { pair w1b 150 250 --workloads w1b --model $L3; }
+j_w4() { pair w4 100 200 --workloads w4 --model $QWEN; }
+j_w4a16() { pair w4a16 150 250 --workloads w2 --model $W4A16; }
+j_gemma() { pair gemma 200 300 --workloads w1b --model $GEMMA; }
+j_fp8() { pair fp8 200 300 --workloads w2,w1b --model $L3 --quantization fp8; }
+j_spec_vllm() {
+  [ -f $OUT/spec_as.log ] || j_spec_as  # the asyncserve run writes the models vLLM reads
+  TAIL=30 step spec_vllm 330 env $VENV python3 benchmarks/spec_decode.py --engine vllm
+}
+j_lora() {
+  TAIL=3 step lora_as_8 250 python3 benchmarks/lora_throughput.py --engine asyncserve --num-adapters 8 --output-json $OUT/lora_as_8.json
+  TAIL=12 step lora_vllm_8 300 env $VENV python3 benchmarks/lora_throughput.py --engine vllm --num-adapters 8 --output-json $OUT/lora_vllm_8.json
+}
+
+echo "=== part $1 $(date +%T)"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+case $1 in
+  prep)
+    mkdir -p /tmp/smol && cp .smol/a/part /tmp/smol/part_a
+    deal j_int4 j_attn256 j_lora_alone ;;
+  smol)
+    cat /tmp/smol/part_a .smol/b/part > $SMOL && sha256sum $SMOL | cut -c1-64 | diff - .smol/b/sha256 && echo "SmolLM2 assembled"
+    deal j_spec_tests j_spec_as j_gpu_tests ;;
+  stage)
+    bash .peer/p0/stage.sh | tail -1 ;;
+  side)
+    bash .peer/p1/install.sh | tail -1
+    deal j_w1b j_w4a16 j_spec_vllm j_w4 j_gemma ;;
+  side2)
+    deal j_lora j_fp8 ;;
+esac
+finish $1
