@@ -42,7 +42,7 @@ j_int4() {
 }
 j_attn256() { TAIL=40 step attn_gemma 300 python3 benchmarks/bench_kernels.py --shape gemma3-4b --sweep; }
 j_lora_alone() { TAIL=20 step lora_as_alone 300 python3 benchmarks/lora_throughput.py --engine asyncserve --num-adapters 8 --output-json $OUT/lora_as_alone.json; }
-j_spec_tests() { ASYNCSERVE_TEST_GGUF=$SMOL TAIL=12 step spec_tests 300 python3 -m pytest -q -p no:cacheprovider -rfs tests/worker/test_verify_graphs.py tests/spec_decode; }
+j_spec_tests() { ASYNCSERVE_TEST_GGUF=$SMOL TAIL=12 step spec_tests 300 python3 -m pytest -q -p no:cacheprovider -rfs tests/worker/test_verify_graphs.py tests/spec_decode/test_spec_gpu.py tests/spec_decode/test_proposer_graphs.py; }
 j_spec_as() { TAIL=30 step spec_as 300 python3 benchmarks/spec_decode.py --gguf $SMOL; }
 GPU_TESTS="tests/kernels tests/engine/test_gpu_engine.py tests/engine/test_async_scheduling_gpu.py tests/worker tests/quantization tests/lora/test_lora_gpu.py tests/models/test_sliding_window_kv.py"
 j_gpu_tests() { ASYNCSERVE_TEST_GGUF=$SMOL TAIL=25 step gpu_tests 500 python3 -m pytest -q -p no:cacheprovider -rfs $GPU_TESTS; }
