@@ -6,7 +6,7 @@
 # in order of importance and the ones left at the deadline (540 s) are ended.
 # Here first: ../shared/peers/vllm/build.sh (.peer/), ../shared/device-wheels copied to .whl/,
 # SmolLM2's GGUF split into .smol/a/part and .smol/b/part (+ .smol/b/sha256).
-#   1 prep   carry .whl .smol/a: int4 GEMV (issue 14) and attention tiles at head dim 256
+#   1 prep   carry .whl .smol/a: int4 and FP8 GEMVs (issue 14), attention tiles at head dim 256
 #            (Gemma 3, issue 13) microbenchmarks; LoRA with 8 adapters alone (issue 17)
 #   2 smol   carry .smol/b: speculative decoding with verification graphs, tests and
 #            speed (issue 16); the GPU test files
@@ -39,6 +39,9 @@ j_int4() {
   TAIL=6 step int4_tests 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_int4_gemv.py tests/kernels/test_int4_gemm.py tests/quantization/test_int4_checkpoints.py
   TAIL=30 step int4_gemv_bench 200 python3 benchmarks/int4_gemv_bench.py --sweep
   TAIL=12 step int4_gemv_bench_m4 100 python3 benchmarks/int4_gemv_bench.py --m 4
+  TAIL=6 step fp8_gemv_tests 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_gemv.py tests/kernels/test_fp8_gemm.py tests/quantization/test_fp8_gpu.py
+  TAIL=30 step fp8_gemv_bench 200 python3 benchmarks/fp8_gemv_bench.py --sweep
+  TAIL=12 step fp8_gemv_bench_m4 100 python3 benchmarks/fp8_gemv_bench.py --m 4
 }
 j_attn256() { TAIL=40 step attn_gemma 300 python3 benchmarks/bench_kernels.py --shape gemma3-4b --sweep; }
 j_lora_alone() { TAIL=20 step lora_as_alone 300 python3 benchmarks/lora_throughput.py --engine asyncserve --num-adapters 8 --output-json $OUT/lora_as_alone.json; }

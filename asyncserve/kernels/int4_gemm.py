@@ -17,13 +17,12 @@ import triton
 import triton.language as tl
 
 from asyncserve.kernels.int4_gemv import int4_gemv
+from asyncserve.kernels.split_k import GEMV_MAX_TOKENS
 
 # The interpreter (CPU tests) mis-converts a computed fp32 tile to bf16 before a dot; there
 # the tiles are multiplied in fp32 instead (x widened), which the reference also does.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# Up to this many tokens the GEMV runs (each token reads the packed weight again, from L2
-# after the first: the GEMV runs a block's tokens side by side).
-GEMV_MAX_TOKENS = 4
+__all__ = ["GEMV_MAX_TOKENS", "int4_matmul"]
 
 
 @triton.jit

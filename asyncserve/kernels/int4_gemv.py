@@ -8,7 +8,8 @@ to stream them:
   sum (q - zero) * scale * x.
 - Split-K: programs take a slice of K each (grid: tokens x output blocks, splits), so even a
   4096 x 4096 layer runs several programs per SM; the splits' fp32 partial sums go to a
-  [splits, M, N] buffer that a second small kernel adds in a fixed order (deterministic).
+  [splits, M, N] buffer that a second small kernel adds in a fixed order (deterministic;
+  kernels/split_k.py, shared with the FP8 GEMV).
 - A program's packed words are read along K (contiguous), each thread a few adjacent words.
 
 Act-order weights (a g_idx) whose groups the layer could not make contiguous (a row-parallel
@@ -19,27 +20,19 @@ References: quant_reference.int4_matmul.
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
+from asyncserve.kernels.split_k import (
+    GemvConfig,
+    pick_split_k,
+    sm_count,
+    split_layout,
+    sum_splits,
+)
 
-@dataclass(frozen=True)
-class GemvConfig:
-    """Launch shape: outputs per program, K columns per loop step, K splits, warps."""
-
-    block_n: int
-    block_k: int
-    split_k: int
-    num_warps: int = 4
-
-
-@functools.lru_cache(maxsize=8)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+__all__ = ["GemvConfig", "gemv_config", "int4_gemv"]
 
 
 def _per_column_groups(g_idx: torch.Tensor | None, group_size: int) -> bool:
@@ -65,14 +58,7 @@ def gemv_config(n: int, k: int, group_size: int, per_column: bool, sms: int) -> 
     block_k = min(512, triton.next_power_of_2(k))
     if not per_column:
         block_k = max(block_k, min(group_size, 512))  # whole groups a step
-    steps = triton.cdiv(k, block_k)
-    tiles = triton.cdiv(n, block_n)
-    split_k = 1
-    for candidate in range(1, min(16, max(1, steps // 2)) + 1):
-        if steps % candidate == 0:
-            split_k = candidate
-            if tiles * candidate >= 4 * sms:
-                break
+    split_k = pick_split_k(triton.cdiv(n, block_n), triton.cdiv(k, block_k), sms)
     return GemvConfig(block_n, block_k, split_k)
 
 
@@ -180,17 +166,6 @@ def _int4_gemv_kernel(
     tl.store(out, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
-@triton.jit
-def _sum_splits_kernel(part_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
-    """out = the sum over splits of part [SPLIT_K, numel], added in split order."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        acc += tl.load(part_ptr + s * numel + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
 def int4_gemv(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -209,8 +184,7 @@ def int4_gemv(
         return out
     per_column = _per_column_groups(g_idx, group_size)
     if config is None:
-        sms = _sm_count(x.device.index or 0) if x.is_cuda else 1
-        config = gemv_config(n, k, group_size, per_column, sms)
+        config = gemv_config(n, k, group_size, per_column, sm_count(x.device))
     block_k, split_k = config.block_k, config.split_k
     if per_column:
         sub_k = block_k
@@ -218,9 +192,7 @@ def int4_gemv(
         sub_k = min(block_k, group_size)
         if block_k % sub_k or (group_size % sub_k and sub_k != block_k):
             raise ValueError(f"int4 GEMV block_k {block_k} does not fit groups of {group_size}")
-    steps = triton.cdiv(k, block_k)
-    k_split = triton.cdiv(steps, split_k) * block_k
-    split_k = triton.cdiv(k, k_split)  # no empty splits
+    k_split, split_k, even_k = split_layout(k, block_k, split_k)
     partial = out
     if split_k > 1:
         partial = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
@@ -244,15 +216,12 @@ def int4_gemv(
         GROUP=group_size,
         PER_COLUMN=per_column,
         HAS_GIDX=g_idx is not None,
-        EVEN_K=k % k_split == 0 and k_split % block_k == 0,
+        EVEN_K=even_k,
         BLOCK_N=config.block_n,
         BLOCK_K=block_k,
         SUB_K=sub_k,
         num_warps=config.num_warps,
     )
     if split_k > 1:
-        block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](
-            partial, out, m * n, SPLIT_K=split_k, BLOCK=block
-        )
+        sum_splits(partial, out)
     return out

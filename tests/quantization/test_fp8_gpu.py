@@ -1,5 +1,6 @@
-"""FP8 linear layers on CUDA (torch._scaled_mm, the Triton block GEMM) against the CPU
-reference path of the same layer. GPU only: the CPU path is what the other tests run."""
+"""FP8 linear layers on CUDA (the FP8 GEMV, torch._scaled_mm, the Triton block GEMM)
+against the CPU reference path of the same layer. GPU only: the CPU path is what the other
+tests run."""
 
 from __future__ import annotations
 
@@ -40,6 +41,21 @@ def test_online_fp8_cuda_matches_cpu_reference(m: int) -> None:
     # the outputs at m=300 on an H100; a wrong scale or layout moves most of them).
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=0.1)
     assert ((out - ref).abs() > 2e-2).float().mean() < 5e-3
+    assert (out - ref).abs().mean() < 2e-3
+
+
+@pytest.mark.parametrize("m", [1, 4])
+def test_online_fp8_gemv_of_ragged_shape(m: int) -> None:
+    """Decode batches of a layer torch._scaled_mm refuses (dims not multiples of 16): the
+    FP8 GEMV, equal to the CPU reference within fp8 rounding flips."""
+    g = torch.Generator().manual_seed(m)
+    w = torch.randn(40, 200, generator=g) * 0.05
+    x = torch.randn(m, 200, generator=g)
+    cpu = _layer(Fp8OnlineLinearMethod(), 40, 200, w, None)
+    gpu = _layer(Fp8OnlineLinearMethod(), 40, 200, w, None).cuda()
+    ref = cpu(x.bfloat16()).float()
+    out = gpu(x.cuda().bfloat16()).float().cpu()
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=0.1)
     assert (out - ref).abs().mean() < 2e-3
 
 
