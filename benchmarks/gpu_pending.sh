@@ -7,7 +7,8 @@
 # Here first: ../shared/peers/vllm/build.sh (.peer/), ../shared/device-wheels copied to .whl/,
 # SmolLM2's GGUF split into .smol/a/part and .smol/b/part (+ .smol/b/sha256).
 #   1 prep   carry .whl .smol/a: int4 and FP8 GEMVs (issue 14), attention tiles at head dim 256
-#            (Gemma 3, issue 13) microbenchmarks; LoRA with 8 adapters alone (issue 17)
+#            (Gemma 3, issue 13) microbenchmarks; LoRA with 8 adapters alone (issue 17);
+#            PowerMoE W2/W1b with the one-launch expert sort (issue 13)
 #   2 smol   carry .smol/b: speculative decoding with verification graphs, tests and
 #            speed (issue 16); the GPU test files
 #   3 stage  carry .peer/p0: vLLM part 0 staged
@@ -43,6 +44,7 @@ j_int4() {
   TAIL=30 step fp8_gemv_bench 200 python3 benchmarks/fp8_gemv_bench.py --sweep
   TAIL=12 step fp8_gemv_bench_m4 100 python3 benchmarks/fp8_gemv_bench.py --m 4
 }
+j_powermoe() { TAIL=2 step powermoe_as 250 python3 $SBS --engine asyncserve --workloads w2,w1b --model benchmarks/configs/powermoe-3b; }
 j_attn256() { TAIL=40 step attn_gemma 300 python3 benchmarks/bench_kernels.py --shape gemma3-4b --sweep; }
 j_lora_alone() { TAIL=20 step lora_as_alone 300 python3 benchmarks/lora_throughput.py --engine asyncserve --num-adapters 8 --output-json $OUT/lora_as_alone.json; }
 j_spec_tests() { ASYNCSERVE_TEST_GGUF=$SMOL TAIL=12 step spec_tests 300 python3 -m pytest -q -p no:cacheprovider -rfs tests/worker/test_verify_graphs.py tests/spec_decode/test_spec_gpu.py tests/spec_decode/test_proposer_graphs.py; }
@@ -75,7 +77,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 case $1 in
   prep)
     mkdir -p /tmp/smol && cp .smol/a/part /tmp/smol/part_a
-    deal j_int4 j_attn256 j_lora_alone ;;
+    deal j_int4 j_attn256 j_lora_alone j_powermoe ;;
   smol)
     cat /tmp/smol/part_a .smol/b/part > $SMOL && sha256sum $SMOL | cut -c1-64 | diff - .smol/b/sha256 && echo "SmolLM2 assembled"
     deal j_spec_tests j_spec_as j_gpu_tests ;;

@@ -6,7 +6,8 @@ The flow of one MoE layer (same results as reference.moe_route and reference.fus
    the top k experts and optionally renormalises their weights.
 2. align_by_expert: the T * k (token, slot) pairs are sorted by expert, and each expert's run
    is padded to a multiple of BLOCK_M, so one BLOCK_M row tile of the sorted list belongs to
-   exactly one expert. Pure torch on the device: no host sync, buffers sized by upper bounds.
+   exactly one expert (kernels/moe_align.py: one kernel for decode batches, torch operations
+   for more pairs; no host sync, buffers sized by upper bounds).
 3. gate_up GEMM: each tile multiplies its tokens' hidden rows by its expert's gate and up
    rows at once and writes silu(gate) * up (the activation is fused in the epilogue).
 4. down GEMM: each tile multiplies those activations by its expert's down projection and
@@ -32,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from asyncserve.kernels.moe_align import align_by_expert
 from asyncserve.kernels.moe_config import MoEConfig, choose_config, device_name, dtype_name
 
 
@@ -106,46 +108,6 @@ def moe_route(
         num_warps=1,
     )
     return weights, ids
-
-
-def align_by_expert(
-    topk_ids: torch.Tensor, block_m: int, num_local_experts: int, expert_map: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sorted_ids, tile_experts, num_sorted): the flat (token, slot) ids grouped by local
-    expert, each group padded to a multiple of block_m with the sentinel T * k; the expert of
-    each block_m tile (-1 past the end); and the padded length, as a device tensor [1]."""
-    num_pairs = topk_ids.numel()
-    device = topk_ids.device
-    experts = topk_ids.reshape(-1).long()
-    if expert_map is not None:
-        experts = expert_map.long()[experts]
-    # Other ranks' experts go to an extra bucket that is sorted last and gets no tile.
-    experts = torch.where(experts < 0, num_local_experts, experts)
-    # scatter_add, not bincount: CUDA's bincount reads the max back to the host, which a
-    # CUDA graph capture cannot do.
-    counts = torch.zeros(num_local_experts + 1, dtype=torch.long, device=device)
-    counts.scatter_add_(0, experts, torch.ones_like(experts))
-    order = torch.argsort(experts, stable=True)
-    sorted_experts = experts[order]
-    start = torch.cumsum(counts, 0) - counts
-    padded = (counts[:num_local_experts] + block_m - 1) // block_m * block_m
-    padded_end = torch.cumsum(padded, 0)
-    # Upper bound: every pair, plus block_m - 1 padding per expert that any pair can reach.
-    max_len = num_pairs + min(num_local_experts, num_pairs) * (block_m - 1)
-    max_len = triton.cdiv(max_len, block_m) * block_m
-    padded_start = torch.cat(
-        [padded_end - padded, torch.full((1,), max_len, dtype=padded.dtype, device=device)]
-    )
-    rank = torch.arange(num_pairs, device=device) - start[sorted_experts]
-    dest = padded_start[sorted_experts] + rank
-    # Dropped pairs land past max_len, in a tail that is cut off.
-    dest = torch.where(sorted_experts == num_local_experts, max_len + rank, dest)
-    sorted_ids = torch.full((max_len + num_pairs,), num_pairs, dtype=torch.int32, device=device)
-    sorted_ids[dest] = order.to(torch.int32)
-    tile_starts = torch.arange(0, max_len, block_m, device=device)
-    tile_experts = torch.searchsorted(padded_end, tile_starts, right=True)
-    tile_experts = torch.where(tile_experts < num_local_experts, tile_experts, -1)
-    return sorted_ids[:max_len], tile_experts.to(torch.int32), padded_end[-1:].to(torch.int32)
 
 
 @triton.jit
