@@ -1,7 +1,7 @@
 """The FP8 GEMV (W8A8 decode) on Llama-3-8B's linear shapes, against the previous route
 (per-token quantization + torch._scaled_mm with row-wise scales) and the bf16 torch.matmul.
 
-For each shape and --m tokens: device time per call (a CUDA graph of CALLS calls replayed;
+For each shape and --m tokens: device time per call (a CUDA graph of 20 calls replayed;
 CUDA events, median of --reps replays after a warm-up), with the weights rotated over copies
 larger than L2 so each call reads its weight from memory as a decode step does; and the
 bandwidth against the e4m3 weight's bytes (N x K). Timed: `gemv` (the per-token quantization
@@ -19,20 +19,22 @@ import dataclasses
 import itertools
 import json
 import os
-import statistics
-from collections.abc import Callable
+import sys
 from pathlib import Path
 
 import torch
 
-from asyncserve.kernels import quant_reference as reference
-from asyncserve.kernels.fp8_gemm import per_token_group_quant_fp8
-from asyncserve.kernels.fp8_gemv import fp8_gemv, fp8_gemv_config
-from asyncserve.kernels.split_k import GemvConfig
+# The repository root: `python benchmarks/X.py` imports benchmarks.* as well.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from asyncserve.kernels import quant_reference as reference  # noqa: E402
+from asyncserve.kernels.fp8_gemm import per_token_group_quant_fp8  # noqa: E402
+from asyncserve.kernels.fp8_gemv import fp8_gemv, fp8_gemv_config  # noqa: E402
+from asyncserve.kernels.split_k import GemvConfig  # noqa: E402
+from benchmarks.graph_timing import time_ms  # noqa: E402
 
 # Llama-3-8B: fused qkv, o, fused gate_up, down as (N, K).
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
-CALLS = 20  # calls per graph replay
 ROTATE_BYTES = 256 << 20  # weight copies per shape: at least this many bytes (L2 is 50 MiB)
 Weight = tuple[torch.Tensor, torch.Tensor]
 
@@ -69,35 +71,6 @@ def check(n: int, k: int, m: int, device: torch.device) -> float:
     if err > 1e-2:
         raise AssertionError(f"FP8 GEMV {n} x {k} differs from the reference: {err:.3g}")
     return err
-
-
-def time_ms(fns: list[Callable[[], object]], reps: int) -> float:
-    """Median device time of one call: fns (each on its own weight copy) called round-robin,
-    CALLS calls captured in a CUDA graph, the graph replayed `reps` times between events."""
-    calls = [fns[i % len(fns)] for i in range(CALLS)]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in calls:  # warm-up (and compilation) outside the capture
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
-    for _ in range(10):
-        graph.replay()
-    times = []
-    for _ in range(reps):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / CALLS)
-    return statistics.median(times)
 
 
 def gb_s(nbytes: int, ms: float) -> float:

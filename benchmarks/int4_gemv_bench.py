@@ -1,7 +1,7 @@
 """The int4 GEMV (W4A16 decode) on Llama-3-8B's linear shapes, group 128, against the previous
 GEMV (a copy below) and the bf16 torch.matmul.
 
-For each shape: device time per call (a CUDA graph of CALLS calls replayed; CUDA events, median
+For each shape: device time per call (a CUDA graph of 20 calls replayed; CUDA events, median
 of --reps replays after a warm-up), with the weights rotated over copies larger than L2 so each
 call reads its weight from memory as a decode step does; and the bandwidth against the bytes
 the int4 kernels read (packed weight + scales + zeros). The new kernel's output is checked
@@ -17,22 +17,24 @@ import dataclasses
 import itertools
 import json
 import os
-import statistics
-from collections.abc import Callable
+import sys
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
-from asyncserve.kernels import quant_reference as reference
-from asyncserve.kernels.int4_gemv import GemvConfig, gemv_config, int4_gemv
+# The repository root: `python benchmarks/X.py` imports benchmarks.* as well.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from asyncserve.kernels import quant_reference as reference  # noqa: E402
+from asyncserve.kernels.int4_gemv import GemvConfig, gemv_config, int4_gemv  # noqa: E402
+from benchmarks.graph_timing import time_ms  # noqa: E402
 
 CUDA = torch.device("cuda")
 # Llama-3-8B: fused qkv, o, fused gate_up, down as (N, K).
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 GROUP = 128
-CALLS = 20  # calls per graph replay
 ROTATE_BYTES = 256 << 20  # weight copies per shape: at least this many bytes (L2 is 50 MiB)
 
 
@@ -93,36 +95,6 @@ def old_gemv(
         out.stride(0), GROUP=GROUP, BLOCK_N=32, BLOCK_K=256,
     )  # fmt: skip
     return out
-
-
-# --- Timing.
-def time_ms(fns: list[Callable[[], object]], reps: int) -> float:
-    """Median device time of one call: fns (each on its own weight copy) called round-robin,
-    CALLS calls captured in a CUDA graph, the graph replayed `reps` times between events."""
-    calls = [fns[i % len(fns)] for i in range(CALLS)]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in calls:  # warm-up (and compilation) outside the capture
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
-    for _ in range(10):
-        graph.replay()
-    times = []
-    for _ in range(reps):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / CALLS)
-    return statistics.median(times)
 
 
 def make_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
