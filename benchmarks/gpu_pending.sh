@@ -6,12 +6,12 @@
 # in order of importance and the ones left at the deadline (540 s) are ended.
 # Here first: ../shared/peers/vllm/build.sh (.peer/), ../shared/device-wheels copied to .whl/,
 # SmolLM2's GGUF split into .smol/a/part and .smol/b/part (+ .smol/b/sha256).
-#   1 prep   carry .whl .smol/a: int4 and FP8 GEMVs (issue 14), attention tiles at head dim 256
-#            (Gemma 3, issue 13) microbenchmarks; LoRA with 8 adapters alone (issue 17);
-#            PowerMoE W2/W1b with the one-launch expert sort (issue 13)
+#   1 prep   carry .whl .smol/a: int4 and FP8 GEMV tests and microbenchmarks (issue 14);
+#            LoRA with 8 adapters alone, with stack dumps (issue 17)
 #   2 smol   carry .smol/b: speculative decoding with verification graphs, tests and
 #            speed (issue 16); the GPU test files
-#   3 stage  carry .peer/p0: vLLM part 0 staged
+#   3 stage  carry .peer/p0: vLLM part 0 staged; attention tiles at head dim 256 (Gemma 3)
+#            and PowerMoE W2/W1b with the one-launch expert sort (issue 13)
 #   4 side   carry .peer/p1: vLLM installed; pairs: W1b and W4 (issue 18), W4A16 W2 (14),
 #            speculative decoding (16), Gemma 3 W1b (13)
 #   5 side2  (warm) pairs: LoRA with 8 adapters (17), FP8 W2/W1b (14)
@@ -63,8 +63,8 @@ j_w4() { pair w4 100 200 --workloads w4 --model $QWEN; }
 j_w4a16() { pair w4a16 150 250 --workloads w2 --model $W4A16; }
 j_gemma() { pair gemma 200 300 --workloads w1b --model $GEMMA; }
 j_fp8() { pair fp8 200 300 --workloads w2,w1b --model $L3 --quantization fp8; }
-j_spec_vllm() {
-  [ -f $OUT/spec_as.log ] || j_spec_as  # the asyncserve run writes the models vLLM reads
+j_spec_pair() {  # asyncserve first: it also writes the models and prompts vLLM reads
+  j_spec_as
   TAIL=30 step spec_vllm 330 env $VENV python3 benchmarks/spec_decode.py --engine vllm
 }
 j_lora() {
@@ -77,15 +77,16 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 case $1 in
   prep)
     mkdir -p /tmp/smol && cp .smol/a/part /tmp/smol/part_a
-    deal j_int4 j_attn256 j_lora_alone j_powermoe ;;
+    deal j_int4 j_lora_alone ;;
   smol)
     cat /tmp/smol/part_a .smol/b/part > $SMOL && sha256sum $SMOL | cut -c1-64 | diff - .smol/b/sha256 && echo "SmolLM2 assembled"
     deal j_spec_tests j_spec_as j_gpu_tests ;;
   stage)
-    bash .peer/p0/stage.sh | tail -1 ;;
+    bash .peer/p0/stage.sh | tail -1
+    deal j_attn256 j_powermoe ;;
   side)
     bash .peer/p1/install.sh | tail -1
-    deal j_w1b j_w4a16 j_spec_vllm j_w4 j_gemma ;;
+    deal j_w1b j_w4a16 j_spec_pair j_w4 j_gemma ;;
   side2)
     deal j_lora j_fp8 ;;
 esac
