@@ -33,6 +33,7 @@ import triton.language as tl
 from asyncserve.kernels.quant_reference import FP8_DTYPE
 from asyncserve.kernels.split_k import (
     GemvConfig,
+    gemv_program,
     pick_split_k,
     sm_count,
     split_layout,
@@ -80,18 +81,8 @@ def _fp8_gemv_kernel(
     BLOCK_K: tl.constexpr,
 ):
     """out[split, row, n-block] = the split's K slice of x_q[row] . w_q[n-block] times the
-    scales (plus the bias in split 0). Program 0's axis runs over tokens first, so the tokens
-    of one block of W run together and read it from L2 after the first."""
-    pid = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    row = pid % m
-    pid_n = pid // m
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < n
-    # Rows past N re-read row N - 1 (no load mask along N); only the store is masked.
-    rows = tl.minimum(offs_n, n - 1)
-    k_start = pid_k * k_split
-    k_end = tl.minimum(k_start + k_split, k)
+    scales (plus the bias in split 0); the grid as split_k.gemv_program says."""
+    row, offs_n, mask_n, rows, pid_k, k_start, k_end = gemv_program(m, n, k, k_split, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rows[:, None] * stride_wn
     x_row = xq_ptr + row * stride_xm

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from asyncserve.kernels.split_k import (
     GemvConfig,
+    gemv_program,
     pick_split_k,
     sm_count,
     split_layout,
@@ -87,19 +88,9 @@ def _int4_gemv_kernel(
     BLOCK_K: tl.constexpr,
     SUB_K: tl.constexpr,
 ):
-    """out[split, row, n-block] = the split's K slice of x[row] @ W[n-block]^T (fp32 sums).
-    Program 0's axis runs over tokens first, so the tokens of one block of W run together
-    and read it from L2 after the first."""
-    pid = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    row = pid % m
-    pid_n = pid // m
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < n
-    # Rows past N re-read row N - 1 (no load mask along N); only the store is masked.
-    rows = tl.minimum(offs_n, n - 1)
-    k_start = pid_k * k_split
-    k_end = tl.minimum(k_start + k_split, k)
+    """out[split, row, n-block] = the split's K slice of x[row] @ W[n-block]^T (fp32 sums);
+    the grid as split_k.gemv_program says."""
+    row, offs_n, mask_n, rows, pid_k, k_start, k_end = gemv_program(m, n, k, k_split, BLOCK_N)
     WORDS: tl.constexpr = BLOCK_K // 8
     offs_w = tl.arange(0, WORDS)
     qw_rows = qw_ptr + rows[:, None] * stride_qn

@@ -66,6 +66,22 @@ def split_layout(k: int, block_k: int, split_k: int) -> tuple[int, int, bool]:
 
 
 @triton.jit
+def gemv_program(m, n, k, k_split, BLOCK_N: tl.constexpr):
+    """A GEMV program's share of the grid (tokens x output blocks, splits): its token, its
+    BLOCK_N outputs and which of them exist, the weight rows it reads (rows past N re-read
+    row N - 1, so loads need no mask along N; only the store is masked), and its K slice.
+    Axis 0 runs over tokens first, so the tokens of one block of W run together and read it
+    from L2 after the first."""
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    row = pid % m
+    offs_n = (pid // m) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start = pid_k * k_split
+    k_end = tl.minimum(k_start + k_split, k)
+    return row, offs_n, offs_n < n, tl.minimum(offs_n, n - 1), pid_k, k_start, k_end
+
+
+@triton.jit
 def _sum_splits_kernel(part_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
     """out = the sum over splits of part [SPLIT_K, numel], added in split order."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
