@@ -18,6 +18,8 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 
 from asyncserve.chat_template import render_chat_template
 
+# Above this many ids decode goes through decode_batch, which releases the GIL (see decode).
+GIL_FREE_DECODE_MIN_IDS = 256
 # GGUF token_type values (llama.cpp's llama_token_type).
 _TOKEN_CONTROL = 3
 _TOKEN_USER_DEFINED = 4
@@ -109,8 +111,14 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        text: str = self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
-        return text
+        ids = list(ids)
+        if len(ids) > GIL_FREE_DECODE_MIN_IDS:
+            # As in encode: decode_batch lets go of the GIL while it runs (a long /detokenize
+            # body holds it for milliseconds otherwise); a stream's few ids decode faster
+            # through decode.
+            (text,) = self.backend.decode_batch([ids], skip_special_tokens=skip_special_tokens)
+            return str(text)
+        return str(self.backend.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         out = []

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from asyncserve.models.gguf_loader import open_gguf
-from asyncserve.tokenizer import Tokenizer
+from asyncserve.tokenizer import GIL_FREE_DECODE_MIN_IDS, Tokenizer
 
 TEXTS = [
     "Hello world",
@@ -131,3 +133,39 @@ def test_byte_level_is_lossless_and_keeps_specials() -> None:
 def test_convert_ids_out_of_range(ours: Tokenizer) -> None:
     with pytest.raises(ValueError, match="out of range"):
         ours.convert_ids_to_tokens([10**6])
+
+
+def _sleeps_beside(work: Any, seconds: float = 0.6) -> float:
+    """Wall time of 300 GIL-releasing calls (time.sleep(0), as the step thread's torch ops
+    release and retake it) made while another thread runs `work` over and over."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            work()
+
+    worker = threading.Thread(target=loop)
+    worker.start()
+    try:
+        time.sleep(0.05)
+        start = time.perf_counter()
+        for _ in range(300):
+            time.sleep(0)
+        return time.perf_counter() - start
+    finally:
+        stop.set()
+        worker.join(seconds)
+
+
+def test_long_texts_and_id_lists_leave_the_gil_to_other_threads(ours: Tokenizer) -> None:
+    """A long prompt or id list tokenized in the preprocessing pool must not stall the step
+    thread: each of its calls into the tokenizer runs without the GIL. Held, every GIL
+    hand-off of the other thread waits for a whole call (milliseconds each: seconds here)."""
+    text = "word " * 20_000
+    ids = ours.encode(text)
+    assert len(ids) > GIL_FREE_DECODE_MIN_IDS
+    assert ours.decode(ids) == ours.backend.decode(ids)
+    assert ours.decode(ids[:3]) == ours.backend.decode(ids[:3])
+    for name, work in (("encode", lambda: ours.encode(text)), ("decode", lambda: ours.decode(ids))):
+        elapsed = _sleeps_beside(work)
+        assert elapsed < 1.0, f"{name}: 300 GIL hand-offs took {elapsed:.2f} s beside it"
