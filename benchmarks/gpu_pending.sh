@@ -1,36 +1,36 @@
 #!/usr/bin/env bash
-# The GPU measurements the open issues wait for, on one GPU or several: each part's jobs are
-# dealt over the GPUs (job i on GPU i mod count; a GPU's jobs run in turn, first ones first),
-# each job one engine or a pair run one after the other on the same GPU and inputs (asyncserve,
-# then vLLM 0.26.0). On one GPU a part may not finish all its jobs in a call: the jobs are
-# in order of importance and the ones left at the deadline (540 s) are ended.
+# The GPU measurements the open issues wait for, on one GPU or several: each part's job groups
+# are dealt over the GPUs (group i on GPU i mod count; a GPU's jobs run in turn, first ones
+# first), each job one engine or a pair run one after the other on the same GPU and inputs
+# (asyncserve, then vLLM 0.26.0). On one GPU a part may not finish all its jobs in a call: the
+# ones left at the deadline (540 s) are ended (run side2 next for the pairs side leaves).
 # Here first: ../shared/peers/vllm/build.sh (.peer/), ../shared/device-wheels copied to .whl/,
 # SmolLM2's GGUF split into .smol/a/part and .smol/b/part (+ .smol/b/sha256).
 #   1 prep   carry .whl .smol/a: int4 and FP8 GEMV tests and microbenchmarks (issue 14);
-#            LoRA with 8 adapters alone, with stack dumps (issue 17)
-#   2 smol   carry .smol/b: speculative decoding with verification graphs, tests and
-#            speed (issue 16); the GPU test files
-#   3 stage  carry .peer/p0: vLLM part 0 staged; attention tiles at head dim 256 (Gemma 3)
-#            and PowerMoE W2/W1b with the one-launch expert sort (issue 13)
-#   4 side   carry .peer/p1: vLLM installed; pairs: W1b and W4 (issue 18), W4A16 W2 (14),
-#            speculative decoding (16), Gemma 3 W1b (13)
-#   5 side2  (warm) pairs: LoRA with 8 adapters (17), FP8 W2/W1b (14)
+#            LoRA with 8 adapters alone, with stack dumps (17); attention tiles at head dim
+#            256 (Gemma 3) and PowerMoE W2/W1b with the one-launch expert sort (13)
+#   2 smol   carry .smol/b: speculative decoding with verification graphs, tests (16); the
+#            GPU test files
+#   3 stage  carry .peer/p0: vLLM part 0 staged
+#   4 side   carry .peer/p1: vLLM installed; pairs: speculative decoding (16), W1b and W4
+#            (18), W4A16 W2 (14), Gemma 3 W1b (13), FP8 W2/W1b (14), LoRA with 8 adapters (17)
+#   5 side2  (warm, one GPU) pairs: LoRA with 8 adapters (17), FP8 W2/W1b (14)
 # Usage: bash benchmarks/gpu_pending.sh prep|smol|stage|side|side2
 source "$(dirname "$0")/gpu_lanes.sh"
 GEMMA=benchmarks/configs/gemma3-4b
 W4A16=benchmarks/configs/llama3-8b-w4a16
 QWEN=benchmarks/configs/qwen3-0.6b
 
-# deal JOB...: job i on GPU i mod the GPU count, a GPU's jobs one after another.
+# deal GROUP...: each GROUP a quoted list of jobs for one GPU; group i goes to GPU i mod the GPU
+# count (on fewer GPUs than groups, a GPU runs several groups one after another).
 deal() {
-  local count
+  local count gpu i=0
   count=$(nvidia-smi -L 2>/dev/null | wc -l)
   [ "$count" -ge 1 ] || count=1
-  for gpu in $(seq 0 $((count - 1))); do
-    local jobs=() i=0
-    for job in "$@"; do [ $((i % count)) = "$gpu" ] && jobs+=("$job"); i=$((i + 1)); done
-    [ ${#jobs[@]} = 0 ] && continue
-    (export CUDA_VISIBLE_DEVICES=$gpu; for job in "${jobs[@]}"; do echo "--- $job $(date +%T)"; $job; done) > $OUT/lane_gpu$gpu.txt 2>&1 &
+  local -a per_gpu=()
+  for group in "$@"; do gpu=$((i % count)); per_gpu[$gpu]="${per_gpu[$gpu]:-} $group"; i=$((i + 1)); done
+  for gpu in "${!per_gpu[@]}"; do
+    (export CUDA_VISIBLE_DEVICES=$gpu; for job in ${per_gpu[$gpu]}; do echo "--- $job $(date +%T)"; $job; done) > $OUT/lane_gpu$gpu.txt 2>&1 &
     LANES+=($!)
   done
 }
@@ -40,6 +40,8 @@ j_int4() {
   TAIL=6 step int4_tests 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_int4_gemv.py tests/kernels/test_int4_gemm.py tests/quantization/test_int4_checkpoints.py
   TAIL=30 step int4_gemv_bench 200 python3 benchmarks/int4_gemv_bench.py --sweep
   TAIL=12 step int4_gemv_bench_m4 100 python3 benchmarks/int4_gemv_bench.py --m 4
+}
+j_fp8_gemv() {
   TAIL=6 step fp8_gemv_tests 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_gemv.py tests/kernels/test_fp8_gemm.py tests/quantization/test_fp8_gpu.py
   TAIL=30 step fp8_gemv_bench 200 python3 benchmarks/fp8_gemv_bench.py --sweep
   TAIL=12 step fp8_gemv_bench_m4 100 python3 benchmarks/fp8_gemv_bench.py --m 4
@@ -49,8 +51,10 @@ j_attn256() { TAIL=40 step attn_gemma 300 python3 benchmarks/bench_kernels.py --
 j_lora_alone() { TAIL=20 step lora_as_alone 300 python3 benchmarks/lora_throughput.py --engine asyncserve --num-adapters 8 --output-json $OUT/lora_as_alone.json; }
 j_spec_tests() { ASYNCSERVE_TEST_GGUF=$SMOL TAIL=12 step spec_tests 300 python3 -m pytest -q -p no:cacheprovider -rfs tests/worker/test_verify_graphs.py tests/spec_decode/test_spec_gpu.py tests/spec_decode/test_proposer_graphs.py; }
 j_spec_as() { TAIL=30 step spec_as 300 python3 benchmarks/spec_decode.py --gguf $SMOL; }
-GPU_TESTS="tests/kernels tests/engine/test_gpu_engine.py tests/engine/test_async_scheduling_gpu.py tests/worker tests/quantization tests/lora/test_lora_gpu.py tests/models/test_sliding_window_kv.py"
-j_gpu_tests() { ASYNCSERVE_TEST_GGUF=$SMOL TAIL=25 step gpu_tests 500 python3 -m pytest -q -p no:cacheprovider -rfs $GPU_TESTS; }
+gpu_tests() { local name=$1; shift; ASYNCSERVE_TEST_GGUF=$SMOL TAIL=25 step $name 500 python3 -m pytest -q -p no:cacheprovider -rfs "$@"; }
+j_gpu_tests_kernels() { gpu_tests gpu_tests_kernels tests/kernels; }
+j_gpu_tests_engine() { gpu_tests gpu_tests_engine tests/engine/test_gpu_engine.py tests/engine/test_async_scheduling_gpu.py tests/worker; }
+j_gpu_tests_quant() { gpu_tests gpu_tests_quant tests/quantization tests/lora/test_lora_gpu.py tests/models/test_sliding_window_kv.py; }
 
 # --- pairs: asyncserve, then vLLM, same GPU ----------------------------------------------
 pair() {  # pair NAME LIMIT_AS LIMIT_VLLM ARGS...: side_by_side.py with each engine
@@ -77,17 +81,16 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 case $1 in
   prep)
     mkdir -p /tmp/smol && cp .smol/a/part /tmp/smol/part_a
-    deal j_int4 j_lora_alone ;;
+    deal j_int4 j_fp8_gemv j_lora_alone "j_attn256 j_powermoe" ;;
   smol)
     cat /tmp/smol/part_a .smol/b/part > $SMOL && sha256sum $SMOL | cut -c1-64 | diff - .smol/b/sha256 && echo "SmolLM2 assembled"
-    deal j_spec_tests j_spec_as j_gpu_tests ;;
+    deal j_spec_tests j_gpu_tests_kernels j_gpu_tests_engine j_gpu_tests_quant ;;
   stage)
-    bash .peer/p0/stage.sh | tail -1
-    deal j_attn256 j_powermoe ;;
+    bash .peer/p0/stage.sh | tail -1 ;;
   side)
     bash .peer/p1/install.sh | tail -1
-    deal j_w1b j_w4a16 j_spec_pair j_w4 j_gemma ;;
+    deal j_spec_pair "j_w1b j_w4" "j_w4a16 j_gemma" "j_fp8 j_lora" ;;
   side2)
-    deal j_lora j_fp8 ;;
+    deal "j_lora j_fp8" ;;
 esac
 finish $1
