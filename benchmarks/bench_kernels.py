@@ -97,7 +97,7 @@ def bench_decode(
     )  # fmt: skip
     ref = reference.unified_attention(*batch.args(), SCALE)
     nbytes = kv_bytes(batch)
-    config = attention.default_config(HEADS // KV_HEADS, 1)
+    config = attention.default_config(HEADS // KV_HEADS, 1, HEAD_DIM)
     num_sms = torch.cuda.get_device_properties(CUDA).multi_processor_count
     splits = attention.choose_num_splits(num_seqs, KV_HEADS, 1, ctx, config, num_sms)
 
@@ -159,7 +159,7 @@ def bench_mixed(sweep: bool) -> None:
     ms = _ms(call)
     print(f"\nmixed: 4 prefill chunks (6.6k tokens) + 60 decodes: {flops / 1e12:.2f} TFLOP")
     print(
-        f"  triton default {attention.default_config(HEADS // KV_HEADS, 2048)}: {ms * 1e3:8.1f} us  "
+        f"  triton default {attention.default_config(HEADS // KV_HEADS, 2048, HEAD_DIM)}: {ms * 1e3:8.1f} us  "
         f"{flops / ms / 1e9:6.1f} TFLOP/s  err {rel_err(call(), ref):.1e}"
     )
     if not sweep:

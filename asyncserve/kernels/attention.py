@@ -35,6 +35,7 @@ from asyncserve.kernels.attention_config import (
     _num_sms,
     choose_num_splits,
     default_config,
+    large_shared_memory,
 )
 
 __all__ = ["AttentionConfig", "choose_num_splits", "default_config", "paged_attention",
@@ -411,7 +412,12 @@ def unified_attention(
     if sliding_window is not None:
         # Split-KV is sized by the keys a query reads, which the window bounds.
         max_seqlen_k = min(max_seqlen_k, sliding_window + max_seqlen_q)
-    config = default_config(num_heads // max(1, num_kv_heads), max_seqlen_q)
+    config = default_config(
+        num_heads // max(1, num_kv_heads),
+        max_seqlen_q,
+        query.shape[-1],
+        large_shared_memory(query.device),
+    )
     num_splits = choose_num_splits(
         seq_lens.shape[0],
         num_kv_heads,

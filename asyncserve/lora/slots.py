@@ -137,14 +137,15 @@ class LoRASlots:
             self._host.move_to_end(lora_id)
             return weights
         start = time.perf_counter()
+        # Pinned on a GPU, so a slot fill is an asynchronous copy behind the step in flight.
         weights = load_adapter(
-            request.lora_name, request.lora_path, self.shapes, self.max_lora_rank, self.dtype
+            request.lora_name,
+            request.lora_path,
+            self.shapes,
+            self.max_lora_rank,
+            self.dtype,
+            pin_memory=self.batch.device.type == "cuda",
         )
-        if self.batch.device.type == "cuda":
-            # Pinned, so a slot fill is an asynchronous copy behind the step in flight.
-            weights.weights = {
-                key: (a.pin_memory(), b.pin_memory()) for key, (a, b) in weights.weights.items()
-            }
         self._host[lora_id] = weights
         # Read on the step thread, which waits meanwhile: a user sees when and how long, and
         # an adapter read again and again (host cache too small) shows up here.

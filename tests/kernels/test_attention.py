@@ -27,7 +27,8 @@ def _check(batch: PagedBatch, out: torch.Tensor, dtype: torch.dtype, scale: floa
 
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim"),
-    [(8, 2, 64), (2, 2, 32), (6, 2, 32)],  # GQA 4:1, MHA 1:1, a group of 3 (not a power of 2)
+    # GQA 4:1, MHA 1:1, a group of 3 (not a power of 2), Gemma 3's head dim (its own tiles)
+    [(8, 2, 64), (2, 2, 32), (6, 2, 32), (4, 2, 256)],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mixed_batch(
@@ -82,6 +83,15 @@ def test_empty_sequence_and_strided_query(device: torch.device) -> None:
     assert not batch.query.is_contiguous()
     out = attention.unified_attention(*batch.args(), 0.3, max_seqlen_q=3, max_seqlen_k=20)
     _check(batch, out, torch.float32, 0.3)
+
+
+def test_head_dim_256_tiles() -> None:
+    """Head dim 256 gets its own H100-swept tiles where shared memory allows them."""
+    decode, prefill = attention.default_config(2, 1, 256), attention.default_config(2, 512, 256)
+    assert (decode.block_m, decode.num_stages) == (16, 3)
+    assert (prefill.block_m, prefill.num_warps, prefill.num_stages) == (128, 8, 3)
+    small = attention.default_config(2, 512, 256, large_smem=False)
+    assert small == attention.default_config(2, 512)
 
 
 def test_split_heuristic() -> None:
