@@ -40,20 +40,30 @@ from asyncserve.kernels.split_k import (
     sum_splits,
 )
 
+# The GEMV serves one token; from 2 on, torch._scaled_mm. On an H100, Llama-3-8B's four
+# layers at M=1 took 0.102 ms with the GEMV (activation quantization included) against
+# _scaled_mm's 0.141; at M=4, 0.191 against 0.144 (benchmarks/fp8_gemv_bench.py --m 4).
+FP8_GEMV_MAX_TOKENS = 1
+# Fewer programs per SM than the int4 GEMV aims for: an fp8 row is twice the bytes a column,
+# and one split was fastest on every Llama-3-8B shape in the sweep.
+_PROGRAMS_PER_SM = 3
+
 
 def fp8_gemv_config(n: int, k: int, sms: int) -> GemvConfig:
     """The launch shape for an N x K e4m3 weight on a GPU of `sms` SMs, from the shape alone.
 
-    block_n 16 x block_k 512 with 4 warps: a loop step reads 16 rows of 512 bytes (8 KiB a
-    step, as the int4 GEMV), each thread four 16-byte loads and 64 multiply-adds into 64
-    fp32 accumulators. Then K is split as kernels/split_k.pick_split_k says (about 4 programs
-    per SM): Llama-3-8B's layers on 132 SMs get qkv 6144 x 4096 -> 2 splits, o 4096 x 4096
-    -> 4, gate_up 28672 x 4096 -> 1 (1792 programs), down 4096 x 14336 -> 4.
-    Not yet tuned on a GPU (benchmarks/fp8_gemv_bench.py --sweep times a grid).
+    block_n 8 x block_k 1024 with 4 warps: a loop step reads 8 rows of 1 KiB (8 KiB a step,
+    as the int4 GEMV). On an H100 (benchmarks/fp8_gemv_bench.py --sweep) it was within 8%
+    of each Llama-3-8B shape's best tile, and the layers' sum 0.088 ms against 16 x 512's
+    0.094 (the best tile per shape: 0.085). Then K is split as kernels/split_k.pick_split_k
+    says, aiming at 3 programs per SM: Llama-3-8B's layers on 132 SMs get one split each
+    (qkv 768 programs, o and down 512, gate_up 3584), the fastest split in the sweep.
     """
-    block_n = 16
-    block_k = max(16, min(512, triton.next_power_of_2(k)))
-    split_k = pick_split_k(triton.cdiv(n, block_n), triton.cdiv(k, block_k), sms)
+    block_n = 8
+    block_k = max(16, min(1024, triton.next_power_of_2(k)))
+    split_k = pick_split_k(
+        triton.cdiv(n, block_n), triton.cdiv(k, block_k), sms, programs_per_sm=_PROGRAMS_PER_SM
+    )
     return GemvConfig(block_n, block_k, split_k)
 
 
@@ -143,7 +153,7 @@ def fp8_gemv(
     """(x_q * x_scale) @ (w_q * w_scale)^T + bias -> [M, N] in out_dtype, as
     quant_reference.fp8_rowwise_matmul: x_q [M, K] e4m3 with x_scale [M, 1] fp32, w_q [N, K]
     e4m3 with w_scale [N, 1] (per channel) or a single value (per tensor). `config`
-    overrides fp8_gemv_config's pick. Meant for M <= split_k.GEMV_MAX_TOKENS."""
+    overrides fp8_gemv_config's pick. Meant for M <= FP8_GEMV_MAX_TOKENS."""
     _check(x_q, w_q, x_scale, w_scale, bias)
     m, k = x_q.shape
     n = w_q.shape[0]

@@ -44,21 +44,22 @@ def _per_column_groups(g_idx: torch.Tensor | None, group_size: int) -> bool:
 def gemv_config(n: int, k: int, group_size: int, per_column: bool, sms: int) -> GemvConfig:
     """The launch shape for an N x K weight on a GPU of `sms` SMs, from the shape alone.
 
-    block_n 32 x block_k 512 with 4 warps: a loop step reads 32 rows of 64 words (256
-    contiguous bytes a row, 8 KiB a step) and each thread unpacks 128 weights, enough to
-    amortize its loads of x and the group sums: the loop Triton compiles for sm_90 has about
-    4.5 instructions a weight (block_n 16: about 6; counted in the SASS, not yet timed) and
-    72 registers, so 7 programs fit an SM.
+    block_n 16 x block_k 1024 with 4 warps: a loop step reads 16 rows of 128 words (512
+    contiguous bytes a row, 8 KiB a step) and each thread unpacks 128 weights. On an H100
+    (benchmarks/int4_gemv_bench.py --sweep, group size 128) it was the fastest tile on all
+    four Llama-3-8B shapes: 1,040-2,175 GB/s against 32 x 512's 830-1,670 (the layers' sum
+    0.067 against 0.084 ms); 8 warps lose on every shape.
     block_k holds whole groups, or part of one group when groups are larger.
     Then K is split until the grid holds about 4 programs per SM (Hopper's 132 SMs: 528),
     into a divisor of the number of steps (every program the same work), at most 16 splits
-    and at least 2 steps a split: Llama-3-8B's layers get qkv 6144 x 4096 -> 4 splits, o
-    4096 x 4096 -> 4, gate_up 28672 x 4096 -> 1 (896 programs), down 4096 x 14336 -> 7.
+    and at least 2 steps a split: Llama-3-8B's layers get qkv 6144 x 4096 -> 2 splits, o
+    4096 x 4096 -> 2, gate_up 28672 x 4096 -> 1 (1792 programs), down 4096 x 14336 -> 7 (the
+    sweep's best split on three shapes, within 4% on o).
     """
-    block_n = 32
-    block_k = min(512, triton.next_power_of_2(k))
+    block_n = 16
+    block_k = min(1024, triton.next_power_of_2(k))
     if not per_column:
-        block_k = max(block_k, min(group_size, 512))  # whole groups a step
+        block_k = max(block_k, min(group_size, 1024))  # whole groups a step
     split_k = pick_split_k(triton.cdiv(n, block_n), triton.cdiv(k, block_k), sms)
     return GemvConfig(block_n, block_k, split_k)
 

@@ -5,8 +5,8 @@ Three layouts, one per kind of checkpoint:
   `--quantization fp8` on an unquantized checkpoint (quantized here at load), compressed-
   tensors "channel" and "tensor" strategies, and HF fp8 per-tensor checkpoints (a per-tensor
   scale is a per-channel scale with equal rows, which keeps a fused q/k/v layer's three
-  scales apart). CUDA: activations quantized per token (Triton), then up to
-  GEMV_MAX_TOKENS tokens (decode) the split-K FP8 GEMV (kernels/fp8_gemv.py), more tokens
+  scales apart). CUDA: activations quantized per token (Triton), then for one token
+  (batch-1 decode) the split-K FP8 GEMV (kernels/fp8_gemv.py), for more tokens
   torch._scaled_mm with row-wise scales; CPU: the dequantizing reference
   (kernels/quant_reference.py).
 - block: one scale per [bn, bk] weight tile, activations per token and bk columns
@@ -58,14 +58,13 @@ def _param(layer: nn.Module, name: str) -> torch.Tensor:
 def _rowwise_scaled_mm(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """CUDA: x [M, K] (bf16/fp16/fp32) @ (weight * scale)^T with x quantized per token; a
-    few tokens (decode) take the FP8 GEMV, whatever the shape."""
+    """CUDA: x [M, K] (bf16/fp16/fp32) @ (weight * scale)^T with x quantized per token; one
+    token (batch-1 decode) takes the FP8 GEMV, whatever the shape."""
     from asyncserve.kernels.fp8_gemm import per_token_group_quant_fp8
-    from asyncserve.kernels.fp8_gemv import fp8_gemv
-    from asyncserve.kernels.split_k import GEMV_MAX_TOKENS
+    from asyncserve.kernels.fp8_gemv import FP8_GEMV_MAX_TOKENS, fp8_gemv
 
     x_q, x_s = per_token_group_quant_fp8(x, x.shape[1])
-    if x.shape[0] <= GEMV_MAX_TOKENS:
+    if x.shape[0] <= FP8_GEMV_MAX_TOKENS:
         return fp8_gemv(x_q, weight, x_s, scale, x.dtype, bias)
     if weight.shape[0] % 16 or weight.shape[1] % 16:
         # torch._scaled_mm needs both dims divisible by 16: the reference product instead.

@@ -14,8 +14,13 @@ from asyncserve.kernels import quant_reference as reference
 
 pytest.importorskip("triton", reason="triton is not installed")
 
-from asyncserve.kernels.fp8_gemv import fp8_gemv, fp8_gemv_config  # noqa: E402
-from asyncserve.kernels.split_k import GEMV_MAX_TOKENS, GemvConfig  # noqa: E402
+from asyncserve.kernels import fp8_gemv as fp8_gemv_module  # noqa: E402
+from asyncserve.kernels.fp8_gemv import (  # noqa: E402
+    FP8_GEMV_MAX_TOKENS,
+    fp8_gemv,
+    fp8_gemv_config,
+)
+from asyncserve.kernels.split_k import GemvConfig  # noqa: E402
 from asyncserve.quantization import fp8 as fp8_layer  # noqa: E402
 
 FP8 = reference.FP8_DTYPE
@@ -133,19 +138,35 @@ def _exact_x(m: int, k: int, dtype: torch.dtype, device: torch.device) -> torch.
     return (x * 2.0**-6).to(device, dtype)
 
 
-@pytest.mark.parametrize("m", [1, GEMV_MAX_TOKENS])
 @pytest.mark.parametrize(("n", "k"), [(32, 64), (24, 40)])  # the second: no torch._scaled_mm
-def test_layer_route_takes_the_gemv(
-    device: torch.device, monkeypatch: pytest.MonkeyPatch, m: int, n: int, k: int
+def test_layer_route_takes_the_gemv_for_one_token(
+    device: torch.device, monkeypatch: pytest.MonkeyPatch, n: int, k: int
 ) -> None:
     """_rowwise_scaled_mm (the CUDA route of Fp8ChannelLinearMethod and
-    Fp8OnlineLinearMethod) quantizes x with the Triton kernel and runs the GEMV for a few
-    tokens, never torch._scaled_mm; per-channel and per-tensor scales."""
+    Fp8OnlineLinearMethod) quantizes x with the Triton kernel and runs the GEMV for one
+    token, never torch._scaled_mm; per-channel and per-tensor scales."""
 
     def refuse(*args: object, **kwargs: object) -> torch.Tensor:
         raise AssertionError("torch._scaled_mm called for a decode batch")
 
     monkeypatch.setattr(torch, "_scaled_mm", refuse)
+    _check_route(device, FP8_GEMV_MAX_TOKENS, n, k)
+
+
+def test_layer_route_takes_the_gemm_from_two_tokens(
+    device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two tokens no longer take the GEMV (slower than the GEMM there on an H100); this
+    shape takes the reference product, as torch._scaled_mm would not run it."""
+
+    def refuse(*args: object, **kwargs: object) -> torch.Tensor:
+        raise AssertionError("the GEMV ran for two tokens")
+
+    monkeypatch.setattr(fp8_gemv_module, "fp8_gemv", refuse)
+    _check_route(device, FP8_GEMV_MAX_TOKENS + 1, 24, 40)
+
+
+def _check_route(device: torch.device, m: int, n: int, k: int) -> None:
     w_q, w_s = _weight(n, k, device)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(device, torch.bfloat16)
     x = _exact_x(m, k, torch.bfloat16, device)
@@ -163,6 +184,7 @@ def test_gemv_config_for_llama_3_8b() -> None:
         steps = k // config.block_k
         assert k % config.block_k == 0 and steps % config.split_k == 0
         assert -(-n // config.block_n) * config.split_k >= 3 * 132
-    assert fp8_gemv_config(4096, 14336, 132).split_k == 4
-    assert fp8_gemv_config(28672, 4096, 132).split_k == 1
+    # One split each: the fastest in the H100 sweep on these shapes.
+    assert all(fp8_gemv_config(n, k, 132).split_k == 1 for n, k in [(4096, 14336), (4096, 4096)])
+    assert fp8_gemv_config(1024, 16384, 132).split_k == 4  # few rows, a long K: still split
     assert fp8_gemv_config(8, 8, 132).block_k == 16
