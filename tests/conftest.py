@@ -69,6 +69,9 @@ def smollm2_llm(gguf_path: Path):  # type: ignore[no-untyped-def]
     steps the way GPU users get them."""
     from asyncserve.llm import LLM
 
-    llm = LLM(device="cpu", max_model_len=512, kv_cache_memory=64 << 20, async_scheduling=True)
+    llm = LLM(
+        str(gguf_path), device="cpu", max_model_len=512, kv_cache_memory=64 << 20,
+        async_scheduling=True,
+    )  # fmt: skip
     yield llm
     llm.close()
