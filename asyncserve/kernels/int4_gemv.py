@@ -47,7 +47,7 @@ def gemv_config(n: int, k: int, group_size: int, per_column: bool, sms: int) -> 
     block_n 16 x block_k 1024 with 4 warps: a loop step reads 16 rows of 128 words (512
     contiguous bytes a row, 8 KiB a step) and each thread unpacks 128 weights. On an H100
     (benchmarks/int4_gemv_bench.py --sweep, group size 128) it was the fastest tile on all
-    four Llama-3-8B shapes: 1,040-2,175 GB/s against 32 x 512's 830-1,670 (the layers' sum
+    four Llama-3-8B shapes: 1,040-2,175 GB/s against 32 x 512's 816-1,628 (the layers' sum
     0.067 against 0.084 ms); 8 warps lose on every shape.
     block_k holds whole groups, or part of one group when groups are larger.
     Then K is split until the grid holds about 4 programs per SM (Hopper's 132 SMs: 528),
