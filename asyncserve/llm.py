@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from asyncserve.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from asyncserve.config import DEFAULT_DECODE_LATENCY_TARGET_MS, EngineConfig, Environment
+from asyncserve.config.sections import offline_batch_limits
 from asyncserve.engine.async_engine import AsyncEngine
 from asyncserve.engine.dp_client import DataParallelClient
 from asyncserve.engine.dp_group import DataParallelGroup
@@ -59,8 +60,8 @@ class LLM:
         num_gpu_blocks_override: int | None = None,
         enable_prefix_caching: bool = True,
         kv_cache_dtype: str = "auto",
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
         scheduling_policy: str = "fcfs",
         async_scheduling: bool | None = None,
         enforce_eager: bool = False,
@@ -90,6 +91,11 @@ class LLM:
         engine on its own prompts."""
         # Most logprobs (and prompt_logprobs) a SamplingParams may ask for, as in vLLM.
         self.max_logprobs = max_logprobs
+        # Unset, the batch limits are offline's: larger than serving's on a GPU.
+        on_gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+        max_num_seqs, max_num_batched_tokens = offline_batch_limits(
+            max_num_seqs, max_num_batched_tokens, on_gpu
+        )
         config = EngineConfig.from_engine_args(
             model,
             tokenizer=tokenizer,

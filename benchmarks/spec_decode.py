@@ -7,7 +7,8 @@ case n-gram proposals are for). For each prompt, greedy, 256 output tokens at mo
   draft-N     {"model": <SmolLM2's first N layers>, "num_speculative_tokens": K}
 Output tokens per second (all prompts, one at a time), mean accepted length, and whether
 the greedy tokens equal the baseline's. Both engines get the same chat-templated prompt token
-ids and generate exactly --output-len tokens (EOS ignored), so the figures compare.
+ids; each answer ends at EOS or --output-len tokens (--ignore-eos: exactly --output-len, which
+adds text past the model's answer, where the prompt no longer predicts it).
 Writes $OUT/spec_decode.json (asyncserve) or $OUT/spec_decode_vllm.json.
 
     python benchmarks/spec_decode.py --gguf PATH/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -94,7 +96,9 @@ def run(gguf: str, spec: dict[str, Any] | None, args: argparse.Namespace) -> dic
     )
     try:
         prompts = [{"prompt_token_ids": ids} for ids in args.prompt_ids]
-        params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+        params = SamplingParams(
+            temperature=0.0, max_tokens=args.output_len, ignore_eos=args.ignore_eos
+        )
         for p in prompts[:2]:  # warm-up: kernels compiled, graphs captured
             llm.generate(p, params, use_tqdm=False)
         stats = llm.engine.scheduler.spec_stats
@@ -144,7 +148,9 @@ def run_vllm(model: str, spec: dict[str, Any] | None, args: argparse.Namespace) 
         gpu_memory_utilization=0.5,
     )
     prompts = [{"prompt_token_ids": ids} for ids in args.prompt_ids]
-    params = VParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
+    params = VParams(
+        temperature=0.0, max_tokens=args.output_len, ignore_eos=args.ignore_eos, detokenize=False
+    )
     for p in prompts[:2]:
         llm.generate(p, params, use_tqdm=False)
     tokens: list[list[int]] = []
@@ -217,6 +223,7 @@ def main() -> None:
     parser.add_argument("--gguf", default=None)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--draft-layers", type=int, nargs="*", default=[2, 6])
@@ -237,6 +244,7 @@ def main() -> None:
     models.mkdir(parents=True, exist_ok=True)
     (models / "prompts.json").write_text(json.dumps(args.prompt_ids))
     full = truncated_draft(args.gguf, 10**6, models, args.dtype)
+    shutil.rmtree(models / "full", ignore_errors=True)  # a folder of an earlier run
     full.rename(models / "full")
     results: dict[str, Any] = {}
     configs: dict[str, dict[str, Any] | None] = {

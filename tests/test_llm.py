@@ -240,3 +240,16 @@ def test_detokenize_false_gives_the_same_tokens_without_text(llm: LLM) -> None:
     with pytest.raises(ValueError, match="detokenize"):
         llm.generate(prompts, SamplingParams(stop=["."], detokenize=False), use_tqdm=False)
     assert_pool_whole(llm)
+
+
+def test_offline_batch_limits(llm: LLM) -> None:
+    """Unset, an offline engine takes vLLM-like large-batch limits on a GPU and serving's on
+    CPU; values given are kept."""
+    from asyncserve.config.sections import offline_batch_limits
+
+    scheduler = llm.engine.config.scheduler
+    assert (scheduler.max_num_seqs, scheduler.max_num_batched_tokens) == (256, 2048)
+    assert offline_batch_limits(None, None, on_gpu=True) == (512, 16384)
+    assert offline_batch_limits(None, None, on_gpu=False) == (256, 2048)
+    assert offline_batch_limits(64, None, on_gpu=True) == (64, 16384)
+    assert offline_batch_limits(None, 4096, on_gpu=True) == (512, 4096)
