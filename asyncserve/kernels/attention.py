@@ -416,7 +416,8 @@ def unified_attention(
         num_heads // max(1, num_kv_heads),
         max_seqlen_q,
         query.shape[-1],
-        large_shared_memory(query.device),
+        # The head-dim-256 tiles were swept in bf16; fp32 tiles are twice the bytes.
+        large_shared_memory(query.device) and query.element_size() == 2,
     )
     num_splits = choose_num_splits(
         seq_lens.shape[0],
