@@ -65,6 +65,7 @@ def test_gemv_matches_reference(
         (320, 32, 64, 3),  # five steps in splits of two: the last one short
         (96, 32, 64, 1),  # K not a multiple of the step (ragged tail)
         (512, 128, 64, 2),  # groups larger than a step: a step is half a group
+        (2048, 128, 1024, 2),  # the default step on 8B shapes: eight groups a step
     ],
 )
 def test_gemv_steps_and_splits(
@@ -148,4 +149,9 @@ def test_gemv_config_for_llama_3_8b() -> None:
         assert config.block_k % 128 == 0 and steps % config.split_k == 0
         assert -(-n // config.block_n) * config.split_k >= 3 * 132
     assert gemv_config(4096, 14336, 128, False, 132).split_k == 7
+    # The tile the H100 sweep found fastest on all four shapes.
+    assert (
+        gemv_config(4096, 4096, 128, False, 132).block_n,
+        gemv_config(4096, 4096, 128, False, 132).block_k,
+    ) == (16, 1024)
     assert gemv_config(28672, 4096, 128, False, 132).split_k == 1
