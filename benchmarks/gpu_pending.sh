@@ -10,7 +10,7 @@
 #            LoRA with 8 adapters alone, with stack dumps (17); attention tiles at head dim
 #            256 (Gemma 3) and PowerMoE W2/W1b with the one-launch expert sort (13)
 #   2 smol   carry .smol/b: speculative decoding with verification graphs, tests (16); the
-#            GPU test files
+#            GPU test files; py-spy installed (its wheel in .smol/b) for the LoRA pair
 #   3 stage  carry .peer/p0: vLLM part 0 staged
 #   4 side   carry .peer/p1: vLLM installed; pairs: speculative decoding (16), W1b and W4
 #            (18), W4A16 W2 (14), Gemma 3 W1b (13), FP8 W2/W1b (14), LoRA with 8 adapters (17)
@@ -73,6 +73,9 @@ j_spec_pair() {  # asyncserve first: it also writes the models and prompts vLLM 
 }
 j_lora() {
   TAIL=3 step lora_as_8 250 python3 benchmarks/lora_throughput.py --engine asyncserve --num-adapters 8 --output-json $OUT/lora_as_8.json
+  # vLLM's LoRA engine did not finish starting in 430 s twice: where its processes are at 240 s.
+  (sleep 240; for pid in $(pgrep -f "engine vllm --num-adapters"); do
+     /tmp/site/bin/py-spy dump --pid $pid --subprocesses; done > $OUT/lora_vllm_pyspy.txt 2>&1) &
   TAIL=12 step lora_vllm_8 300 env $VENV python3 benchmarks/lora_throughput.py --engine vllm --num-adapters 8 --output-json $OUT/lora_vllm_8.json
 }
 
@@ -84,6 +87,8 @@ case $1 in
     deal j_int4 j_fp8_gemv j_lora_alone "j_attn256 j_powermoe" ;;
   smol)
     cat /tmp/smol/part_a .smol/b/part > $SMOL && sha256sum $SMOL | cut -c1-64 | diff - .smol/b/sha256 && echo "SmolLM2 assembled"
+    # py-spy (a wheel beside the GGUF's second part: .whl and .smol/a fill the first call)
+    ls .smol/b/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .smol/b/*.whl
     deal j_spec_tests j_gpu_tests_kernels j_gpu_tests_engine j_gpu_tests_quant ;;
   stage)
     bash .peer/p0/stage.sh | tail -1 ;;
