@@ -15,7 +15,9 @@
 #   4 side   carry .peer/p1: vLLM installed; pairs: speculative decoding (16), W1b and W4
 #            (18), W4A16 W2 (14), Gemma 3 W1b (13), FP8 W2/W1b (14), LoRA with 8 adapters (17)
 #   5 side2  (warm, one GPU) pairs: LoRA with 8 adapters (17), FP8 W2/W1b (14)
-# Usage: bash benchmarks/gpu_pending.sh prep|smol|stage|side|side2
+#   6 moe    (warm, after side) carry .peer/moe: vLLM's MoE kernels (40 MB .so.xz, made here from
+#            the vLLM wheel that build.sh downloads); PowerMoE-3b and Qwen3-30B-A3B pairs (13)
+# Usage: bash benchmarks/gpu_pending.sh prep|smol|stage|side|side2|moe
 source "$(dirname "$0")/gpu_lanes.sh"
 GEMMA=benchmarks/configs/gemma3-4b
 W4A16=benchmarks/configs/llama3-8b-w4a16
@@ -71,8 +73,11 @@ j_spec_pair() {  # asyncserve first: it also writes the models and prompts vLLM 
   j_spec_as
   TAIL=30 step spec_vllm 330 env $VENV python3 benchmarks/spec_decode.py --engine vllm
 }
+j_powermoe_pair() { pair powermoe 250 300 --workloads w2,w1b --model benchmarks/configs/powermoe-3b; }
+# Qwen3-30B-A3B's 61 GB of bf16 weights fit an H100 with a small KV pool (the issue asks an H200).
+j_qwen3moe_pair() { pair qwen3moe 300 300 --workloads w2,w1b --model benchmarks/configs/qwen3-30b-a3b; }
 j_lora() {
-  TAIL=3 step lora_as_8 250 python3 benchmarks/lora_throughput.py --engine asyncserve --num-adapters 8 --output-json $OUT/lora_as_8.json
+  TAIL=3 step lora_as_8 300 python3 benchmarks/lora_throughput.py --engine asyncserve --num-adapters 8 --output-json $OUT/lora_as_8.json
   # vLLM's LoRA engine did not finish starting in 430 s twice: where its processes are at 240 s.
   (sleep 240; for pid in $(pgrep -f "engine vllm --num-adapters"); do
      /tmp/site/bin/py-spy dump --pid $pid --subprocesses; done > $OUT/lora_vllm_pyspy.txt 2>&1) &
@@ -97,5 +102,9 @@ case $1 in
     deal j_spec_pair "j_w1b j_w4" "j_w4a16 j_gemma" "j_fp8 j_lora" ;;
   side2)
     deal "j_lora j_fp8" ;;
+  moe)  # vLLM's MoE kernels (left out of the peer bundle) added to the installed vLLM
+    xz -dc .peer/moe/moe.so.xz > /tmp/site_v/vllm/_moe_C_stable_libtorch.abi3.so
+    sha256sum /tmp/site_v/vllm/_moe_C_stable_libtorch.abi3.so | cut -c1-64 | diff - .peer/moe/so.sha256 && echo "vLLM MoE kernels added"
+    deal j_powermoe_pair j_qwen3moe_pair ;;
 esac
 finish $1
