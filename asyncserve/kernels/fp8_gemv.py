@@ -86,11 +86,12 @@ def _fp8_gemv_kernel(
     stride_om,
     stride_osplit,
     HAS_BIAS: tl.constexpr,
+    X_SCALED: tl.constexpr,  # x is e4m3 with a scale a token; else x is bf16/fp16/fp32
     EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """out[split, row, n-block] = the split's K slice of x_q[row] . w_q[n-block] times the
+    """out[split, row, n-block] = the split's K slice of x[row] . w_q[n-block] times the
     scales (plus the bias in split 0); the grid as split_k.gemv_program says."""
     row, offs_n, mask_n, rows, pid_k, k_start, k_end = gemv_program(m, n, k, k_split, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -107,7 +108,9 @@ def _fp8_gemv_kernel(
             w = tl.load(w_rows + cols[None, :], mask=in_k[None, :], other=0.0)
             xq = tl.load(x_row + cols, mask=in_k, other=0.0)
         acc += w.to(tl.float32) * xq.to(tl.float32)[None, :]
-    scale = tl.load(xs_ptr + row * stride_xs) * tl.load(ws_ptr + rows * stride_ws)
+    scale = tl.load(ws_ptr + rows * stride_ws)
+    if X_SCALED:
+        scale *= tl.load(xs_ptr + row * stride_xs)
     result = tl.sum(acc, axis=1) * scale
     if HAS_BIAS:  # once, in split 0
         bias = tl.load(bias_ptr + rows).to(tl.float32)
@@ -119,7 +122,7 @@ def _fp8_gemv_kernel(
 def _check(
     x_q: torch.Tensor,
     w_q: torch.Tensor,
-    x_scale: torch.Tensor,
+    x_scale: torch.Tensor | None,
     w_scale: torch.Tensor,
     bias: torch.Tensor | None,
 ) -> None:
@@ -127,14 +130,20 @@ def _check(
         raise ValueError(
             f"FP8 GEMV: x {tuple(x_q.shape)} does not multiply a weight of {tuple(w_q.shape)}"
         )
-    if x_q.dtype != FP8_DTYPE or w_q.dtype != FP8_DTYPE:
-        raise ValueError(f"FP8 GEMV: x and weight must be e4m3, got {x_q.dtype}, {w_q.dtype}")
+    if w_q.dtype != FP8_DTYPE:
+        raise ValueError(f"FP8 GEMV: the weight must be e4m3, got {w_q.dtype}")
+    if (x_scale is not None) != (x_q.dtype == FP8_DTYPE):
+        raise ValueError(
+            f"FP8 GEMV: x of {x_q.dtype} with{'out' if x_scale is None else ''} a scale "
+            "(e4m3 x takes a scale a token; bf16 / fp16 / fp32 x none)"
+        )
     if x_q.stride(1) != 1 or w_q.stride(1) != 1:
         raise ValueError("FP8 GEMV: x and weight must be row-major (contiguous along K)")
     m, n = x_q.shape[0], w_q.shape[0]
-    if x_scale.numel() != m or w_scale.numel() not in (1, n):
+    if (x_scale is not None and x_scale.numel() != m) or w_scale.numel() not in (1, n):
         raise ValueError(
-            f"FP8 GEMV: scales {tuple(x_scale.shape)}, {tuple(w_scale.shape)} do not fit "
+            f"FP8 GEMV: scales {None if x_scale is None else tuple(x_scale.shape)}, "
+            f"{tuple(w_scale.shape)} do not fit "
             f"{m} tokens and {n} rows (one a token; one a row or one in all)"
         )
     if bias is not None and bias.numel() != n:
@@ -144,7 +153,7 @@ def _check(
 def fp8_gemv(
     x_q: torch.Tensor,
     w_q: torch.Tensor,
-    x_scale: torch.Tensor,
+    x_scale: torch.Tensor | None,
     w_scale: torch.Tensor,
     out_dtype: torch.dtype,
     bias: torch.Tensor | None = None,
@@ -152,8 +161,10 @@ def fp8_gemv(
 ) -> torch.Tensor:
     """(x_q * x_scale) @ (w_q * w_scale)^T + bias -> [M, N] in out_dtype, as
     quant_reference.fp8_rowwise_matmul: x_q [M, K] e4m3 with x_scale [M, 1] fp32, w_q [N, K]
-    e4m3 with w_scale [N, 1] (per channel) or a single value (per tensor). `config`
-    overrides fp8_gemv_config's pick. Meant for M <= FP8_GEMV_MAX_TOKENS."""
+    e4m3 with w_scale [N, 1] (per channel) or a single value (per tensor). With x_scale None,
+    x_q is x itself (bf16 / fp16 / fp32, not quantized): x @ (w_q * w_scale)^T, as
+    quant_reference.fp8_weight_only_matmul. `config` overrides fp8_gemv_config's pick.
+    Meant for M <= FP8_GEMV_MAX_TOKENS."""
     _check(x_q, w_q, x_scale, w_scale, bias)
     m, k = x_q.shape
     n = w_q.shape[0]
@@ -166,8 +177,8 @@ def fp8_gemv(
     partial = out
     if split_k > 1:
         partial = torch.empty((split_k, m, n), dtype=torch.float32, device=x_q.device)
-    x_scale = x_scale.reshape(m)
     w_scale = w_scale.reshape(-1)
+    x_scale = x_scale.reshape(m) if x_scale is not None else w_scale  # unused: not X_SCALED
     _fp8_gemv_kernel[(m * triton.cdiv(n, config.block_n), split_k)](
         x_q,
         x_scale,
@@ -186,6 +197,7 @@ def fp8_gemv(
         n,
         m * n,
         HAS_BIAS=bias is not None,
+        X_SCALED=x_q.dtype == FP8_DTYPE,
         EVEN_K=even_k,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,

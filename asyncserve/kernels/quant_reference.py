@@ -43,6 +43,21 @@ def fp8_rowwise_matmul(
     return out.to(out_dtype)
 
 
+def fp8_weight_only_matmul(
+    x: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x @ (w_q * w_scale)^T + bias in fp32, x not quantized (the FP8 GEMV's one-token path):
+    x [M, K] bf16 / fp16 / fp32, w_q [N, K] e4m3 with w_scale [N, 1] or one value."""
+    out = x.float() @ (w_q.float() * w_scale.float().reshape(-1, 1)).t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
 def dequant_fp8_blocks(
     w_q: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int]
 ) -> torch.Tensor:

@@ -5,10 +5,10 @@ Three layouts, one per kind of checkpoint:
   `--quantization fp8` on an unquantized checkpoint (quantized here at load), compressed-
   tensors "channel" and "tensor" strategies, and HF fp8 per-tensor checkpoints (a per-tensor
   scale is a per-channel scale with equal rows, which keeps a fused q/k/v layer's three
-  scales apart). CUDA: activations quantized per token (Triton), then for one token
-  (batch-1 decode) the split-K FP8 GEMV (kernels/fp8_gemv.py), for more tokens
-  torch._scaled_mm with row-wise scales; CPU: the dequantizing reference
-  (kernels/quant_reference.py).
+  scales apart). CUDA: for one token (batch-1 decode) the split-K FP8 GEMV
+  (kernels/fp8_gemv.py) on the unquantized activations; for more tokens activations
+  quantized per token (Triton), then torch._scaled_mm with row-wise scales; CPU: the
+  dequantizing reference (kernels/quant_reference.py).
 - block: one scale per [bn, bk] weight tile, activations per token and bk columns
   ("FP8-block" checkpoints: HF `weight_block_size`, compressed-tensors "block").
   CUDA: the Triton block GEMM (kernels/fp8_gemm.py); CPU: the reference.
@@ -59,15 +59,21 @@ def _rowwise_scaled_mm(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """CUDA: x [M, K] (bf16/fp16/fp32) @ (weight * scale)^T with x quantized per token; one
-    token (batch-1 decode) takes the FP8 GEMV, whatever the shape."""
+    token (batch-1 decode) takes the FP8 GEMV on x unquantized, whatever the shape."""
     from asyncserve.kernels.fp8_gemm import per_token_group_quant_fp8
     from asyncserve.kernels.fp8_gemv import FP8_GEMV_MAX_TOKENS, fp8_gemv
+    from asyncserve.kernels.split_k import GEMV_MAX_TOKENS
 
-    x_q, x_s = per_token_group_quant_fp8(x, x.shape[1])
     if x.shape[0] <= FP8_GEMV_MAX_TOKENS:
-        return fp8_gemv(x_q, weight, x_s, scale, x.dtype, bias)
+        # One token reads x as it is: no quantization kernel (1.7-3.1 µs of the 12-46 µs
+        # of an 8B model's decode linears on an H100, benchmarks/fp8_gemv_bench.py).
+        return fp8_gemv(x.contiguous(), weight, None, scale, x.dtype, bias)
+    x_q, x_s = per_token_group_quant_fp8(x, x.shape[1])
     if weight.shape[0] % 16 or weight.shape[1] % 16:
-        # torch._scaled_mm needs both dims divisible by 16: the reference product instead.
+        # torch._scaled_mm needs both dims divisible by 16: the GEMV for a few tokens, the
+        # reference product for more.
+        if x.shape[0] <= GEMV_MAX_TOKENS:
+            return fp8_gemv(x_q, weight, x_s, scale, x.dtype, bias)
         return reference.fp8_rowwise_matmul(x_q, weight, x_s, scale, x.dtype, bias)
     # Row-wise scaling gives bf16 out; other dtypes convert after.
     fused_bias = bias if bias is not None and x.dtype == torch.bfloat16 else None

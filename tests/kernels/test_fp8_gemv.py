@@ -20,7 +20,7 @@ from asyncserve.kernels.fp8_gemv import (  # noqa: E402
     fp8_gemv,
     fp8_gemv_config,
 )
-from asyncserve.kernels.split_k import GemvConfig  # noqa: E402
+from asyncserve.kernels.split_k import GEMV_MAX_TOKENS, GemvConfig  # noqa: E402
 from asyncserve.quantization import fp8 as fp8_layer  # noqa: E402
 
 FP8 = reference.FP8_DTYPE
@@ -53,9 +53,12 @@ def _run(
     bias: torch.Tensor | None,
     config: GemvConfig | None,
 ) -> None:
+    """Both forms of x: e4m3 with its per-token scales, and x itself (no scale)."""
     x_q, x_s = reference.per_token_group_quant_fp8(x, x.shape[1])
     out = fp8_gemv(x_q, w_q, x_s, w_s, x.dtype, bias, config)
     _check(out, reference.fp8_rowwise_matmul(x_q, w_q, x_s, w_s, x.dtype, bias))
+    out = fp8_gemv(x, w_q, None, w_s, x.dtype, bias, config)
+    _check(out, reference.fp8_weight_only_matmul(x, w_q, w_s, x.dtype, bias))
 
 
 @pytest.mark.parametrize("m", [1, 2, 4])
@@ -121,7 +124,11 @@ def test_gemv_rejects_bad_input(device: torch.device) -> None:
     with pytest.raises(ValueError, match="does not multiply"):
         fp8_gemv(x_q[:, :16], w_q, x_s, w_s, torch.float32)
     with pytest.raises(ValueError, match="must be e4m3"):
+        fp8_gemv(x_q, w_q.float(), x_s, w_s, torch.float32)
+    with pytest.raises(ValueError, match="with a scale"):
         fp8_gemv(x_q.float(), w_q, x_s, w_s, torch.float32)
+    with pytest.raises(ValueError, match="without a scale"):
+        fp8_gemv(x_q, w_q, None, w_s, torch.float32)
     with pytest.raises(ValueError, match="do not fit"):
         fp8_gemv(x_q, w_q, x_s, w_s[:3], torch.float32)
     with pytest.raises(ValueError, match="bias of 3"):
@@ -143,8 +150,8 @@ def test_layer_route_takes_the_gemv_for_one_token(
     device: torch.device, monkeypatch: pytest.MonkeyPatch, n: int, k: int
 ) -> None:
     """_rowwise_scaled_mm (the CUDA route of Fp8ChannelLinearMethod and
-    Fp8OnlineLinearMethod) quantizes x with the Triton kernel and runs the GEMV for one
-    token, never torch._scaled_mm; per-channel and per-tensor scales."""
+    Fp8OnlineLinearMethod) runs the GEMV on the unquantized token, never torch._scaled_mm;
+    per-channel and per-tensor scales."""
 
     def refuse(*args: object, **kwargs: object) -> torch.Tensor:
         raise AssertionError("torch._scaled_mm called for a decode batch")
@@ -153,17 +160,35 @@ def test_layer_route_takes_the_gemv_for_one_token(
     _check_route(device, FP8_GEMV_MAX_TOKENS, n, k)
 
 
-def test_layer_route_takes_the_gemm_from_two_tokens(
-    device: torch.device, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("m", [2, GEMV_MAX_TOKENS])
+def test_layer_route_of_a_ragged_layer_takes_the_gemv_for_a_few_tokens(
+    device: torch.device, monkeypatch: pytest.MonkeyPatch, m: int
 ) -> None:
-    """Two tokens no longer take the GEMV (slower than the GEMM there on an H100); this
-    shape takes the reference product, as torch._scaled_mm would not run it."""
+    """A layer torch._scaled_mm refuses (dims not multiples of 16): 2-4 tokens take the GEMV
+    on quantized activations (not the slow reference product)."""
 
     def refuse(*args: object, **kwargs: object) -> torch.Tensor:
-        raise AssertionError("the GEMV ran for two tokens")
+        raise AssertionError("the reference product ran for a few tokens")
+
+    monkeypatch.setattr(reference, "fp8_rowwise_matmul", refuse)
+    w_q, w_s = _weight(24, 40, device)
+    x = _exact_x(m, 40, torch.bfloat16, device)
+    x_q, x_s = reference.per_token_group_quant_fp8(x, 40)
+    out = fp8_layer._rowwise_scaled_mm(x, w_q, w_s, None)
+    monkeypatch.undo()
+    _check(out, reference.fp8_rowwise_matmul(x_q, w_q, x_s, w_s, x.dtype, None))
+
+
+def test_layer_route_of_a_ragged_layer_takes_the_reference_past_the_gemv(
+    device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the GEMV's tokens, a ragged layer takes the reference product, not the GEMV."""
+
+    def refuse(*args: object, **kwargs: object) -> torch.Tensor:
+        raise AssertionError("the GEMV ran past its tokens")
 
     monkeypatch.setattr(fp8_gemv_module, "fp8_gemv", refuse)
-    _check_route(device, FP8_GEMV_MAX_TOKENS + 1, 24, 40)
+    _check_route(device, GEMV_MAX_TOKENS + 1, 24, 40)
 
 
 def _check_route(device: torch.device, m: int, n: int, k: int) -> None:
@@ -173,7 +198,11 @@ def _check_route(device: torch.device, m: int, n: int, k: int) -> None:
     x_q, x_s = reference.per_token_group_quant_fp8(x, k)
     for scale in (w_s, torch.full_like(w_s, 0.02)):
         out = fp8_layer._rowwise_scaled_mm(x, w_q, scale, bias)
-        _check(out, reference.fp8_rowwise_matmul(x_q, w_q, x_s, scale, x.dtype, bias))
+        if m <= FP8_GEMV_MAX_TOKENS:
+            ref = reference.fp8_weight_only_matmul(x, w_q, scale, x.dtype, bias)
+        else:
+            ref = reference.fp8_rowwise_matmul(x_q, w_q, x_s, scale, x.dtype, bias)
+        _check(out, ref)
 
 
 def test_gemv_config_for_llama_3_8b() -> None:
