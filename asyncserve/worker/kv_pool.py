@@ -6,6 +6,7 @@ gpu_memory_utilization leaves after the model's weights and its peak activations
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Any
 
@@ -68,7 +69,7 @@ def determine_num_blocks(
     if cache.kv_cache_memory is not None:
         budget = cache.kv_cache_memory
     elif device.type == "cuda":
-        budget = _free_gpu_bytes_after_profile(model, arch, config, dtype, device)
+        budget = _free_gpu_bytes_after_profile(model, arch, config, dtype, device, max_model_len)
     else:
         budget = DEFAULT_CPU_KV_CACHE_BYTES
     num_blocks = budget // block_bytes
@@ -84,12 +85,17 @@ def determine_num_blocks(
 
 
 def _free_gpu_bytes_after_profile(
-    model: Any, arch: ArchConfig, config: EngineConfig, dtype: torch.dtype, device: torch.device
+    model: Any,
+    arch: ArchConfig,
+    config: EngineConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int,
 ) -> int:
     """Run the largest step once, then give the KV pool what the utilization target leaves."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    _profile_run(model, arch, config, dtype, device)
+    _profile_run(model, arch, config, dtype, device, max_model_len)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
     free, total = torch.cuda.mem_get_info(device)
@@ -119,23 +125,55 @@ def _free_gpu_bytes_after_profile(
     return max(budget, 0)
 
 
+def profile_batch(num_tokens: int, max_model_len: int, block_size: int) -> AttentionMetadata:
+    """The largest step as prompts of at most max_model_len tokens each, in blocks of their
+    own (a step's budget may exceed the model's length, and positions past it would index
+    past its position tables); on the CPU."""
+    seq_len = max(1, min(num_tokens, max_model_len))
+    lens = [seq_len] * (num_tokens // seq_len)
+    if num_tokens % seq_len:
+        lens.append(num_tokens % seq_len)
+    blocks_per_seq = -(-seq_len // block_size)
+    tables = torch.arange(len(lens) * blocks_per_seq, dtype=torch.int32).view(len(lens), -1)
+    # Sequence i's blocks are contiguous: its token j goes to slot i * blocks_per_seq *
+    # block_size + j.
+    slots = [torch.arange(n) + i * blocks_per_seq * block_size for i, n in enumerate(lens)]
+    return AttentionMetadata(
+        slot_mapping=torch.cat(slots),
+        cu_seqlens_q=torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        block_tables=tables,
+        max_seqlen_q=seq_len,
+        max_seqlen_k=seq_len,
+    )
+
+
 def _profile_run(
-    model: Any, arch: ArchConfig, config: EngineConfig, dtype: torch.dtype, device: torch.device
+    model: Any,
+    arch: ArchConfig,
+    config: EngineConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int,
 ) -> None:
     num_tokens = config.scheduler.max_num_batched_tokens
     block_size = config.cache.block_size
-    num_blocks = -(-num_tokens // block_size)
+    cpu_meta = profile_batch(num_tokens, max_model_len, block_size)
+    num_blocks = cpu_meta.block_tables.numel()
     caches = allocate_kv_caches(arch, num_blocks, block_size, dtype, device)
     meta = AttentionMetadata(
-        slot_mapping=torch.arange(num_tokens, device=device, dtype=torch.int64),
-        cu_seqlens_q=torch.tensor([0, num_tokens], device=device, dtype=torch.int32),
-        seq_lens=torch.tensor([num_tokens], device=device, dtype=torch.int32),
-        block_tables=torch.arange(num_blocks, device=device, dtype=torch.int32)[None],
-        max_seqlen_q=num_tokens,
-        max_seqlen_k=num_tokens,
+        slot_mapping=cpu_meta.slot_mapping.to(device),
+        cu_seqlens_q=cpu_meta.cu_seqlens_q.to(device),
+        seq_lens=cpu_meta.seq_lens.to(device),
+        block_tables=cpu_meta.block_tables.to(device),
+        max_seqlen_q=cpu_meta.max_seqlen_q,
+        max_seqlen_k=cpu_meta.max_seqlen_k,
     )
     ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
-    pos = torch.arange(num_tokens, dtype=torch.int64, device=device)
+    # Each prompt's positions start at 0.
+    lens = cpu_meta.seq_lens.to(torch.int64)
+    starts = cpu_meta.cu_seqlens_q[:-1].to(torch.int64).repeat_interleave(lens)
+    pos = (torch.arange(num_tokens, dtype=torch.int64) - starts).to(device)
     with torch.inference_mode():
         hidden = model(ids, pos, caches, meta)
         rows = min(config.scheduler.max_num_seqs, num_tokens)
