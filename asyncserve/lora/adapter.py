@@ -175,25 +175,26 @@ def load_adapter(
             tensors[_tensor_key(name, key)] = handle.get_tensor(key)
     _check_shapes(name, config, {k: tuple(t.shape) for k, t in tensors.items()}, modules)
     keys = [(layer, module) for (layer, module, which) in tensors if which == "A"]
+    shapes_a = [tensors[(*key, "A")].shape for key in keys]
+    shapes_b = [tensors[(*key, "B")].shape for key in keys]
     # All A's in one buffer and all B's in another, each converted, scaled and checked in a
-    # few whole-buffer operations: a few hundred small operations per adapter cost minutes on
-    # a host whose cores are shared (every one waits for the intra-op thread pool).
-    flat_a = _flat(tensors[(layer, module, "A")] for layer, module in keys)
-    flat_b = _flat(tensors[(layer, module, "B")] for layer, module in keys)
+    # few whole-buffer operations: a few thousand small ones per adapter cost minutes on a
+    # host whose cores are busy (every one waits for the intra-op thread pool).
+    flat_a = _flat(tensors[(*key, "A")] for key in keys)
+    flat_b = _flat(tensors[(*key, "B")] for key in keys)
     flat_b.mul_(config.scaling)
     if not bool(torch.isfinite(flat_a).all() & torch.isfinite(flat_b).all()):
+        pairs = zip(_unflatten(flat_a, shapes_a), _unflatten(flat_b, shapes_b), strict=True)
         layer, module = next(
             key
-            for key in keys
-            if not all(bool(torch.isfinite(tensors[(*key, w)]).all()) for w in "AB")
+            for key, (a, b) in zip(keys, pairs, strict=True)
+            if not bool(torch.isfinite(a).all() & torch.isfinite(b).all())
         )
         raise _fail(name, f"layer {layer} {module} holds non-finite weights")
     out_a, out_b = flat_a.to(dtype), flat_b.to(dtype)
     if pin_memory:
         out_a, out_b = out_a.pin_memory(), out_b.pin_memory()
-    views_a = _unflatten(out_a, [tensors[(*key, "A")].shape for key in keys])
-    views_b = _unflatten(out_b, [tensors[(*key, "B")].shape for key in keys])
-    pairs = zip(views_a, views_b, strict=True)
+    pairs = zip(_unflatten(out_a, shapes_a), _unflatten(out_b, shapes_b), strict=True)
     return LoRAWeights(name, config.rank, dict(zip(keys, pairs, strict=True)))
 
 

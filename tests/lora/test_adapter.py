@@ -58,3 +58,24 @@ def test_non_finite_weight_names_its_layer(tiny_lora: TinyLoRA, tmp_path: Path) 
     save_file(raw, str(tmp_path / "nan" / WEIGHTS_NAME))
     with pytest.raises(ValueError, match="layer 1 v_proj holds non-finite weights"):
         load_adapter("nan", str(tmp_path / "nan"), shapes, 16, torch.float32)
+
+
+def test_overflow_after_scaling_names_its_layer(tiny_lora: TinyLoRA, tmp_path: Path) -> None:
+    """A finite B that the adapter's scaling takes past fp32's range is refused too."""
+    src = tiny_lora.adapters[0].path
+    shutil.copytree(src, tmp_path / "big")
+    raw = load_file(str(src / WEIGHTS_NAME))
+    key = next(k for k in raw if "layers.0." in k and "o_proj.lora_B" in k)
+    raw[key] = raw[key].float().clone()
+    raw[key][0, 0] = 3.0e38
+    save_file(raw, str(tmp_path / "big" / WEIGHTS_NAME))
+    config = json.loads((src / "adapter_config.json").read_text())
+    assert config["lora_alpha"] / config["r"] > 1.2  # 3e38 times it overflows
+    with pytest.raises(ValueError, match="layer 0 o_proj holds non-finite weights"):
+        load_adapter(
+            "big",
+            str(tmp_path / "big"),
+            _shapes(load_file(str(src / WEIGHTS_NAME))),
+            16,
+            torch.float32,
+        )
