@@ -29,18 +29,30 @@ def _layer(
     return layer
 
 
-@pytest.mark.parametrize("m", [1, 7, 300])
-def test_online_fp8_cuda_matches_cpu_reference(m: int) -> None:
+def _online_fp8_outputs(m: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(CUDA output, CPU reference output) of an online-FP8 layer for m tokens, as floats on
+    the CPU; None once a single token was checked against the weight-only product (one
+    token takes the GEMV on the unquantized activations, not the reference's W8A8)."""
     g = torch.Generator().manual_seed(m)
-    w = torch.randn(512, 256, generator=g) * 0.05
-    x = torch.randn(m, 256, generator=g)
-    cpu = _layer(Fp8OnlineLinearMethod(), 512, 256, w, None)
-    gpu = _layer(Fp8OnlineLinearMethod(), 512, 256, w, None).cuda()
+    w = torch.randn(n, k, generator=g) * 0.05
+    x = torch.randn(m, k, generator=g)
+    gpu = _layer(Fp8OnlineLinearMethod(), n, k, w, None).cuda()
     out = gpu(x.cuda().bfloat16()).float().cpu()
     if m <= FP8_GEMV_MAX_TOKENS:
-        _check_weight_only(gpu, x, out)
+        weight, scale = gpu.weight.cpu(), gpu.weight_scale.cpu()
+        ref = reference.fp8_weight_only_matmul(x.bfloat16(), weight, scale, torch.bfloat16)
+        torch.testing.assert_close(out, ref.float(), rtol=1e-2, atol=1e-2)
+        return None
+    cpu = _layer(Fp8OnlineLinearMethod(), n, k, w, None)
+    return out, cpu(x.bfloat16()).float()
+
+
+@pytest.mark.parametrize("m", [1, 7, 300])
+def test_online_fp8_cuda_matches_cpu_reference(m: int) -> None:
+    outputs = _online_fp8_outputs(m, 512, 256)
+    if outputs is None:
         return
-    ref = cpu(x.bfloat16()).float()
+    out, ref = outputs
     # An activation rounded to the neighbouring fp8 value on one side (a tie, or a scale one
     # bf16 unit apart) moves an output by up to ~0.07 here; such flips stay rare (0.21% of
     # the outputs at m=300 on an H100; a wrong scale or layout moves most of them).
@@ -54,25 +66,12 @@ def test_online_fp8_gemv_of_ragged_shape(m: int) -> None:
     """Decode batches of a layer torch._scaled_mm refuses (dims not multiples of 16): the
     FP8 GEMV, on the token itself for one token, else equal to the CPU reference within fp8
     rounding flips."""
-    g = torch.Generator().manual_seed(m)
-    w = torch.randn(40, 200, generator=g) * 0.05
-    x = torch.randn(m, 200, generator=g)
-    cpu = _layer(Fp8OnlineLinearMethod(), 40, 200, w, None)
-    gpu = _layer(Fp8OnlineLinearMethod(), 40, 200, w, None).cuda()
-    out = gpu(x.cuda().bfloat16()).float().cpu()
-    if m <= FP8_GEMV_MAX_TOKENS:
-        _check_weight_only(gpu, x, out)
+    outputs = _online_fp8_outputs(m, 40, 200)
+    if outputs is None:
         return
-    ref = cpu(x.bfloat16()).float()
+    out, ref = outputs
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=0.1)
     assert (out - ref).abs().mean() < 2e-3
-
-
-def _check_weight_only(gpu: Linear, x: torch.Tensor, out: torch.Tensor) -> None:
-    """One token: the GEMV on the unquantized activations, x @ (w_q * scale)^T in fp32."""
-    weight, scale = gpu.weight.cpu(), gpu.weight_scale.cpu()
-    ref = reference.fp8_weight_only_matmul(x.bfloat16(), weight, scale, torch.bfloat16).float()
-    torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("m", [1, 33])
@@ -85,11 +84,8 @@ def test_block_fp8_cuda_matches_cpu_reference(m: int) -> None:
     with torch.device("cpu"):
         cpu = _layer(method, 384, 256, w, s)
     gpu = _layer(method, 384, 256, w, s).cuda()
-    out = gpu(x.cuda().bfloat16()).float().cpu()
-    if m <= FP8_GEMV_MAX_TOKENS:
-        _check_weight_only(gpu, x, out)
-        return
     ref = cpu(x.bfloat16()).float()
+    out = gpu(x.cuda().bfloat16()).float().cpu()
     # An activation rounded to the neighbouring fp8 value on one side (a tie, or a scale one
     # bf16 unit apart) moves an output by up to ~0.07 here; such flips stay rare (0.21% of
     # the outputs at m=300 on an H100; a wrong scale or layout moves most of them).
