@@ -47,7 +47,8 @@ def large_shared_memory(device: torch.device) -> bool:
 def default_config(
     group: int, max_seqlen_q: int, head_dim: int = 128, large_smem: bool = True
 ) -> AttentionConfig:
-    """Tiles for decode-like launches (16 rows) or prefill-carrying ones (64 rows).
+    """Tiles for decode-like launches (16 rows) or prefill-carrying ones (64 rows; 128 at
+    head dim 256 where shared memory allows).
 
     Chosen on an H100 (benchmarks/bench_kernels.py --sweep, benchmarks/kernels_h100.md):
     for decodes at head dim 128, tile, warps and stages move the time by under 2% (128-key
@@ -57,17 +58,11 @@ def default_config(
     mixed prefill launch from 1,094 to 957 us.
     """
     decode = max_seqlen_q <= _SPLIT_MAX_SEQLEN_Q
-    min_rows = 16 if decode else 64
+    rows, warps, stages = (16, 4, 2) if decode else (64, 4, 2)
     if head_dim >= 256 and large_smem:
-        if decode:
-            return AttentionConfig(
-                block_m=max(16, triton.next_power_of_2(group)), tile_n=64, num_warps=4, num_stages=3
-            )
-        return AttentionConfig(
-            block_m=max(128, triton.next_power_of_2(group)), tile_n=64, num_warps=8, num_stages=3
-        )
-    block_m = max(min_rows, triton.next_power_of_2(group))
-    return AttentionConfig(block_m=block_m, tile_n=64, num_warps=4, num_stages=2)
+        rows, warps, stages = (16, 4, 3) if decode else (128, 8, 3)
+    block_m = max(rows, triton.next_power_of_2(group))
+    return AttentionConfig(block_m=block_m, tile_n=64, num_warps=warps, num_stages=stages)
 
 
 def choose_num_splits(
