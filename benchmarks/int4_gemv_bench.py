@@ -28,6 +28,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncserve.kernels import quant_reference as reference  # noqa: E402
+from asyncserve.kernels.int4_gemm import _dequant_tile  # noqa: E402
 from asyncserve.kernels.int4_gemv import GemvConfig, gemv_config, int4_gemv  # noqa: E402
 from benchmarks.graph_timing import time_ms  # noqa: E402
 
@@ -39,30 +40,8 @@ ROTATE_BYTES = 256 << 20  # weight copies per shape: at least this many bytes (L
 
 
 # --- The previous GEMV, kept here for comparison: one program per 32 outputs and token,
-# all of K in steps of 256, a scale and a zero loaded per weight element.
-@triton.jit
-def _old_dequant_tile(
-    qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k0, k, stride_qn, stride_sn, GROUP: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    offs_w = tl.arange(0, BLOCK_K // 8)
-    words = tl.load(
-        qw_ptr + offs_n[:, None] * stride_qn + (k0 // 8 + offs_w)[None, :],
-        mask=mask_n[:, None] & ((k0 + offs_w * 8) < k)[None, :],
-        other=0,
-    )
-    shifts = tl.arange(0, 8) * 4
-    q = (words[:, :, None] >> shifts[None, None, :]) & 0xF
-    q = tl.reshape(q, [BLOCK_N, BLOCK_K]).to(tl.float32)
-    ks = k0 + tl.arange(0, BLOCK_K)
-    mask_k = ks < k
-    group = (ks // GROUP)[None, :]
-    mask = mask_n[:, None] & mask_k[None, :]
-    scale = tl.load(s_ptr + offs_n[:, None] * stride_sn + group, mask=mask, other=0.0)
-    zero = tl.load(z_ptr + offs_n[:, None] * stride_sn + group, mask=mask, other=0.0)
-    return (q - zero.to(tl.float32)) * scale.to(tl.float32)
-
-
+# all of K in steps of 256, a scale and a zero loaded per weight element (the dequant-GEMM's
+# tile, without g_idx).
 @triton.jit
 def _old_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, n, k, stride_xm, stride_qn, stride_sn, stride_om,
@@ -76,9 +55,9 @@ def _old_gemv_kernel(
     for k0 in range(0, k, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + row * stride_xm + ks, mask=ks < k, other=0.0).to(tl.float32)
-        w = _old_dequant_tile(
-            qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k0, k, stride_qn, stride_sn, GROUP, BLOCK_N,
-            BLOCK_K,
+        w = _dequant_tile(
+            qw_ptr, s_ptr, z_ptr, s_ptr, offs_n, mask_n, k0, k, stride_qn, stride_sn, GROUP,
+            False, BLOCK_N, BLOCK_K,
         )  # fmt: skip
         acc += tl.sum(w * x[None, :], axis=1)
     tl.store(out_ptr + row * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
