@@ -54,7 +54,6 @@ nsys_kernels() {  # nsys_kernels NAME CMD...: CUDA kernel time summary of one ru
   head -40 /tmp/${name}_cuda_gpu_kern_sum.csv > $OUT/$name.csv 2>/dev/null; tail -3 $OUT/$name.log
 }
 
-
 # finish PART: wait for the lanes, print their tails, tar $OUT into one file.
 finish() {
   local part=$1

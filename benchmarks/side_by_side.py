@@ -12,6 +12,7 @@ Prints one JSON line: engine, workload, elapsed, req/s, total tok/s, output tok/
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -104,6 +105,40 @@ def gen_asyncserve(llm, prompts, outs):
     return [len(r.outputs[0].token_ids) for r in llm.generate(prompts, sps, use_tqdm=False)]
 
 
+@contextlib.contextmanager
+def kernel_profile(path, workload):
+    """With a path: the CUDA kernels run inside the block, summed per kernel name (kernels
+    replayed from CUDA graphs included), written to path as a table with the block's wall time
+    (each run's seconds appended to the yielded list) beside the kernels' total. vLLM's kernels are seen only with
+    its engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    wall = []
+    if not path:
+        yield wall
+        return
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    if not torch.cuda.is_available():
+        raise SystemExit("--kernel-summary needs a CUDA device")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        yield wall
+    per_name = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            total, count = per_name.get(event.name, (0.0, 0))
+            per_name[event.name] = (total + event.device_time, count + 1)
+    kernel_us = sum(total for total, _ in per_name.values())
+    wall_us = 1e6 * sum(wall)
+    rows = sorted(per_name.items(), key=lambda item: -item[1][0])
+    with open(path, "a") as f:
+        f.write(f"# {workload}: wall {wall_us / 1e3:.1f} ms, kernels {kernel_us / 1e3:.1f} ms "
+                f"({100 * kernel_us / max(wall_us, 1):.0f}% of wall), {len(rows)} kernel names\n")  # fmt: skip
+        f.write("ms\t% of kernels\tcalls\tus per call\tname\n")
+        for name, (total, count) in rows[:40]:
+            f.write(f"{total / 1e3:.1f}\t{100 * total / max(kernel_us, 1):.1f}\t{count}\t"
+                    f"{total / count:.1f}\t{name[:150]}\n")  # fmt: skip
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--engine", choices=["vllm", "asyncserve"], required=True)
@@ -116,6 +151,12 @@ def main():
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--disable-custom-all-reduce", action="store_true", help="NCCL only")
     p.add_argument("--repeat", type=int, default=1)
+    p.add_argument(
+        "--kernel-summary",
+        default=None,
+        metavar="PATH",
+        help="torch-profile the timed runs' CUDA kernels; write the time per kernel name here",
+    )
     p.add_argument(
         "--quantization", default=None, help="e.g. fp8: the same scheme for both engines"
     )
@@ -132,11 +173,13 @@ def main():
         prompts, outs = inputs(wl, vocab)
         gen(llm, prompts[:4], outs[:4])  # warm-up outside the timed region
         best = None
-        for _ in range(a.repeat):
-            t = time.perf_counter()
-            nout = sum(gen(llm, prompts, outs))
-            el = time.perf_counter() - t
-            best = el if best is None else min(best, el)
+        with kernel_profile(a.kernel_summary, wl) as timing:
+            for _ in range(a.repeat):
+                t = time.perf_counter()
+                nout = sum(gen(llm, prompts, outs))
+                el = time.perf_counter() - t
+                best = el if best is None else min(best, el)
+                timing.append(el)
         el = best
         nin = sum(map(len, prompts))
         rec = dict(
