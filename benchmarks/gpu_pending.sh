@@ -11,7 +11,8 @@
 #   3 side   carry .peer/p1: vLLM installed; W1b and W4 pairs with each engine's CUDA kernels
 #            summed per name (18); LoRA with 8 adapters, vLLM's engine core in-process (17);
 #            LLaVA with the transformers shim vLLM needs (19)
-#   4 smol   carry .smol/b: SmolLM2 assembled; speculative decoding pair (16); GPU tests
+#   4 smol   carry .smol/b: SmolLM2 assembled; speculative decoding pair (16); GPU tests, with
+#            fp32 GPU = CPU and bf16 agreement against transformers on the GPU (18)
 #   5 moe    carry .peer/moe: vLLM's MoE kernels added; Qwen3-30B-A3B W2 and W4 pair (13);
 #            W2 at tensor parallel 2 and 1, both engines (11; GPUs 2-3 and 1)
 # Usage: bash benchmarks/gpu_pending.sh prep|stage|side|smol|moe
@@ -35,7 +36,9 @@ deal() {
 # --- asyncserve alone ------------------------------------------------------------------
 gpu_tests() { local name=$1; shift; ASYNCSERVE_TEST_GGUF=$SMOL TAIL=25 step $name 500 python3 -m pytest -q -p no:cacheprovider -rfs "$@"; }
 j_gpu_tests_kernels() { gpu_tests gpu_tests_kernels tests/kernels; }
-j_gpu_tests_engine() { gpu_tests gpu_tests_engine tests/engine/test_gpu_engine.py tests/engine/test_async_scheduling_gpu.py tests/worker; }
+j_gpu_tests_engine() {  # -s: the agreement figures the GPU tests print
+  gpu_tests gpu_tests_engine -s tests/engine/test_gpu_engine.py tests/engine/test_gpu_agreement.py tests/engine/test_async_scheduling_gpu.py tests/worker
+}
 j_gpu_tests_quant() { gpu_tests gpu_tests_quant tests/quantization tests/lora/test_lora_gpu.py tests/models/test_sliding_window_kv.py; }
 j_spec_tests() { ASYNCSERVE_TEST_GGUF=$SMOL TAIL=12 step spec_tests 300 python3 -m pytest -q -p no:cacheprovider -rfs tests/worker/test_verify_graphs.py tests/spec_decode/test_spec_gpu.py tests/spec_decode/test_proposer_graphs.py; }
 
