@@ -4,6 +4,7 @@ Workload: summarise / edit-this-text prompts whose answers repeat much of the in
 case n-gram proposals are for). For each prompt, greedy, 256 output tokens at most:
   baseline    no speculation (async scheduling and CUDA graphs as configured)
   ngram       {"method": "ngram", "num_speculative_tokens": K, lookup 1..3}
+  ngram-kN    the same with N proposals a step (--ngram-extra-k, default 8)
   draft-N     {"model": <SmolLM2's first N layers>, "num_speculative_tokens": K}
 Output tokens per second (all prompts, one at a time), mean accepted length, and whether
 the greedy tokens equal the baseline's. Both engines get the same chat-templated prompt token
@@ -175,18 +176,23 @@ def run_vllm(model: str, spec: dict[str, Any] | None, args: argparse.Namespace) 
     }
 
 
+def ngram_configs(args: argparse.Namespace) -> dict[str, dict[str, Any] | None]:
+    """n-gram with --k proposals ("ngram"), and with each --ngram-extra-k ("ngram-kN")."""
+    return {
+        "ngram" if k == args.k else f"ngram-k{k}": {
+            "method": "ngram",
+            "num_speculative_tokens": k,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3,
+        }
+        for k in [args.k, *args.ngram_extra_k]
+    }
+
+
 def main_vllm(args: argparse.Namespace, out_dir: Path) -> None:
     models = Path(args.models_dir)
     args.prompt_ids = json.loads((models / "prompts.json").read_text())
-    configs: dict[str, dict[str, Any] | None] = {
-        "baseline": None,
-        "ngram": {
-            "method": "ngram",
-            "num_speculative_tokens": args.k,
-            "prompt_lookup_min": 1,
-            "prompt_lookup_max": 3,
-        },
-    }
+    configs: dict[str, dict[str, Any] | None] = {"baseline": None, **ngram_configs(args)}
     for n in args.draft_layers:
         configs[f"draft-{n}"] = {
             "model": str(models / f"draft-{n}"),
@@ -225,6 +231,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--ngram-extra-k", type=int, nargs="*", default=[8],
+                        help="n-gram runs with these proposal counts too")  # fmt: skip
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--draft-layers", type=int, nargs="*", default=[2, 6])
     parser.add_argument("--engine", choices=["asyncserve", "vllm"], default="asyncserve")
@@ -247,15 +255,7 @@ def main() -> None:
     shutil.rmtree(models / "full", ignore_errors=True)  # a folder of an earlier run
     full.rename(models / "full")
     results: dict[str, Any] = {}
-    configs: dict[str, dict[str, Any] | None] = {
-        "baseline": None,
-        "ngram": {
-            "method": "ngram",
-            "num_speculative_tokens": args.k,
-            "prompt_lookup_min": 1,
-            "prompt_lookup_max": 3,
-        },
-    }
+    configs: dict[str, dict[str, Any] | None] = {"baseline": None, **ngram_configs(args)}
     for n in args.draft_layers:
         path = truncated_draft(args.gguf, n, models, args.dtype)
         configs[f"draft-{n}"] = {"model": str(path), "num_speculative_tokens": args.k}
