@@ -9,6 +9,7 @@ import torch
 from asyncserve import SamplingParams
 from asyncserve.llm import LLM
 from tests.conftest import PLAIN_PROMPTS
+from tests.engine.test_gpu_agreement import prefix_agreement
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,14 +27,6 @@ def test_bf16_gpu_greedy_matches_cpu_fp32(gguf_path) -> None:  # type: ignore[no
     gpu.close()
     cpu = LLM(model=str(gguf_path), device="cpu", dtype="float32")
     cpu_out = [o.outputs[0].token_ids for o in cpu.generate(PLAIN_PROMPTS, params, use_tqdm=False)]
-    # Tokens equal position by position up to each sequence's first divergence: after it the
-    # two continue from different text, so later positions say nothing about the kernels.
-    matched = 0
-    for a, b in zip(gpu_out, cpu_out, strict=True):
-        for x, y in zip(a, b, strict=True):
-            if x != y:
-                break
-            matched += 1
-    rate = matched / (NUM_TOKENS * len(PLAIN_PROMPTS))
+    rate = prefix_agreement(gpu_out, cpu_out)
     print(f"bf16 GPU vs fp32 CPU greedy match rate (prefix): {rate:.3f}")
     assert rate >= 0.5
