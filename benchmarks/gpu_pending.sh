@@ -14,7 +14,8 @@
 #   4 smol   carry .smol/b: SmolLM2 assembled; speculative decoding pair (16); GPU tests, with
 #            fp32 GPU = CPU and bf16 agreement against transformers on the GPU (18)
 #   5 moe    carry .peer/moe: vLLM's MoE kernels added; Qwen3-30B-A3B W2 and W4 pair (13);
-#            W2 at tensor parallel 2 and 1, both engines (11; GPUs 2-3 and 1)
+#            W2 at tensor parallel 2 and 1, both engines (11; GPUs 2-3 and 1); the
+#            attention kernel against vLLM's FlashAttention 3 on W4 / W1b batches (18)
 # Usage: bash benchmarks/gpu_pending.sh prep|stage|side|smol|moe
 source "$(dirname "$0")/gpu_lanes.sh"
 QWEN=benchmarks/configs/qwen3-0.6b
@@ -56,7 +57,12 @@ profiled_pair() {
   TAIL=2 step ${name}_as_kernels 150 python3 $SBS --engine asyncserve "$@" --kernel-summary $OUT/${name}_as_kernels.tsv
   TAIL=2 step ${name}_vllm_kernels 250 env $VENV VLLM_ENABLE_V1_MULTIPROCESSING=0 python3 $SBS --engine vllm "$@" --kernel-summary $OUT/${name}_vllm_kernels.tsv
 }
-j_w1b() { profiled_pair w1b --workloads w1b --model $L3; }
+j_w1b() {
+  profiled_pair w1b --workloads w1b --model $L3
+  # A pool that holds all 1000 sequences (H200) runs them in one wave at 1024 sequences
+  # (vLLM's offline default); on an H100 the pool holds ~800 and 1024 preempts.
+  TAIL=2 step w1b_as_1024 150 python3 $SBS --engine asyncserve --workloads w1b --model $L3 --max-num-seqs 1024
+}
 j_w4() { profiled_pair w4 --workloads w4 --model $QWEN; }
 j_spec_pair() {  # asyncserve first: it also writes the models and prompts vLLM reads
   TAIL=30 step spec_as 300 python3 benchmarks/spec_decode.py --gguf $SMOL
@@ -64,6 +70,8 @@ j_spec_pair() {  # asyncserve first: it also writes the models and prompts vLLM 
 }
 # Qwen3-30B-A3B: W4 is the issue's 256-prompt throughput workload.
 j_qwen3moe() { pair qwen3moe 250 300 --workloads w2,w4 --model benchmarks/configs/qwen3-30b-a3b; }
+# The attention kernel against vLLM's FlashAttention 3 on W4- and W1b-shaped batches (18).
+j_attn_fa3() { TAIL=40 step attn_fa3 200 env $VENV python3 benchmarks/attention_vs_fa3.py; }
 j_tp1() { pair tp1 150 200 --workloads w2 --model $L3; }
 j_tp2() { pair tp2 200 250 --workloads w2 --model $L3 --tensor-parallel-size 2; }
 # vLLM's LoRA engine core (its own process) stopped after "Using V2 Model Runner" in every
@@ -95,7 +103,7 @@ case $1 in
   moe)  # vLLM's MoE kernels (left out of the peer bundle) added to the installed vLLM
     xz -dc .peer/moe/moe.so.xz > /tmp/site_v/vllm/_moe_C_stable_libtorch.abi3.so
     sha256sum /tmp/site_v/vllm/_moe_C_stable_libtorch.abi3.so | cut -c1-64 | diff - .peer/moe/so.sha256 && echo "vLLM MoE kernels added"
-    deal j_qwen3moe j_tp1
+    deal j_qwen3moe "j_tp1 j_attn_fa3"
     (export CUDA_VISIBLE_DEVICES=2,3; j_tp2) > $OUT/lane_tp2.txt 2>&1 &
     LANES+=($!) ;;
   *) echo "unknown part $1"; exit 2 ;;
