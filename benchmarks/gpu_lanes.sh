@@ -59,7 +59,7 @@ finish() {
   local part=$1
   wait_lanes
   for f in $OUT/lane_*.txt; do echo "##### $f"; tail -40 $f; done
-  grep -h RESULT $OUT/*.log > $OUT/results.jsonl 2>/dev/null
+  grep -H RESULT $OUT/*.log > $OUT/results.jsonl 2>/dev/null  # "LOG:RESULT {...}"
   (cd $OUT && tar -czf /tmp/results_$part.tgz . && rm -rf ./* && mv /tmp/results_$part.tgz .)
   echo "=== done $(date +%T)"
 }

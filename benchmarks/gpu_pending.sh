@@ -44,18 +44,19 @@ j_gpu_tests_quant() { gpu_tests gpu_tests_quant tests/quantization tests/lora/te
 j_spec_tests() { ASYNCSERVE_TEST_GGUF=$SMOL TAIL=12 step spec_tests 300 python3 -m pytest -q -p no:cacheprovider -rfs tests/worker/test_verify_graphs.py tests/spec_decode/test_spec_gpu.py tests/spec_decode/test_proposer_graphs.py; }
 
 # --- pairs: asyncserve, then vLLM, same GPU ----------------------------------------------
+# (`step` sets the global `name`: these functions keep theirs in `tag`.)
 pair() {  # pair NAME LIMIT_AS LIMIT_VLLM ARGS...: side_by_side.py with each engine
-  local name=$1 la=$2 lv=$3; shift 3
-  TAIL=2 step ${name}_as $la python3 $SBS --engine asyncserve "$@"
-  TAIL=2 step ${name}_vllm $lv env $VENV python3 $SBS --engine vllm "$@"
+  local tag=$1 la=$2 lv=$3; shift 3
+  TAIL=2 step ${tag}_as $la python3 $SBS --engine asyncserve "$@"
+  TAIL=2 step ${tag}_vllm $lv env $VENV python3 $SBS --engine vllm "$@"
 }
 # profiled_pair NAME ARGS...: the pair, then each engine again with its CUDA kernels summed per
 # name over the timed run (vLLM's engine core in-process, so that the profiler sees it).
 profiled_pair() {
-  local name=$1; shift
-  pair $name 150 250 "$@"
-  TAIL=2 step ${name}_as_kernels 150 python3 $SBS --engine asyncserve "$@" --kernel-summary $OUT/${name}_as_kernels.tsv
-  TAIL=2 step ${name}_vllm_kernels 250 env $VENV VLLM_ENABLE_V1_MULTIPROCESSING=0 python3 $SBS --engine vllm "$@" --kernel-summary $OUT/${name}_vllm_kernels.tsv
+  local tag=$1; shift
+  pair $tag 150 250 "$@"
+  TAIL=2 step ${tag}_as_kernels 150 python3 $SBS --engine asyncserve "$@" --kernel-summary $OUT/${tag}_as_kernels.tsv
+  TAIL=2 step ${tag}_vllm_kernels 250 env $VENV VLLM_ENABLE_V1_MULTIPROCESSING=0 python3 $SBS --engine vllm "$@" --kernel-summary $OUT/${tag}_vllm_kernels.tsv
 }
 j_w1b() {
   profiled_pair w1b --workloads w1b --model $L3
