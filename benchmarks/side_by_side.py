@@ -38,17 +38,10 @@ def inputs(workload: str, vocab: int, seed: int = 0):
     return prompts, outs
 
 
-def build_vllm(a):
-    from vllm import LLM
-
-    kw = dict(
-        model=a.model,
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        max_model_len=a.max_model_len,
-        seed=0,
-        dtype="bfloat16",
-    )
+def common_kwargs(a):
+    """The engine arguments both engines take by the same names: the shared ones and the
+    flags given."""
+    kw = dict(model=a.model, load_format="dummy", max_model_len=a.max_model_len, seed=0)
     if a.max_num_seqs:
         kw["max_num_seqs"] = a.max_num_seqs
     if a.max_num_batched_tokens:
@@ -61,7 +54,13 @@ def build_vllm(a):
         kw["disable_custom_all_reduce"] = True
     if a.quantization:
         kw["quantization"] = a.quantization
-    return LLM(**kw)
+    return kw
+
+
+def build_vllm(a):
+    from vllm import LLM
+
+    return LLM(**common_kwargs(a), skip_tokenizer_init=True, dtype="bfloat16")
 
 
 def gen_vllm(llm, prompts, outs):
@@ -79,20 +78,7 @@ def gen_vllm(llm, prompts, outs):
 def build_asyncserve(a):
     from asyncserve import LLM
 
-    kw = dict(model=a.model, load_format="dummy", max_model_len=a.max_model_len, seed=0)
-    if a.max_num_seqs:
-        kw["max_num_seqs"] = a.max_num_seqs
-    if a.max_num_batched_tokens:
-        kw["max_num_batched_tokens"] = a.max_num_batched_tokens
-    if a.enforce_eager:
-        kw["enforce_eager"] = True
-    if a.tensor_parallel_size > 1:
-        kw["tensor_parallel_size"] = a.tensor_parallel_size
-    if a.disable_custom_all_reduce:
-        kw["disable_custom_all_reduce"] = True
-    if a.quantization:
-        kw["quantization"] = a.quantization
-    return LLM(**kw)
+    return LLM(**common_kwargs(a))
 
 
 def gen_asyncserve(llm, prompts, outs):
