@@ -112,7 +112,7 @@ def kernel_profile(path, workload):
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             total, count = per_name.get(event.name, (0.0, 0))
-            per_name[event.name] = (total + event.device_time, count + 1)
+            per_name[event.name] = (total + event.time_range.elapsed_us(), count + 1)
     kernel_us = sum(total for total, _ in per_name.values())
     wall_us = 1e6 * sum(wall)
     rows = sorted(per_name.items(), key=lambda item: -item[1][0])
