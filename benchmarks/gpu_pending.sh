@@ -6,7 +6,7 @@
 # Here first: ../shared/peers/vllm/build.sh (.peer/), ../shared/device-wheels copied to .whl/,
 # SmolLM2's GGUF split into .smol/a/part and .smol/b/part (+ .smol/b/sha256), vLLM's MoE
 # kernels in .peer/moe. Calls back to back (the machine keeps /tmp ~30 s after a call):
-#   1 prep   carry .whl .smol/a: asyncserve's wheels; the GPU kernel tests
+#   1 prep   carry .whl .smol/a: asyncserve's wheels; the GPU kernel tests; W5 cold start (18)
 #   2 stage  carry .peer/p0: vLLM part 0 staged
 #   3 side   carry .peer/p1: vLLM installed; W1b and W4 pairs with each engine's CUDA kernels
 #            summed per name (18); LoRA with 8 adapters, vLLM's engine core in-process (17);
@@ -41,6 +41,9 @@ j_gpu_tests_engine() {  # -s: the agreement figures the GPU tests print
   gpu_tests gpu_tests_engine -s tests/engine/test_gpu_engine.py tests/engine/test_gpu_agreement.py tests/engine/test_async_scheduling_gpu.py tests/worker
 }
 j_gpu_tests_quant() { gpu_tests gpu_tests_quant tests/quantization tests/lora/test_lora_gpu.py tests/models/test_sliding_window_kv.py; }
+# W5 on the fresh machine: the first start compiles every kernel (its own Triton cache, which
+# the other lanes do not fill), the second finds them cached (18).
+j_cold_start() { TRITON_CACHE_DIR=/tmp/triton-cold TAIL=12 step w5 250 python3 benchmarks/cold_start.py --model $L3 --port 8701 --repeat 2 -- --max-model-len 2048; }
 j_spec_tests() { ASYNCSERVE_TEST_GGUF=$SMOL TAIL=12 step spec_tests 300 python3 -m pytest -q -p no:cacheprovider -rfs tests/worker/test_verify_graphs.py tests/spec_decode/test_spec_gpu.py tests/spec_decode/test_proposer_graphs.py; }
 
 # --- pairs: asyncserve, then vLLM, same GPU ----------------------------------------------
@@ -92,7 +95,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 case $1 in
   prep)
     mkdir -p /tmp/smol && cp .smol/a/part /tmp/smol/part_a
-    deal j_gpu_tests_kernels ;;
+    deal j_gpu_tests_kernels j_cold_start ;;
   stage)
     bash .peer/p0/stage.sh | tail -1 ;;
   side)
