@@ -8,7 +8,9 @@ A table file in kernels/moe_configs/ is named for what it was tuned on, as vLLM 
 {"BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages"};
 a batch of T tokens uses the entry whose M is nearest T, as vLLM does. vLLM's name for 16-bit
 weights (no dtype part) is read as well, so its tuned files can be dropped in unchanged.
-benchmarks/tune_moe.py writes these files. A shape without one uses the default buckets.
+benchmarks/tune_moe.py writes these files. A GPU without a table of its own takes one tuned on
+a GPU of the same chip and SM count (SAME_CHIP: an H200 reads an H100 SXM's table); a shape
+with neither uses the default buckets.
 """
 
 from __future__ import annotations
@@ -65,6 +67,16 @@ DEFAULT_BUCKETS: tuple[tuple[int, MoEConfig], ...] = (
 )
 
 
+# GPU -> a GPU of the same chip with as many SMs (132 on a GH100 in SXM form), whose tuned
+# tables fit it better than the default buckets: the tiles' occupancy and shared memory are
+# the same; only the memory bandwidth differs.
+SAME_CHIP: dict[str, str] = {
+    "NVIDIA_H200": "NVIDIA_H100_80GB_HBM3",
+    "NVIDIA_H100_NVL": "NVIDIA_H100_80GB_HBM3",
+    "NVIDIA_GH200_480GB": "NVIDIA_H100_80GB_HBM3",
+}
+
+
 def device_name(device: torch.device) -> str:
     """The GPU's name as config files spell it (NVIDIA_H100_80GB_HBM3); "" off CUDA."""
     if device.type != "cuda":
@@ -88,9 +100,12 @@ def choose_config(
     device: str,
     config_dir: Path = CONFIG_DIR,
 ) -> MoEConfig:
-    """The tiles for a batch of num_tokens: the tuned table's nearest M, else the buckets.
-    dtype and device as dtype_name and device_name spell them."""
+    """The tiles for a batch of num_tokens: the nearest M of the device's tuned table (or of
+    its SAME_CHIP twin's), else the buckets. dtype and device as dtype_name and device_name
+    spell them."""
     table = load_table(config_dir, num_experts, intermediate, device, dtype)
+    if not table and device in SAME_CHIP:
+        table = load_table(config_dir, num_experts, intermediate, SAME_CHIP[device], dtype)
     if table:
         nearest = min(table, key=lambda m: abs(m - num_tokens))
         return table[nearest]

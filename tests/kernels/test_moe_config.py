@@ -37,6 +37,20 @@ def test_nearest_m_of_the_shapes_table(tmp_path: Path) -> None:
         assert choose_config(1, *args, tmp_path) == DEFAULT_BUCKETS[0][1]
 
 
+def test_gpu_without_a_table_takes_its_same_chip_twins(tmp_path: Path) -> None:
+    _write(tmp_path / moe_config.config_file_name(128, 768, H100, "bfloat16"), {"1": _entry(32)})
+    assert moe_config.SAME_CHIP["NVIDIA_H200"] == H100
+    assert choose_config(1, 128, 768, "bfloat16", "NVIDIA_H200", tmp_path).block_m == 32
+    # Its own table comes first; a GPU of another chip keeps the default buckets.
+    _write(tmp_path / moe_config.config_file_name(128, 768, "NVIDIA_H200", "bfloat16"),
+           {"1": _entry(64)})  # fmt: skip
+    assert choose_config(1, 128, 768, "bfloat16", "NVIDIA_H200", tmp_path).block_m == 64
+    assert (
+        choose_config(1, 128, 768, "bfloat16", "NVIDIA_A100-SXM4-80GB", tmp_path)
+        == (DEFAULT_BUCKETS[0][1])
+    )
+
+
 def test_vllm_file_without_dtype_serves_16_bit(tmp_path: Path) -> None:
     _write(tmp_path / f"E=8,N=14336,device_name={H100}.json", {"16": _entry(64)})
     assert choose_config(3, 8, 14336, "float16", H100, tmp_path).block_m == 64
