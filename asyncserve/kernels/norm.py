@@ -16,12 +16,14 @@ import triton.language as tl
 def _rms_norm_kernel(
     out_ptr,  # [N, hidden]
     sum_out_ptr,  # [N, hidden] x + residual (HAS_RESIDUAL only)
-    x_ptr,  # [N, hidden]
+    x_ptr,  # [N / heads, heads, hidden]
     residual_ptr,  # [N, hidden] (HAS_RESIDUAL only)
     weight_ptr,  # [hidden]
     eps,
     hidden,
-    stride_x_row,
+    heads,  # rows per outer index of x (1 for a 2-D x)
+    stride_x_outer,
+    stride_x_head,
     stride_r_row,
     stride_out_row,
     stride_sum_row,
@@ -31,7 +33,8 @@ def _rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
-    x = tl.load(x_ptr + row * stride_x_row + cols, mask=mask, other=0.0)
+    x_row = (row // heads) * stride_x_outer + (row % heads) * stride_x_head
+    x = tl.load(x_ptr + x_row + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r_row + cols, mask=mask, other=0.0)
         # The sum is rounded to x's dtype, as torch's x + residual is; the norm reads it back.
@@ -67,21 +70,29 @@ def _launch(
     )
     if x.numel() == 0:
         return out, summed
-    x2 = _rows(x)
-    r2 = _rows(residual) if residual is not None else x2
+    if residual is None and x.dim() == 3 and x.stride(-1) == 1:
+        # [tokens, heads, head_dim], e.g. the query slice of a fused qkv projection's rows
+        # (per-head norms): read in place, where flattening it to rows would copy it.
+        x2, heads, stride_outer, stride_head = x, x.shape[1], x.stride(0), x.stride(1)
+    else:
+        x2 = _rows(x)
+        heads, stride_outer, stride_head = 1, x2.stride(0), 0
+    r2 = _rows(residual) if residual is not None else out
     out2 = out.view(-1, hidden)
     sum2 = summed.view(-1, hidden) if summed is not None else out2
     block = triton.next_power_of_2(hidden)
-    _rms_norm_kernel[(x2.shape[0],)](
+    _rms_norm_kernel[(out2.shape[0],)](
         out2,  # [N, hidden]
         sum2,  # [N, hidden]
-        x2,  # [N, hidden]
+        x2,  # [N / heads, heads, hidden]
         r2,  # [N, hidden]
         weight.contiguous(),  # [hidden]
         eps,  # epsilon
         hidden,  # hidden size
-        x2.stride(0),  # stride_x_row
-        r2.stride(0),  # stride_r_row
+        heads,  # rows per outer index of x
+        stride_outer,  # stride_x_outer
+        stride_head,  # stride_x_head
+        r2.stride(0) if residual is not None else 0,  # stride_r_row
         out2.stride(0),  # stride_out_row
         sum2.stride(0),  # stride_sum_row
         BLOCK=block,  # pow2 >= hidden

@@ -97,13 +97,14 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.q_norm is not None and self.k_norm is not None:
-            # Qwen3 and Gemma 3 normalise each head's query and key before rotary.
-            q = self.q_norm(q.reshape(-1, self.head_dim))
-            k = self.k_norm(k.reshape(-1, self.head_dim))
+        # Views of the fused projection's rows: no copies (the per-head norms read them too).
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            # Qwen3 and Gemma 3 normalise each head's query and key before rotary.
+            q = self.q_norm(q)
+            k = self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))
 

@@ -71,3 +71,16 @@ def test_rms_norm_strided_rows(device: torch.device) -> None:
     torch.testing.assert_close(
         rms_norm(x, weight, 1e-6), reference.rms_norm(x, weight, 1e-6), atol=1e-5, rtol=1e-5
     )
+
+
+def test_rms_norm_per_head_view_of_fused_rows(device: torch.device) -> None:
+    """Per-head norms on the query slice of fused qkv rows: [tokens, heads, head_dim] with
+    the rows' stride, normalised in place of a copy."""
+    gen = torch.Generator().manual_seed(4)
+    qkv = torch.randn((5, 4 * 32 + 2 * 2 * 32), generator=gen).to(device)
+    q = qkv[:, : 4 * 32].view(5, 4, 32)
+    assert not q.is_contiguous()
+    weight = torch.randn(32, generator=gen).to(device)
+    out = rms_norm(q, weight, 1e-6)
+    assert out.shape == (5, 4, 32) and out.is_contiguous()
+    torch.testing.assert_close(out, reference.rms_norm(q, weight, 1e-6), atol=1e-5, rtol=1e-5)
