@@ -1,4 +1,5 @@
-"""Triton SiLU-and-multiply of the gate and up halves of a fused MLP projection."""
+"""Triton activation-and-multiply of the gate and up halves of a fused MLP projection:
+SiLU (Llama and most families) or GELU with the tanh approximation (Gemma)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,18 @@ import torch
 import triton
 import triton.language as tl
 
+# sqrt(2 / pi), as torch's tanh-approximated GELU uses it.
+_GELU_BETA = 0.7978845608028654
+
 
 @triton.jit
-def _silu_and_mul_kernel(
+def _act_and_mul_kernel(
     out_ptr,  # [N, d]
     x_ptr,  # [N, 2 * d]
     d,
     stride_x_row,
     stride_out_row,
+    GELU_TANH: tl.constexpr,  # GELU (tanh approximation) instead of SiLU
     BLOCK: tl.constexpr,  # columns per program
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -21,14 +26,20 @@ def _silu_and_mul_kernel(
     mask = cols < d
     gate = tl.load(x_ptr + row * stride_x_row + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x_row + d + cols, mask=mask, other=0.0)
-    # Rounded to x's dtype between the two ops, as torch's F.silu(gate) * up is.
-    act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty)
-    out = act.to(tl.float32) * up.to(tl.float32)
+    if GELU_TANH:
+        inner = _GELU_BETA * (gate + 0.044715 * gate * gate * gate)
+        # tanh from exp(-2|inner|) <= 1: no overflow for large gates.
+        e = tl.exp(-2.0 * tl.abs(inner))
+        tanh = tl.where(inner >= 0, 1.0, -1.0) * (1.0 - e) / (1.0 + e)
+        act = 0.5 * gate * (1.0 + tanh)
+    else:
+        act = gate / (1.0 + tl.exp(-gate))
+    # Rounded to x's dtype between the two ops, as torch's act(gate) * up is.
+    out = act.to(x_ptr.dtype.element_ty).to(tl.float32) * up.to(tl.float32)
     tl.store(out_ptr + row * stride_out_row + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """silu(x[..., :d]) * x[..., d:] with d = x.shape[-1] // 2."""
+def _act_and_mul(x: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
     if x.shape[-1] % 2:
         raise ValueError(f"last dimension {x.shape[-1]} is not even")
     d = x.shape[-1] // 2
@@ -44,13 +55,24 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         x2.shape[0],  # one row per program on axis 0
         triton.cdiv(d, block),  # column blocks on axis 1
     )
-    _silu_and_mul_kernel[grid](
+    _act_and_mul_kernel[grid](
         out2,  # [N, d]
         x2,  # [N, 2 * d]
         d,  # output columns
         x2.stride(0),  # stride_x_row
         out2.stride(0),  # stride_out_row
+        GELU_TANH=gelu_tanh,  # which activation
         BLOCK=block,  # columns per program
         num_warps=4 if block >= 512 else 1,
     )
     return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[..., :d]) * x[..., d:] with d = x.shape[-1] // 2."""
+    return _act_and_mul(x, gelu_tanh=False)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """gelu(x[..., :d], approximate="tanh") * x[..., d:] with d = x.shape[-1] // 2."""
+    return _act_and_mul(x, gelu_tanh=True)

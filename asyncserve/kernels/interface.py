@@ -20,5 +20,6 @@ class KernelOps:
     fused_add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     silu_and_mul: Callable[..., torch.Tensor]
+    gelu_tanh_and_mul: Callable[..., torch.Tensor]
     moe_route: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     fused_moe: Callable[..., torch.Tensor]

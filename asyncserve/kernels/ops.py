@@ -18,6 +18,7 @@ REFERENCE_OPS = KernelOps(
     fused_add_rms_norm=reference.fused_add_rms_norm,
     rotary_embedding=reference.rotary_embedding,
     silu_and_mul=reference.silu_and_mul,
+    gelu_tanh_and_mul=reference.gelu_tanh_and_mul,
     moe_route=reference.moe_route,
     fused_moe=reference.fused_moe,
 )

@@ -285,6 +285,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x[..., :d]) * x[..., d:]
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """gelu(x[..., :d], approximate="tanh") * x[..., d:] with d = x.shape[-1] // 2 (Gemma)."""
+    d = x.shape[-1] // 2
+    return F.gelu(x[..., :d], approximate="tanh") * x[..., d:]
+
+
 def moe_route(
     router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str = "softmax"
 ) -> tuple[torch.Tensor, torch.Tensor]:

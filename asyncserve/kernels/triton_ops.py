@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from asyncserve.kernels.activation import silu_and_mul
+from asyncserve.kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from asyncserve.kernels.attention import unified_attention
 from asyncserve.kernels.interface import KernelOps
 from asyncserve.kernels.kv_store import store_kv
@@ -18,6 +18,7 @@ TRITON_OPS = KernelOps(
     fused_add_rms_norm=fused_add_rms_norm,
     rotary_embedding=rotary_embedding,
     silu_and_mul=silu_and_mul,
+    gelu_tanh_and_mul=gelu_tanh_and_mul,
     moe_route=moe_route,
     fused_moe=fused_moe,
 )

@@ -215,18 +215,12 @@ class GatedMLP(nn.Module):
         if activation == "silu":
             self.act_and_mul = ops.silu_and_mul
         elif activation == "gelu_pytorch_tanh":
-            self.act_and_mul = gelu_tanh_and_mul
+            self.act_and_mul = ops.gelu_tanh_and_mul
         else:
             raise ValueError(f"MLP activation {activation!r} is not supported")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
-
-
-def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """gelu_tanh(x[..., :d]) * x[..., d:]: two elementwise torch ops, on any device."""
-    d = x.shape[-1] // 2
-    return F.gelu(x[..., :d], approximate="tanh") * x[..., d:]
 
 
 class VocabEmbedding(nn.Module):
