@@ -177,6 +177,29 @@ def test_prefill_logits_match_hf(family: Family) -> None:
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("name", ["gemma3", "qwen3_moe"])
+def test_prefill_logits_with_the_gpu_kernels_match_hf(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GPU kernel set (Triton's interpreter here) on whole models: per-head q/k norms on
+    views of the fused qkv rows, Gemma's GELU-and-multiply, the fused MoE."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    from asyncserve.kernels.ops import REFERENCE_OPS
+    from asyncserve.kernels.triton_ops import TRITON_OPS
+    from asyncserve.models import loader
+
+    hf = save_tiny_family(name, tmp_path)
+    ids = torch.randint(3, VOCAB, (21,), generator=torch.Generator().manual_seed(1)).tolist()
+    monkeypatch.setattr(loader, "select_ops", lambda device: TRITON_OPS)
+    loaded = load_model(ModelConfig(model=str(tmp_path), dtype="float32"), torch.device("cpu"))
+    kernel_sets = [getattr(module, "ops", None) for module in loaded.model.modules()]
+    assert TRITON_OPS in kernel_sets and REFERENCE_OPS not in kernel_sets
+    ours = full_forward(loaded.model, ids)
+    with torch.no_grad():
+        theirs = hf(torch.tensor([ids])).logits[0].float()
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
 def test_greedy_batch_with_chunked_prefill_matches_hf(family: Family) -> None:
     llm = LLM(
         str(family.path),
