@@ -125,10 +125,12 @@ def _free_gpu_bytes_after_profile(
     return max(budget, 0)
 
 
-def profile_batch(num_tokens: int, max_model_len: int, block_size: int) -> AttentionMetadata:
+def profile_batch(
+    num_tokens: int, max_model_len: int, block_size: int, device: torch.device | None = None
+) -> tuple[AttentionMetadata, torch.Tensor]:
     """The largest step as prompts of at most max_model_len tokens each, in blocks of their
     own (a step's budget may exceed the model's length, and positions past it would index
-    past its position tables); on the CPU."""
+    past its position tables): its metadata and positions, on `device` (default CPU)."""
     seq_len = max(1, min(num_tokens, max_model_len))
     lens = [seq_len] * (num_tokens // seq_len)
     if num_tokens % seq_len:
@@ -136,16 +138,18 @@ def profile_batch(num_tokens: int, max_model_len: int, block_size: int) -> Atten
     blocks_per_seq = -(-seq_len // block_size)
     tables = torch.arange(len(lens) * blocks_per_seq, dtype=torch.int32).view(len(lens), -1)
     # Sequence i's blocks are contiguous: its token j goes to slot i * blocks_per_seq *
-    # block_size + j.
+    # block_size + j; its positions start at 0.
     slots = [torch.arange(n) + i * blocks_per_seq * block_size for i, n in enumerate(lens)]
-    return AttentionMetadata(
-        slot_mapping=torch.cat(slots),
-        cu_seqlens_q=torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32),
-        seq_lens=torch.tensor(lens, dtype=torch.int32),
-        block_tables=tables,
+    positions = torch.cat([torch.arange(n) for n in lens])
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat(slots).to(device),
+        cu_seqlens_q=torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32).to(device),
+        seq_lens=torch.tensor(lens, dtype=torch.int32).to(device),
+        block_tables=tables.to(device),
         max_seqlen_q=seq_len,
         max_seqlen_k=seq_len,
     )
+    return meta, positions.to(device)
 
 
 def _profile_run(
@@ -158,22 +162,9 @@ def _profile_run(
 ) -> None:
     num_tokens = config.scheduler.max_num_batched_tokens
     block_size = config.cache.block_size
-    cpu_meta = profile_batch(num_tokens, max_model_len, block_size)
-    num_blocks = cpu_meta.block_tables.numel()
-    caches = allocate_kv_caches(arch, num_blocks, block_size, dtype, device)
-    meta = AttentionMetadata(
-        slot_mapping=cpu_meta.slot_mapping.to(device),
-        cu_seqlens_q=cpu_meta.cu_seqlens_q.to(device),
-        seq_lens=cpu_meta.seq_lens.to(device),
-        block_tables=cpu_meta.block_tables.to(device),
-        max_seqlen_q=cpu_meta.max_seqlen_q,
-        max_seqlen_k=cpu_meta.max_seqlen_k,
-    )
+    meta, pos = profile_batch(num_tokens, max_model_len, block_size, device)
+    caches = allocate_kv_caches(arch, meta.block_tables.numel(), block_size, dtype, device)
     ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
-    # Each prompt's positions start at 0.
-    lens = cpu_meta.seq_lens.to(torch.int64)
-    starts = cpu_meta.cu_seqlens_q[:-1].to(torch.int64).repeat_interleave(lens)
-    pos = (torch.arange(num_tokens, dtype=torch.int64) - starts).to(device)
     with torch.inference_mode():
         hidden = model(ids, pos, caches, meta)
         rows = min(config.scheduler.max_num_seqs, num_tokens)
