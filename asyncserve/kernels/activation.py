@@ -7,8 +7,9 @@ import torch
 import triton
 import triton.language as tl
 
-# sqrt(2 / pi), as torch's tanh-approximated GELU uses it.
-_GELU_BETA = 0.7978845608028654
+# sqrt(2 / pi), as torch's tanh-approximated GELU uses it (constexpr: kernels read no other
+# globals).
+_GELU_BETA = tl.constexpr(0.7978845608028654)
 
 
 @triton.jit

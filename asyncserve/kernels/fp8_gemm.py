@@ -76,7 +76,7 @@ def per_token_group_quant_fp8(
     return q, scale
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["m"])  # m (tokens) changes every step
 def _block_fp8_matmul_kernel(
     a_ptr,
     b_ptr,

@@ -78,7 +78,7 @@ def _dequant_tile(
     return w
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["m"])  # m (tokens) changes every step
 def _gguf_gemm_kernel(
     x_ptr,
     qw_ptr,

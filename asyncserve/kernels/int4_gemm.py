@@ -66,7 +66,7 @@ def _dequant_tile(
     return (q - zero.to(tl.float32)) * scale.to(tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["m"])  # m (tokens) changes every step
 def _int4_gemm_kernel(
     x_ptr,
     qw_ptr,

@@ -110,7 +110,8 @@ def moe_route(
     return weights, ids
 
 
-@triton.jit
+# Counts that change every step are not specialized on (one compile, not one per value class).
+@triton.jit(do_not_specialize=["num_pairs", "num_tiles_m"])
 def _moe_gemm_kernel(
     a_ptr,  # [rows, K]: hidden states (row = pair // A_DIV) or activations (row = pair)
     b_ptr,  # [E, N or 2N, K]: expert weights, out_features x in_features

@@ -73,7 +73,7 @@ def align_by_expert_torch(
     return sorted_ids[:max_len], tile_experts.to(torch.int32), padded_end[-1:].to(torch.int32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "max_len"])  # both change every step
 def _align_small_kernel(
     ids_ptr,  # [P] int32 global expert ids
     map_ptr,  # [E_global] int32 local index or -1 (HAS_MAP)

@@ -16,6 +16,7 @@ with neither uses the default buckets.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,6 +114,31 @@ def choose_config(
         if num_tokens <= max_tokens:
             return config
     return DEFAULT_BUCKETS[-1][1]
+
+
+def config_change_sizes(
+    max_tokens: int,
+    num_experts: int,
+    intermediate: int,
+    dtype: str,
+    device: str,
+    config_dir: Path = CONFIG_DIR,
+) -> list[int]:
+    """One token count per distinct config choose_config gives for 1..max_tokens tokens (the
+    smallest of each): running a batch of each size compiles every kernel variant a step can
+    need, so that none compiles mid-run."""
+    table = load_table(config_dir, num_experts, intermediate, device, dtype)
+    if not table and device in SAME_CHIP:
+        table = load_table(config_dir, num_experts, intermediate, SAME_CHIP[device], dtype)
+    # The nearest-M rule changes config only at table keys or midway between them; every
+    # bucket starts one past the previous bucket's end.
+    candidates = {1, *table, *((a + b) // 2 + 1 for a, b in itertools.pairwise(sorted(table)))}
+    candidates |= {end + 1 for end, _ in DEFAULT_BUCKETS[:-1]}
+    sizes: dict[MoEConfig, int] = {}
+    for m in sorted(n for n in candidates if n <= max_tokens):
+        config = choose_config(m, num_experts, intermediate, dtype, device, config_dir)
+        sizes.setdefault(config, m)
+    return sorted(sizes.values())
 
 
 @functools.cache

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from asyncserve.kernels.moe_config import config_change_sizes, device_name, dtype_name
 from asyncserve.kernels.ops import KernelOps
 from asyncserve.models.arch_config import MoEArch
 from asyncserve.models.layers import Linear
@@ -111,6 +112,29 @@ class SparseMoE(nn.Module):
         else:
             out = self.ops.fused_moe(hidden, self.w13, self.w2, weights, ids, self.expert_map)
         return self.reduce(out)
+
+
+def kernel_warm_up_sizes(
+    model: nn.Module, max_tokens: int, dtype: torch.dtype, device: torch.device
+) -> list[int]:
+    """Token counts (up to max_tokens) at which the model's fused MoE layers pick different
+    kernel tiles: a forward pass at each compiles them all before serving. [] without MoE
+    layers or off CUDA."""
+    if device.type != "cuda":
+        return []
+    sizes: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, SparseMoE):
+            sizes.update(
+                config_change_sizes(
+                    max_tokens,
+                    len(module.local_experts),
+                    module.intermediate,
+                    dtype_name(dtype),
+                    device_name(device),
+                )
+            )
+    return sorted(sizes)
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:

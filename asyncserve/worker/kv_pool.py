@@ -15,6 +15,7 @@ import torch
 from asyncserve.config import EngineConfig
 from asyncserve.models.arch_config import ArchConfig
 from asyncserve.models.attention import AttentionMetadata
+from asyncserve.models.moe import kernel_warm_up_sizes
 
 logger = logging.getLogger(__name__)
 
@@ -169,4 +170,8 @@ def _profile_run(
         hidden = model(ids, pos, caches, meta)
         rows = min(config.scheduler.max_num_seqs, num_tokens)
         model.driver_logits(hidden[:rows])
+        # Steps of other sizes may pick other MoE kernel tiles: compiled here, not mid-run.
+        for size in kernel_warm_up_sizes(model, num_tokens - 1, dtype, device):
+            meta, pos = profile_batch(size, max_model_len, block_size, device)
+            model(ids[:size], pos, caches, meta)
     del caches, hidden

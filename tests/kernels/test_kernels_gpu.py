@@ -6,6 +6,8 @@ with the used blocks at its end, so any int32 offset arithmetic would overflow.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -156,3 +158,19 @@ def test_rope_and_silu_model_size(dtype: torch.dtype) -> None:
     ref = reference.silu_and_mul(x)
     assert (out != ref).float().mean().item() < 0.01
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+
+
+def _compiled_variants(kernel: Any) -> int:
+    """Compiled specializations in a Triton kernel's per-device caches."""
+    return sum(len(entry[0]) for entry in kernel.device_caches.values())
+
+
+def test_attention_compiles_once_for_any_number_of_sequences() -> None:
+    """Batches that differ only in their sequence count run one compiled kernel: Triton's
+    integer specializations (== 1, divisible by 16) would otherwise compile mid-run."""
+    variants = []
+    for num_seqs in (1, 16, 17, 33):
+        batch = make_batch([64] * num_seqs, [0] * num_seqs, 8, 2, 128, 16, torch.bfloat16, CUDA)
+        assert _attention_err(batch, 128**-0.5) < ATTN_TOL[torch.bfloat16]
+        variants.append(_compiled_variants(attention._unified_attention_kernel))
+    assert variants[1:] == variants[:1] * 3, variants

@@ -72,3 +72,28 @@ def test_shipped_tables_parse() -> None:
 def test_names_of_dtype_and_device() -> None:
     assert moe_config.dtype_name(torch.bfloat16) == "bfloat16"
     assert moe_config.device_name(torch.device("cpu")) == ""
+
+
+@pytest.mark.parametrize("device", [H100, "NVIDIA_H200", ""])
+def test_config_change_sizes_reach_every_config(device: str) -> None:
+    """The warm-up sizes give every config any batch up to the limit can pick, each once."""
+    limit = 5000
+    sizes = moe_config.config_change_sizes(limit, 128, 768, "bfloat16", device)
+    assert sizes == sorted(sizes) and sizes[0] == 1 and sizes[-1] <= limit
+    picked = [choose_config(m, 128, 768, "bfloat16", device) for m in sizes]
+    assert len(set(picked)) == len(picked)
+    every = {choose_config(m, 128, 768, "bfloat16", device) for m in range(1, limit + 1)}
+    assert set(picked) == every
+    assert moe_config.config_change_sizes(1, 128, 768, "bfloat16", device) == [1]
+
+
+def test_config_change_sizes_of_a_table(tmp_path: Path) -> None:
+    name = moe_config.config_file_name(40, 512, H100, "bfloat16")
+    _write(tmp_path / name, {"1": _entry(16), "64": _entry(32), "1024": _entry(128)})
+    # 64 is nearer than 1 from 33 on; 1024 is nearer than 64 from 545 on.
+    assert moe_config.config_change_sizes(10_000, 40, 512, "bfloat16", H100, tmp_path) == [
+        1,
+        33,
+        545,
+    ]
+    assert moe_config.config_change_sizes(100, 40, 512, "bfloat16", H100, tmp_path) == [1, 33]
