@@ -16,7 +16,8 @@
 #   5 moe    carry .peer/moe: vLLM's MoE kernels added; Qwen3-30B-A3B W2 and W4 pair (13);
 #            W2 at tensor parallel 2 and 1, both engines (11; GPUs 2-3 and 1); the
 #            attention kernel against vLLM's FlashAttention 3 on W4 / W1b batches (18)
-# Usage: bash benchmarks/gpu_pending.sh prep|stage|side|smol|moe
+#   then, on a second machine: check (carry .whl), stage, pairs (carry .peer/p1).
+# Usage: bash benchmarks/gpu_pending.sh prep|stage|side|smol|moe|check|pairs
 source "$(dirname "$0")/gpu_lanes.sh"
 QWEN=benchmarks/configs/qwen3-0.6b
 
@@ -90,6 +91,18 @@ j_llava() {
   TAIL=30 step llava_vllm 300 env $VENV PYTHONPATH=$PWD/benchmarks/peer_shims:/tmp/site_v:$AS python3 benchmarks/llava_bench.py --model-dir /tmp/llava-7b-dummy --engine vllm --output-json $OUT/llava_vllm.json
 }
 
+# Since the last run: the kernels that must compile on the GPU (Gemma's activation, attention
+# compiled once for any sequence count, MoE tiles), and W4 on a fresh Triton cache then a warm
+# one (no kernel compiles mid-run any more: both should match).
+j_kernel_checks() {
+  TAIL=6 step kernel_checks 200 python3 -m pytest -q -p no:cacheprovider -rfs tests/kernels/test_activation.py tests/kernels/test_kernels_gpu.py tests/kernels/test_moe.py tests/kernels/test_moe_align.py
+}
+j_w4_cold_warm() {
+  TRITON_CACHE_DIR=/tmp/triton-w4 TAIL=1 step w4_fresh_cache 150 python3 $SBS --engine asyncserve --workloads w4 --model $QWEN
+  TRITON_CACHE_DIR=/tmp/triton-w4 TAIL=1 step w4_warm_cache 150 python3 $SBS --engine asyncserve --workloads w4 --model $QWEN
+}
+j_w4_pair() { pair w4 150 250 --workloads w4 --model $QWEN; }
+
 echo "=== part $1 $(date +%T)"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 case $1 in
@@ -110,6 +123,11 @@ case $1 in
     deal j_qwen3moe "j_tp1 j_attn_fa3"
     (export CUDA_VISIBLE_DEVICES=2,3; j_tp2) > $OUT/lane_tp2.txt 2>&1 &
     LANES+=($!) ;;
+  check)  # carry .whl
+    deal j_kernel_checks j_w4_cold_warm ;;
+  pairs)  # carry .peer/p1
+    bash .peer/p1/install.sh | tail -1
+    deal j_w4_pair j_llava ;;
   *) echo "unknown part $1"; exit 2 ;;
 esac
 finish $1
