@@ -21,7 +21,12 @@ from asyncserve.engine.dp_client import DataParallelClient
 from asyncserve.engine.dp_group import DataParallelGroup
 from asyncserve.engine.request_checks import check_token_params, check_truncation
 from asyncserve.llm_prompts import PromptType as PromptType
-from asyncserve.llm_prompts import as_prompt_list, chat_prompts, multimodal_inputs, split_prompt
+from asyncserve.llm_prompts import (
+    as_prompt_list,
+    chat_prompts,
+    multimodal_inputs_of_all,
+    split_prompt,
+)
 from asyncserve.lora.request import LoRARequest
 from asyncserve.multimodal.inputs import MultiModalInputs
 from asyncserve.outputs import CompletionOutput, RequestOutput
@@ -303,8 +308,8 @@ class LLM:
                 raise ValueError(f"lora_request[{i}] must be a LoRARequest or None")
         for lora in {id(r): r for r in loras if r is not None}.values():
             self._lora_engine().add_lora(lora)
-        # Images are processed up front: a bad one raises before any work.
-        mm_list = [multimodal_inputs(self.engine, p) for p in prompt_list]
+        # Images are processed up front (in parallel): a bad one raises before any work.
+        mm_list = multimodal_inputs_of_all(self.engine, prompt_list)
         return self._loop.run_until_complete(
             self._run_all(prompt_list, params_list, priorities, use_tqdm, loras, mm_list)
         )

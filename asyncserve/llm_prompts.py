@@ -4,7 +4,9 @@ into token prompts (images included), and the images of a prompt processed up fr
 from __future__ import annotations
 
 import numbers
+import os
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from asyncserve.engine.async_engine import AsyncEngine
@@ -77,6 +79,26 @@ def multimodal_inputs(
     text, ids = split_prompt(prompt)
     source: str | list[int] = ids if ids is not None else (text or "")
     return front_end.process(source, prompt["multi_modal_data"])  # type: ignore[no-any-return]
+
+
+# Threads that preprocess a batch's images: PIL's resampling, numpy's arithmetic and hashing
+# release the GIL, so images of different prompts are processed at once.
+_IMAGE_WORKERS = 8
+
+
+def multimodal_inputs_of_all(
+    engine: AsyncEngine | DataParallelClient, prompts: list[PromptType]
+) -> list[MultiModalInputs | None]:
+    """multimodal_inputs of every prompt, in order; prompts with images are processed in
+    parallel. The first bad prompt's ValueError is raised, as one at a time would."""
+    with_images = sum(
+        1 for p in prompts if isinstance(p, dict) and p.get("multi_modal_data") is not None
+    )
+    workers = min(_IMAGE_WORKERS, os.cpu_count() or 1, with_images)
+    if workers < 2:
+        return [multimodal_inputs(engine, p) for p in prompts]
+    with ThreadPoolExecutor(workers, thread_name_prefix="asyncserve-images") as pool:
+        return list(pool.map(lambda p: multimodal_inputs(engine, p), prompts))
 
 
 def chat_prompts(

@@ -193,3 +193,34 @@ def test_bad_multimodal_input(llava: LLM, smollm2_llm: LLM) -> None:
     ]
     with pytest.raises(ValueError, match=r"messages\[0\]\.content\[0\]\.image_url"):
         llava.chat(bad_url, GREEDY, use_tqdm=False)
+
+
+def test_a_batch_of_image_prompts_is_processed_in_parallel_and_in_order(
+    llava: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Many prompts with images: preprocessed on several threads, each output the one its
+    prompt gets alone; a bad prompt among them raises its own error before any work."""
+    import asyncserve.llm_prompts as llm_prompts
+
+    threads: set[str] = set()
+    process = llava.engine.multimodal.process  # type: ignore[union-attr]
+
+    def recording(*args: Any) -> MultiModalInputs:
+        import threading
+
+        threads.add(threading.current_thread().name)
+        return process(*args)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(llava.engine.multimodal, "process", recording)
+    monkeypatch.setattr(llm_prompts.os, "cpu_count", lambda: 4)
+    prompts = [
+        {"prompt": ONE, "multi_modal_data": {"image": random_image(70 + i)}} for i in range(6)
+    ]
+    batch = llava.generate(prompts, GREEDY, use_tqdm=False)
+    assert any(name.startswith("asyncserve-images") for name in threads)
+    for prompt, out in zip(prompts[:2], batch[:2], strict=False):
+        alone = llava.generate(prompt, GREEDY, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+    bad = [*prompts[:3], {"prompt": ONE, "multi_modal_data": {"image": "cat.png"}}, *prompts[3:]]
+    with pytest.raises(ValueError, match=r"multi_modal_data\['image'\]\[0\] must be a PIL"):
+        llava.generate(bad, GREEDY, use_tqdm=False)
