@@ -44,6 +44,7 @@ from asyncserve.worker.input_batch import (
     StepInputs,
     build_step_inputs,
 )
+from asyncserve.worker.kernel_compiles import WATCH
 from asyncserve.worker.kv_pool import (
     allocate_kv_caches,
     determine_num_blocks,
@@ -80,6 +81,7 @@ class ModelRunner:
         tp: TensorParallel = SINGLE,
         pp: PipelineStage | None = None,
     ) -> None:
+        WATCH.disarm()  # this engine's start-up compiles are expected (see allocate_kv_cache)
         self.loaded = loaded
         self.model = loaded.model
         self.arch = loaded.arch
@@ -177,6 +179,8 @@ class ModelRunner:
             self.decode_graphs, self.verify_graphs = capture_target_graphs(
                 self.model, self.kv_caches, self.config, max_model_len, self.device
             )
+        if self.device.type == "cuda":
+            WATCH.arm()  # start-up compiled what steps need: later compiles are warnings
 
     def release(self) -> None:
         """Free the device memory this runner holds (weights, KV cache, CUDA graphs, the

@@ -19,7 +19,7 @@ pytestmark = [
 ]
 pytest.importorskip("triton", reason="triton is not installed")
 
-from asyncserve.kernels import attention  # noqa: E402
+from asyncserve.kernels import activation, attention  # noqa: E402
 from asyncserve.kernels.activation import silu_and_mul  # noqa: E402
 from asyncserve.kernels.kv_store import store_kv  # noqa: E402
 from asyncserve.kernels.norm import fused_add_rms_norm, rms_norm  # noqa: E402
@@ -174,3 +174,30 @@ def test_attention_compiles_once_for_any_number_of_sequences() -> None:
         assert _attention_err(batch, 128**-0.5) < ATTN_TOL[torch.bfloat16]
         variants.append(_compiled_variants(attention._unified_attention_kernel))
     assert variants[1:] == variants[:1] * 3, variants
+
+
+def test_a_compile_after_start_up_is_a_warning(caplog: Any) -> None:
+    """Triton's real hooks: a kernel variant first met after start-up is logged by name."""
+    import logging
+
+    import triton
+
+    from asyncserve.worker.kernel_compiles import CompileWatch
+
+    knobs = triton.knobs.runtime
+    saved = (knobs.jit_cache_hook, knobs.jit_post_compile_hook)
+    try:
+        watch = CompileWatch()
+        watch.arm()
+        # The kernel's in-memory variants dropped: its next launch compiles (from Triton's
+        # disk cache when another test compiled the same variant).
+        activation._act_and_mul_kernel.device_caches.clear()
+        x = torch.randn((3, 2 * 777), device=CUDA, dtype=torch.float16)
+        with caplog.at_level(logging.WARNING, logger="asyncserve.worker.kernel_compiles"):
+            silu_and_mul(x)
+        assert watch.compiles_after_start == 1
+        assert "_act_and_mul_kernel compiled after start-up" in caplog.text
+        silu_and_mul(x)
+        assert watch.compiles_after_start == 1
+    finally:
+        knobs.jit_cache_hook, knobs.jit_post_compile_hook = saved
