@@ -90,6 +90,11 @@ j_llava() {
   TAIL=3 step llava_as 200 python3 benchmarks/llava_bench.py --model-dir /tmp/llava-7b-dummy --engine asyncserve --output-json $OUT/llava_as.json
   TAIL=30 step llava_vllm 300 env $VENV PYTHONPATH=$PWD/benchmarks/peer_shims:/tmp/site_v:$AS python3 benchmarks/llava_bench.py --model-dir /tmp/llava-7b-dummy --engine vllm --output-json $OUT/llava_vllm.json
 }
+# The LLaVA burst's kernels, each engine (vLLM's engine core in-process): where 0.77x comes from.
+j_llava_kernels() {
+  TAIL=3 step llava_as_kernels 200 python3 benchmarks/llava_bench.py --model-dir /tmp/llava-7b-dummy --engine asyncserve --kernel-summary $OUT/llava_as_kernels.tsv
+  TAIL=3 step llava_vllm_kernels 300 env $VENV VLLM_ENABLE_V1_MULTIPROCESSING=0 PYTHONPATH=$PWD/benchmarks/peer_shims:/tmp/site_v:$AS python3 benchmarks/llava_bench.py --model-dir /tmp/llava-7b-dummy --engine vllm --kernel-summary $OUT/llava_vllm_kernels.tsv
+}
 
 # Since the last run: the kernels that must compile on the GPU (Gemma's activation, attention
 # compiled once for any sequence count, MoE tiles), and W4 on a fresh Triton cache then a warm
@@ -127,7 +132,7 @@ case $1 in
     deal j_kernel_checks j_w4_cold_warm ;;
   pairs)  # carry .peer/p1
     bash .peer/p1/install.sh | tail -1
-    deal j_w4_pair j_llava ;;
+    deal j_w4_pair "j_llava j_llava_kernels" ;;
   *) echo "unknown part $1"; exit 2 ;;
 esac
 finish $1
