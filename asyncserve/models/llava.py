@@ -23,7 +23,7 @@ from asyncserve.kernels.ops import KernelOps
 from asyncserve.models.arch_config import ArchConfig
 from asyncserve.models.attention import AttentionMetadata
 from asyncserve.models.layers import Linear
-from asyncserve.models.multimodal import MultiModalCausalLM
+from asyncserve.models.multimodal import MultiModalCausalLM, host_to_device
 from asyncserve.models.parallel import SINGLE, TensorParallel
 from asyncserve.models.pipeline import PipelineStage
 from asyncserve.models.registry import resolve_model_class
@@ -127,7 +127,7 @@ class LlavaForConditionalGeneration(MultiModalCausalLM):
     def embed_images(self, items: list[MultiModalItem]) -> list[torch.Tensor]:
         pixels = torch.stack([item.data["pixel_values"] for item in items])
         device = self.multi_modal_projector.linear_1.weight.device
-        states = self.vision_tower(pixels.to(device), list(self.llava.feature_layers))
+        states = self.vision_tower(host_to_device(pixels, device), list(self.llava.feature_layers))
         features = torch.cat(states, dim=-1)
         if self.llava.select_strategy == "default":
             features = features[:, 1:]

@@ -29,6 +29,16 @@ from asyncserve.models.weights import Target, load_checkpoint
 from asyncserve.multimodal.inputs import MultiModalItem
 
 
+def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without the host waiting for the GPU. A pageable copy
+    blocks until the stream's queued work (the step before, under async scheduling) is
+    done, and this step's launches would only start then; a pinned one (from torch's
+    caching host allocator, which keeps the block until the copy has read it) does not."""
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 class MultiModalCausalLM(CausalLM):
     """A vision encoder in front of a text CausalLM (`language_model`), which computes the
     logits; checkpoint tensors go where `route` says."""

@@ -21,7 +21,7 @@ from asyncserve.kernels.ops import KernelOps
 from asyncserve.models.arch_config import ArchConfig
 from asyncserve.models.attention import AttentionMetadata
 from asyncserve.models.llama import LlamaForCausalLM
-from asyncserve.models.multimodal import MultiModalCausalLM
+from asyncserve.models.multimodal import MultiModalCausalLM, host_to_device
 from asyncserve.models.parallel import SINGLE, TensorParallel
 from asyncserve.models.pipeline import PipelineStage
 from asyncserve.models.qwen2_5_vl_vision import Qwen2_5_VisionTransformer, VisionConfig
@@ -92,7 +92,7 @@ class Qwen2_5_VLForConditionalGeneration(MultiModalCausalLM):
         """All items through the vision transformer in one call, split per item."""
         grids = [image_grid(item) for item in items]
         device = self.visual.patch_embed.proj.weight.device
-        pixels = torch.cat([item.data["pixel_values"] for item in items]).to(device)
+        pixels = host_to_device(torch.cat([item.data["pixel_values"] for item in items]), device)
         embeds = self.visual(pixels, grids)
         dtype = self.language_model.model.norm.weight.dtype
         sizes = [self.visual.num_tokens(g) for g in grids]

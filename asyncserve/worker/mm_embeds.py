@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from asyncserve.models.multimodal import host_to_device
 from asyncserve.multimodal.inputs import MultiModalItem
 from asyncserve.worker.encoder_cache import EncoderCache
 
@@ -54,7 +55,7 @@ class StepEmbedder:
         embeds = self.model.embed_input_ids(inputs.input_ids)
         rows = torch.cat([torch.arange(at, at + n) for at, n, _, _ in pieces])
         values = torch.cat([encoded[item.hash][first : first + n] for _, n, item, first in pieces])
-        embeds[rows.to(embeds.device)] = values.to(embeds.dtype)
+        embeds[host_to_device(rows, embeds.device)] = values.to(embeds.dtype)
         return embeds
 
     def _encode(self, items: list[MultiModalItem]) -> dict[str, torch.Tensor]:
@@ -88,6 +89,8 @@ def mrope_positions(inputs: StepInputs, states: dict[str, CachedRequestState]) -
     """[3, T] positions: the processor's rows for prompt tokens of requests that have them,
     index + delta on every row past the prompt, the plain position elsewhere."""
     out = inputs.positions.unsqueeze(0).expand(3, -1).clone()
+    columns: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
     base = 0
     for rid, start, count in zip(inputs.request_ids, inputs.starts, inputs.counts, strict=True):
         state = states[rid]
@@ -102,8 +105,13 @@ def mrope_positions(inputs: StepInputs, states: dict[str, CachedRequestState]) -
             if features.mrope_positions is not None and start < num_prompt:
                 upto = min(end, num_prompt)
                 rows[:, : upto - start] = features.mrope_positions[:, start:upto]
-            out[:, base : base + count] = rows.to(out.device)
+            columns.append(torch.arange(base, base + count))
+            values.append(rows)
         base += count
+    if values:  # one copy for the step's rows, not one per request
+        out[:, host_to_device(torch.cat(columns), out.device)] = host_to_device(
+            torch.cat(values, dim=1), out.device
+        )
     return out
 
 
@@ -130,7 +138,7 @@ def mrope_plain_positions(
     per_token = torch.tensor(deltas, dtype=torch.int64).repeat_interleave(
         torch.tensor(inputs.counts)
     )
-    return inputs.positions + per_token.to(inputs.positions.device)
+    return inputs.positions + host_to_device(per_token, inputs.positions.device)
 
 
 def step_mrope_positions(inputs: StepInputs, states: dict[str, CachedRequestState]) -> torch.Tensor:
