@@ -11,7 +11,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# Shapes are not specialized on: the start-up warm-up (worker/grammar_mask.py) compiles the
+# two variants once, with any vocabulary size.
+@triton.jit(do_not_specialize=["vocab", "num_words", "stride_logits_row", "stride_mask_row"])
 def _apply_bitmask_kernel(
     logits_ptr,  # [N, V]
     bitmask_ptr,  # [R, W] int32, bit t % 32 of word t // 32 set = token t allowed

@@ -72,6 +72,18 @@ def apply_token_bitmask_(
     apply_token_bitmask_triton(logits, device_mask, device_rows)
 
 
+def warm_up_grammar_kernel(device: torch.device) -> None:
+    """Compile the mask kernel's two variants (all rows, chosen rows) at start-up: the first
+    request with a grammar would otherwise stall its step, and every request in it, for the
+    compile."""
+    if device.type != "cuda":
+        return
+    logits = torch.zeros((2, 64), dtype=torch.float32, device=device)
+    allowed = torch.full((2, 2), -1, dtype=torch.int32).pin_memory()
+    apply_token_bitmask_(logits, allowed, None)
+    apply_token_bitmask_(logits, allowed, [1, 0])
+
+
 def mask_logits_(logits: torch.Tensor, allowed: torch.Tensor, rows: Sequence[int] | None) -> None:
     """-inf where `allowed` ([R, <= V] bool) is False, in `logits[rows]` (all rows when None).
 

@@ -36,7 +36,7 @@ from asyncserve.worker import kv_blocks
 from asyncserve.worker.block_table import BlockTable
 from asyncserve.worker.cuda_graphs import DecodeGraphs
 from asyncserve.worker.encoder_cache import EncoderCache
-from asyncserve.worker.grammar_mask import apply_grammar_bitmask
+from asyncserve.worker.grammar_mask import apply_grammar_bitmask, warm_up_grammar_kernel
 from asyncserve.worker.input_batch import (
     PLACEHOLDER_TOKEN,
     CachedRequestState,
@@ -180,6 +180,7 @@ class ModelRunner:
                 self.model, self.kv_caches, self.config, max_model_len, self.device
             )
         if self.device.type == "cuda":
+            warm_up_grammar_kernel(self.device)
             WATCH.arm()  # start-up compiled what steps need: later compiles are warnings
 
     def release(self) -> None:

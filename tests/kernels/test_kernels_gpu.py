@@ -201,3 +201,19 @@ def test_a_compile_after_start_up_is_a_warning(caplog: Any) -> None:
         assert watch.compiles_after_start == 1
     finally:
         knobs.jit_cache_hook, knobs.jit_post_compile_hook = saved
+
+
+def test_grammar_mask_compiles_only_at_warm_up() -> None:
+    """The start-up warm-up compiles every variant the grammar mask can need: a model's own
+    vocabulary (any size) and row counts compile nothing more."""
+    from asyncserve.kernels import bitmask as bitmask_kernels
+    from asyncserve.worker.grammar_mask import apply_token_bitmask_, warm_up_grammar_kernel
+
+    warm_up_grammar_kernel(CUDA)
+    before = _compiled_variants(bitmask_kernels._apply_bitmask_kernel)
+    for vocab in (32003, 49152):
+        logits = torch.randn((5, vocab), device=CUDA)
+        words = torch.randint(-(2**31), 2**31 - 1, (3, (vocab + 31) // 32), dtype=torch.int32)
+        apply_token_bitmask_(logits, words, [4, 0, 2])
+        apply_token_bitmask_(logits[:3], words, None)
+    assert _compiled_variants(bitmask_kernels._apply_bitmask_kernel) == before
