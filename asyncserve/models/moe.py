@@ -115,26 +115,29 @@ class SparseMoE(nn.Module):
 
 
 def kernel_warm_up_sizes(
-    model: nn.Module, max_tokens: int, dtype: torch.dtype, device: torch.device
+    moe: MoEArch | None,
+    tensor_parallel_size: int,
+    expert_parallel: bool,
+    max_tokens: int,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> list[int]:
-    """Token counts (up to max_tokens) at which the model's fused MoE layers pick different
-    kernel tiles: a forward pass at each compiles them all before serving. [] without MoE
-    layers or off CUDA."""
-    if device.type != "cuda":
+    """Token counts (up to max_tokens) at which the fused MoE layers pick different kernel
+    tiles: a forward pass at each compiles them all before serving. Computed from the model's
+    config alone, so that every rank and pipeline stage runs the same passes (their
+    collectives match); [] without MoE layers, off CUDA, or when expert parallelism splits
+    the experts unevenly (the ranks' shapes, and so their tiles, would differ)."""
+    if moe is None or device.type != "cuda":
         return []
-    sizes: set[int] = set()
-    for module in model.modules():
-        if isinstance(module, SparseMoE):
-            sizes.update(
-                config_change_sizes(
-                    max_tokens,
-                    len(module.local_experts),
-                    module.intermediate,
-                    dtype_name(dtype),
-                    device_name(device),
-                )
-            )
-    return sorted(sizes)
+    if expert_parallel:
+        if moe.num_experts % tensor_parallel_size:
+            return []
+        experts, intermediate = moe.num_experts // tensor_parallel_size, moe.intermediate_size
+    else:  # every rank holds an equal slice of every expert (TensorParallel.split)
+        experts, intermediate = moe.num_experts, moe.intermediate_size // tensor_parallel_size
+    return config_change_sizes(
+        max_tokens, experts, intermediate, dtype_name(dtype), device_name(device)
+    )
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:

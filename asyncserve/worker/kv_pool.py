@@ -171,7 +171,11 @@ def _profile_run(
         rows = min(config.scheduler.max_num_seqs, num_tokens)
         model.driver_logits(hidden[:rows])
         # Steps of other sizes may pick other MoE kernel tiles: compiled here, not mid-run.
-        for size in kernel_warm_up_sizes(model, num_tokens - 1, dtype, device):
+        parallel = config.parallel
+        sizes = kernel_warm_up_sizes(arch.moe, parallel.tensor_parallel_size,
+                                     parallel.enable_expert_parallel, num_tokens - 1, dtype,
+                                     device)  # fmt: skip
+        for size in sizes:
             meta, pos = profile_batch(size, max_model_len, block_size, device)
             model(ids[:size], pos, caches, meta)
     del caches, hidden

@@ -66,3 +66,27 @@ def test_ranks_hold_their_experts_and_partial_sums_add_up() -> None:
 def test_expert_weights_for_a_dense_layer_are_rejected() -> None:
     with pytest.raises(ValueError, match="dense MLP"):
         expert_target(torch.nn.Linear(2, 2), "model.layers.0.mlp", "gate", 0)
+
+
+def test_kernel_warm_up_sizes_are_the_same_on_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The start-up MoE passes come from the config alone (every rank runs the same ones);
+    none off CUDA, without MoE, or with experts split unevenly over the ranks."""
+    from asyncserve.kernels.moe_config import config_change_sizes
+    from asyncserve.models import moe as moe_module
+
+    h100 = "NVIDIA_H100_80GB_HBM3"
+    monkeypatch.setattr(moe_module, "device_name", lambda device: h100)
+    # Qwen3-30B-A3B's experts: the H100 has a tuned table for them at one rank.
+    arch = MoEArch(num_experts=128, top_k=8, intermediate_size=768, renormalize=True)
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    sizes = moe_module.kernel_warm_up_sizes
+    assert sizes(arch, 2, False, 16383, bf16, cuda) == config_change_sizes(
+        16383, 128, 384, "bfloat16", h100
+    )
+    assert sizes(arch, 2, True, 16383, bf16, cuda) == config_change_sizes(
+        16383, 64, 768, "bfloat16", h100
+    )
+    assert len(sizes(arch, 1, False, 16383, bf16, cuda)) > 5
+    assert sizes(arch, 3, True, 16383, bf16, cuda) == []  # 128 experts over 3 ranks
+    assert sizes(None, 1, False, 16383, bf16, cuda) == []
+    assert sizes(arch, 1, False, 16383, bf16, torch.device("cpu")) == []
