@@ -6,17 +6,18 @@
 # Here first: ../shared/peers/vllm/build.sh (.peer/), ../shared/device-wheels copied to .whl/,
 # SmolLM2's GGUF split into .smol/a/part and .smol/b/part (+ .smol/b/sha256), vLLM's MoE
 # kernels in .peer/moe. Calls back to back (the machine keeps /tmp ~30 s after a call):
-#   1 prep   carry .whl .smol/a: asyncserve's wheels; the GPU kernel tests; W5 cold start (18)
+#   1 prep   carry .whl .smol/a: asyncserve's wheels; the GPU kernel tests; W5 cold start and
+#            W6 prefix caching (18)
 #   2 stage  carry .peer/p0: vLLM part 0 staged
-#   3 side   carry .peer/p1: vLLM installed; W1b and W4 pairs with each engine's CUDA kernels
-#            summed per name (18); LoRA with 8 adapters, vLLM's engine core in-process (17);
-#            LLaVA with the transformers shim vLLM needs (19)
-#   4 smol   carry .smol/b: SmolLM2 assembled; speculative decoding pair (16); GPU tests, with
-#            fp32 GPU = CPU and bf16 agreement against transformers on the GPU (18)
+#   3 side   carry .peer/p1: vLLM installed; W1b (also at 1024 sequences) and W4 pairs (18);
+#            Gemma 3 W1b pair (13: its fused GELU kernel); LLaVA pair, then each engine's
+#            kernels over the burst (19)
+#   4 smol   carry .smol/b: SmolLM2 assembled; GPU tests (engine, worker, quantization,
+#            LoRA, speculative decoding)
 #   5 moe    carry .peer/moe: vLLM's MoE kernels added; Qwen3-30B-A3B W2 and W4 pair (13);
 #            W2 at tensor parallel 2 and 1, both engines (11; GPUs 2-3 and 1); the
 #            attention kernel against vLLM's FlashAttention 3 on W4 / W1b batches (18)
-#   then, on a second machine: check (carry .whl), stage, pairs (carry .peer/p1).
+#   Shorter, on a machine of its own: check (carry .whl), stage, pairs (carry .peer/p1).
 # Usage: bash benchmarks/gpu_pending.sh prep|stage|side|smol|moe|check|pairs
 source "$(dirname "$0")/gpu_lanes.sh"
 QWEN=benchmarks/configs/qwen3-0.6b
@@ -45,6 +46,8 @@ j_gpu_tests_quant() { gpu_tests gpu_tests_quant tests/quantization tests/lora/te
 # W5 on the fresh machine: the first start compiles every kernel (its own Triton cache, which
 # the other lanes do not fill), the second finds them cached (18).
 j_cold_start() { TRITON_CACHE_DIR=/tmp/triton-cold TAIL=12 step w5 250 python3 benchmarks/cold_start.py --model $L3 --port 8701 --repeat 2 -- --max-model-len 2048; }
+# W6: TTFT with and without prefix caching on 200 requests sharing a 2000-token prefix (18).
+j_w6() { TAIL=6 step w6 200 python3 benchmarks/prefix_cache.py --model $L3; }
 j_spec_tests() { ASYNCSERVE_TEST_GGUF=$SMOL TAIL=12 step spec_tests 300 python3 -m pytest -q -p no:cacheprovider -rfs tests/worker/test_verify_graphs.py tests/spec_decode/test_spec_gpu.py tests/spec_decode/test_proposer_graphs.py; }
 
 # --- pairs: asyncserve, then vLLM, same GPU ----------------------------------------------
@@ -63,12 +66,13 @@ profiled_pair() {
   TAIL=2 step ${tag}_vllm_kernels 250 env $VENV VLLM_ENABLE_V1_MULTIPROCESSING=0 python3 $SBS --engine vllm "$@" --kernel-summary $OUT/${tag}_vllm_kernels.tsv
 }
 j_w1b() {
-  profiled_pair w1b --workloads w1b --model $L3
+  pair w1b 150 250 --workloads w1b --model $L3
   # A pool that holds all 1000 sequences (H200) runs them in one wave at 1024 sequences
   # (vLLM's offline default); on an H100 the pool holds ~800 and 1024 preempts.
   TAIL=2 step w1b_as_1024 150 python3 $SBS --engine asyncserve --workloads w1b --model $L3 --max-num-seqs 1024
 }
-j_w4() { profiled_pair w4 --workloads w4 --model $QWEN; }
+j_w4() { pair w4 150 250 --workloads w4 --model $QWEN; }
+j_gemma() { pair gemma 200 300 --workloads w1b --model benchmarks/configs/gemma3-4b; }
 j_spec_pair() {  # asyncserve first: it also writes the models and prompts vLLM reads
   TAIL=30 step spec_as 300 python3 benchmarks/spec_decode.py --gguf $SMOL
   TAIL=30 step spec_vllm 330 env $VENV python3 benchmarks/spec_decode.py --engine vllm
@@ -113,15 +117,15 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 case $1 in
   prep)
     mkdir -p /tmp/smol && cp .smol/a/part /tmp/smol/part_a
-    deal j_gpu_tests_kernels j_cold_start ;;
+    deal j_gpu_tests_kernels "j_cold_start j_w6" ;;
   stage)
     bash .peer/p0/stage.sh | tail -1 ;;
   side)
     bash .peer/p1/install.sh | tail -1
-    deal j_w1b j_w4 j_lora j_llava ;;
+    deal j_w1b j_w4 j_gemma "j_llava j_llava_kernels" ;;
   smol)
     cat /tmp/smol/part_a .smol/b/part > $SMOL && sha256sum $SMOL | cut -c1-64 | diff - .smol/b/sha256 && echo "SmolLM2 assembled"
-    deal j_spec_pair j_gpu_tests_engine j_gpu_tests_quant j_spec_tests ;;
+    deal j_gpu_tests_engine j_gpu_tests_quant j_spec_tests ;;
   moe)  # vLLM's MoE kernels (left out of the peer bundle) added to the installed vLLM
     xz -dc .peer/moe/moe.so.xz > /tmp/site_v/vllm/_moe_C_stable_libtorch.abi3.so
     sha256sum /tmp/site_v/vllm/_moe_C_stable_libtorch.abi3.so | cut -c1-64 | diff - .peer/moe/so.sha256 && echo "vLLM MoE kernels added"
