@@ -20,15 +20,14 @@ from asyncserve.engine.async_engine import AsyncEngine
 from asyncserve.engine.dp_client import DataParallelClient
 from asyncserve.engine.dp_group import DataParallelGroup
 from asyncserve.engine.request_checks import check_token_params, check_truncation
-from asyncserve.llm_prompts import PromptType as PromptType
 from asyncserve.llm_prompts import (
+    ImageWork,
     as_prompt_list,
     chat_prompts,
-    multimodal_inputs_of_all,
     split_prompt,
 )
+from asyncserve.llm_prompts import PromptType as PromptType
 from asyncserve.lora.request import LoRARequest
-from asyncserve.multimodal.inputs import MultiModalInputs
 from asyncserve.outputs import CompletionOutput, RequestOutput
 from asyncserve.pooling.config import resolve_runner
 from asyncserve.pooling.engine import PoolingEngine
@@ -308,11 +307,15 @@ class LLM:
                 raise ValueError(f"lora_request[{i}] must be a LoRARequest or None")
         for lora in {id(r): r for r in loras if r is not None}.values():
             self._lora_engine().add_lora(lora)
-        # Images are processed up front (in parallel): a bad one raises before any work.
-        mm_list = multimodal_inputs_of_all(self.engine, prompt_list)
-        return self._loop.run_until_complete(
-            self._run_all(prompt_list, params_list, priorities, use_tqdm, loras, mm_list)
-        )
+        # Images are processed on threads while the engine runs the prompts ready before
+        # them; a bad one raises its ValueError and the call's other requests are aborted.
+        images = ImageWork(self.engine, prompt_list)
+        try:
+            return self._loop.run_until_complete(
+                self._run_all(prompt_list, params_list, priorities, use_tqdm, loras, images)
+            )
+        finally:
+            images.close()
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Validate and register an adapter ahead of its first request."""
@@ -373,7 +376,7 @@ class LLM:
         priorities: list[int],
         use_tqdm: bool,
         loras: list[LoRARequest | None] | None = None,
-        mm_list: list[MultiModalInputs | None] | None = None,
+        images: ImageWork | None = None,
     ) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * len(prompts)
         progress = tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm)
@@ -383,11 +386,12 @@ class LLM:
             params = params_list[index]
             final = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
             text, ids = split_prompt(prompt)
+            # A bad image is the call's ValueError (raised past the per-request errors below).
+            mm = await images.get(index) if images is not None else None
             request_id = str(next(self._ids))
             engine_prompt: str | list[int] = ids if ids is not None else (text or "")
             try:
                 lora = loras[index] if loras is not None else None
-                mm = mm_list[index] if mm_list is not None else None
                 kwargs = {"mm_inputs": mm} if mm is not None else {}
                 async for output in self.engine.generate(
                     engine_prompt,
@@ -404,8 +408,15 @@ class LLM:
                 results[index].prompt = text  # type: ignore[union-attr]
             progress.update(1)
 
+        tasks = [asyncio.ensure_future(run_one(i)) for i in range(len(prompts))]
         try:
-            await asyncio.gather(*(run_one(i) for i in range(len(prompts))))
+            await asyncio.gather(*tasks)
+        except BaseException:
+            # One failed (a bad image): the others' requests are aborted, not left running.
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
         finally:
             progress.close()
         return [r for r in results if r is not None]

@@ -3,10 +3,11 @@ into token prompts (images included), and the images of a prompt processed up fr
 
 from __future__ import annotations
 
+import asyncio
 import numbers
 import os
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from asyncserve.engine.async_engine import AsyncEngine
@@ -81,24 +82,54 @@ def multimodal_inputs(
     return front_end.process(source, prompt["multi_modal_data"])  # type: ignore[no-any-return]
 
 
-# Threads that preprocess a batch's images: PIL's resampling, numpy's arithmetic and hashing
-# release the GIL, so images of different prompts are processed at once.
+# Threads that preprocess a generate() call's images: PIL's resampling, numpy's arithmetic and
+# hashing release the GIL, so images of different prompts are processed at once.
 _IMAGE_WORKERS = 8
+
+
+class ImageWork:
+    """The image prompts of one generate() call, preprocessed on up to _IMAGE_WORKERS threads
+    while the engine already runs the prompts done before them. `get(i)` waits for prompt i's
+    MultiModalInputs (None without images) and raises its ValueError when it is bad."""
+
+    def __init__(self, engine: AsyncEngine | DataParallelClient, prompts: list[PromptType]):
+        self._futures: list[Future[MultiModalInputs | None] | None] = [None] * len(prompts)
+        indexes = [i for i, p in enumerate(prompts) if _has_images(p)]
+        self._pool: ThreadPoolExecutor | None = None
+        if indexes:
+            workers = min(_IMAGE_WORKERS, os.cpu_count() or 1, len(indexes))
+            self._pool = ThreadPoolExecutor(workers, thread_name_prefix="asyncserve-images")
+            for i in indexes:
+                self._futures[i] = self._pool.submit(multimodal_inputs, engine, prompts[i])
+
+    async def get(self, index: int) -> MultiModalInputs | None:
+        future = self._futures[index]
+        return None if future is None else await asyncio.wrap_future(future)
+
+    def results(self) -> list[MultiModalInputs | None]:
+        """Every prompt's inputs, waiting for all (the first bad prompt's ValueError)."""
+        return [f.result() if f is not None else None for f in self._futures]
+
+    def close(self) -> None:
+        """Drop the work not started (the call failed or ended)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _has_images(prompt: PromptType) -> bool:
+    return isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None
 
 
 def multimodal_inputs_of_all(
     engine: AsyncEngine | DataParallelClient, prompts: list[PromptType]
 ) -> list[MultiModalInputs | None]:
-    """multimodal_inputs of every prompt, in order; prompts with images are processed in
-    parallel. The first bad prompt's ValueError is raised, as one at a time would."""
-    with_images = sum(
-        1 for p in prompts if isinstance(p, dict) and p.get("multi_modal_data") is not None
-    )
-    workers = min(_IMAGE_WORKERS, os.cpu_count() or 1, with_images)
-    if workers < 2:
-        return [multimodal_inputs(engine, p) for p in prompts]
-    with ThreadPoolExecutor(workers, thread_name_prefix="asyncserve-images") as pool:
-        return list(pool.map(lambda p: multimodal_inputs(engine, p), prompts))
+    """multimodal_inputs of every prompt, in order, processed as generate() does; the first
+    bad prompt's ValueError is raised."""
+    work = ImageWork(engine, prompts)
+    try:
+        return work.results()
+    finally:
+        work.close()
 
 
 def chat_prompts(

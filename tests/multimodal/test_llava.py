@@ -222,5 +222,11 @@ def test_a_batch_of_image_prompts_is_processed_in_parallel_and_in_order(
         alone = llava.generate(prompt, GREEDY, use_tqdm=False)[0]
         assert out.outputs[0].token_ids == alone.outputs[0].token_ids
     bad = [*prompts[:3], {"prompt": ONE, "multi_modal_data": {"image": "cat.png"}}, *prompts[3:]]
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     with pytest.raises(ValueError, match=r"multi_modal_data\['image'\]\[0\] must be a PIL"):
-        llava.generate(bad, GREEDY, use_tqdm=False)
+        llava.generate(bad, long, use_tqdm=False)
+    # The call's requests that had started are aborted with it, none left running.
+    assert not llava.engine.core.has_unfinished_requests()  # type: ignore[union-attr]
+    assert llava.generate(prompts[0], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == (
+        batch[0].outputs[0].token_ids
+    )
