@@ -32,13 +32,16 @@ class CompileWatch:
 
     def install(self) -> bool:
         """Hook into Triton (once per process; hooks set before are still called). False
-        when Triton is not installed."""
+        when Triton, or its JIT hooks, are not there."""
         if self._installed:
             return True
         try:
             from triton import knobs
         except ImportError:
             return False
+        runtime = knobs.runtime
+        if not hasattr(runtime, "jit_cache_hook") or not hasattr(runtime, "jit_post_compile_hook"):
+            return False  # a Triton without these hooks: nothing is watched
         self._previous = (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook)
         knobs.runtime.jit_cache_hook = self.before_compile
         knobs.runtime.jit_post_compile_hook = self.after_compile
