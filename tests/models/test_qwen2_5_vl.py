@@ -211,7 +211,8 @@ def test_decode_steps_take_plain_positions(
     outs = qwen.generate(
         [{"prompt": ONE, "multi_modal_data": {"image": image}}, text], GREEDY, use_tqdm=False
     )
-    assert shapes[0] == 2 and shapes.count(1) >= GREEDY.max_tokens - 1
+    # The text prompt may run a step alone first (the image one is still preprocessed).
+    assert 2 in shapes and shapes.count(1) >= GREEDY.max_tokens - 1
     assert outs[0].outputs[0].token_ids == _hf_greedy(hf_model, _process(qwen, ONE, [image]))
     assert outs[1].outputs[0].token_ids == _hf_greedy(hf_model, _process(qwen, text, []))
 
