@@ -20,12 +20,7 @@ from asyncserve.engine.async_engine import AsyncEngine
 from asyncserve.engine.dp_client import DataParallelClient
 from asyncserve.engine.dp_group import DataParallelGroup
 from asyncserve.engine.request_checks import check_token_params, check_truncation
-from asyncserve.llm_prompts import (
-    ImageWork,
-    as_prompt_list,
-    chat_prompts,
-    split_prompt,
-)
+from asyncserve.llm_prompts import ImageWork, as_prompt_list, chat_prompts, split_prompt
 from asyncserve.llm_prompts import PromptType as PromptType
 from asyncserve.lora.request import LoRARequest
 from asyncserve.outputs import CompletionOutput, RequestOutput
