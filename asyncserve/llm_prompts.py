@@ -120,18 +120,6 @@ def _has_images(prompt: PromptType) -> bool:
     return isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None
 
 
-def multimodal_inputs_of_all(
-    engine: AsyncEngine | DataParallelClient, prompts: list[PromptType]
-) -> list[MultiModalInputs | None]:
-    """multimodal_inputs of every prompt, in order, processed as generate() does; the first
-    bad prompt's ValueError is raised."""
-    work = ImageWork(engine, prompts)
-    try:
-        return work.results()
-    finally:
-        work.close()
-
-
 def chat_prompts(
     engine: AsyncEngine | DataParallelClient,
     messages: list[dict[str, Any]] | list[list[dict[str, Any]]],

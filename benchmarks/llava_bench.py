@@ -175,10 +175,12 @@ def main() -> None:
     }
     if args.engine == "asyncserve":
         # The front end's share of the burst: its images preprocessed (and hashed) again.
-        from asyncserve.llm_prompts import multimodal_inputs_of_all
+        from asyncserve.llm_prompts import ImageWork
 
         start = time.perf_counter()
-        multimodal_inputs_of_all(llm.engine, burst)
+        work = ImageWork(llm.engine, burst)
+        work.results()
+        work.close()
         report["preprocess_burst_s"] = time.perf_counter() - start
     if ttfts:
         ttfts.sort()
