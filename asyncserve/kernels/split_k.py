@@ -81,7 +81,7 @@ def gemv_program(m, n, k, k_split, BLOCK_N: tl.constexpr):
     return row, offs_n, offs_n < n, tl.minimum(offs_n, n - 1), pid_k, k_start, k_end
 
 
-@triton.jit(do_not_specialize=["numel"])  # numel (tokens x outputs) changes every step
+@triton.jit
 def _sum_splits_kernel(part_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
     """out = the sum over splits of part [SPLIT_K, numel], added in split order."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
