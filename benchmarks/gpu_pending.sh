@@ -13,7 +13,7 @@
 #            Gemma 3 W1b pair (13: its fused GELU kernel); LLaVA pair, then each engine's
 #            kernels over the burst (19)
 #   4 smol   carry .smol/b: SmolLM2 assembled; GPU tests (engine, worker, quantization,
-#            LoRA, speculative decoding)
+#            LoRA, speculative decoding); a warm server start sampled by py-spy (18, W5)
 #   5 moe    carry .peer/moe: vLLM's MoE kernels added; Qwen3-30B-A3B W2 and W4 pair (13);
 #            W2 at tensor parallel 2 and 1, both engines (11; GPUs 2-3 and 1); the
 #            attention kernel against vLLM's FlashAttention 3 on W4 / W1b batches (18)
@@ -48,6 +48,14 @@ j_gpu_tests_quant() { gpu_tests gpu_tests_quant tests/quantization tests/lora/te
 j_cold_start() { TRITON_CACHE_DIR=/tmp/triton-cold TAIL=12 step w5 250 python3 benchmarks/cold_start.py --model $L3 --port 8701 --repeat 2 -- --max-model-len 2048; }
 # W6: TTFT with and without prefix caching on 200 requests sharing a 2000-token prefix (18).
 j_w6() { TAIL=6 step w6 200 python3 benchmarks/prefix_cache.py --model $L3; }
+# Where a warm start's first seconds go (W5: 6 s before the loader's first line on the last
+# H200 host): py-spy (wheel in .smol/b) samples the server until it answers.
+j_w5_profile() {
+  python3 -m pip install -q --no-index --no-deps --target /tmp/spy .smol/b/py_spy-*.whl || return
+  (sleep 30; pkill -f "port 8702") &
+  TAIL=2 step w5_spy 60 /tmp/spy/bin/py-spy record -r 100 -f raw -o $OUT/w5_spy.txt -- \
+    python3 -m asyncserve serve --model $L3 --load-format dummy --max-model-len 2048 --port 8702
+}
 j_spec_tests() { ASYNCSERVE_TEST_GGUF=$SMOL TAIL=12 step spec_tests 300 python3 -m pytest -q -p no:cacheprovider -rfs tests/worker/test_verify_graphs.py tests/spec_decode/test_spec_gpu.py tests/spec_decode/test_proposer_graphs.py; }
 
 # --- pairs: asyncserve, then vLLM, same GPU ----------------------------------------------
@@ -125,7 +133,7 @@ case $1 in
     deal j_w1b j_w4 j_gemma "j_llava j_llava_kernels" ;;
   smol)
     cat /tmp/smol/part_a .smol/b/part > $SMOL && sha256sum $SMOL | cut -c1-64 | diff - .smol/b/sha256 && echo "SmolLM2 assembled"
-    deal j_gpu_tests_engine j_gpu_tests_quant j_spec_tests ;;
+    deal j_gpu_tests_engine j_gpu_tests_quant "j_spec_tests j_w5_profile" ;;
   moe)  # vLLM's MoE kernels (left out of the peer bundle) added to the installed vLLM
     xz -dc .peer/moe/moe.so.xz > /tmp/site_v/vllm/_moe_C_stable_libtorch.abi3.so
     sha256sum /tmp/site_v/vllm/_moe_C_stable_libtorch.abi3.so | cut -c1-64 | diff - .peer/moe/so.sha256 && echo "vLLM MoE kernels added"
