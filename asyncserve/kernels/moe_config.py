@@ -93,6 +93,16 @@ def config_file_name(num_experts: int, intermediate: int, device: str, dtype: st
     return f"E={num_experts},N={intermediate},device_name={device},dtype={dtype}.json"
 
 
+def _device_table(
+    config_dir: Path, num_experts: int, intermediate: int, device: str, dtype: str
+) -> dict[int, MoEConfig]:
+    """The device's tuned table for the shape, else its SAME_CHIP twin's, else {}."""
+    table = load_table(config_dir, num_experts, intermediate, device, dtype)
+    if not table and device in SAME_CHIP:
+        table = load_table(config_dir, num_experts, intermediate, SAME_CHIP[device], dtype)
+    return table
+
+
 def choose_config(
     num_tokens: int,
     num_experts: int,
@@ -104,9 +114,7 @@ def choose_config(
     """The tiles for a batch of num_tokens: the nearest M of the device's tuned table (or of
     its SAME_CHIP twin's), else the buckets. dtype and device as dtype_name and device_name
     spell them."""
-    table = load_table(config_dir, num_experts, intermediate, device, dtype)
-    if not table and device in SAME_CHIP:
-        table = load_table(config_dir, num_experts, intermediate, SAME_CHIP[device], dtype)
+    table = _device_table(config_dir, num_experts, intermediate, device, dtype)
     if table:
         nearest = min(table, key=lambda m: abs(m - num_tokens))
         return table[nearest]
@@ -127,9 +135,7 @@ def config_change_sizes(
     """One token count per distinct config choose_config gives for 1..max_tokens tokens (the
     smallest of each): running a batch of each size compiles every kernel variant a step can
     need, so that none compiles mid-run."""
-    table = load_table(config_dir, num_experts, intermediate, device, dtype)
-    if not table and device in SAME_CHIP:
-        table = load_table(config_dir, num_experts, intermediate, SAME_CHIP[device], dtype)
+    table = _device_table(config_dir, num_experts, intermediate, device, dtype)
     # The nearest-M rule changes config only at table keys or midway between them; every
     # bucket starts one past the previous bucket's end.
     candidates = {1, *table, *((a + b) // 2 + 1 for a, b in itertools.pairwise(sorted(table)))}

@@ -24,7 +24,6 @@ class CompileWatch:
     def __init__(self) -> None:
         self.armed = False
         self.compiles_after_start = 0
-        self.seconds_after_start = 0.0
         self._started: dict[tuple[str, str], float] = {}
         self._lock = threading.Lock()
         self._installed = False
@@ -42,9 +41,9 @@ class CompileWatch:
         runtime = knobs.runtime
         if not hasattr(runtime, "jit_cache_hook") or not hasattr(runtime, "jit_post_compile_hook"):
             return False  # a Triton without these hooks: nothing is watched
-        self._previous = (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook)
-        knobs.runtime.jit_cache_hook = self.before_compile
-        knobs.runtime.jit_post_compile_hook = self.after_compile
+        self._previous = (runtime.jit_cache_hook, runtime.jit_post_compile_hook)
+        runtime.jit_cache_hook = self.before_compile
+        runtime.jit_post_compile_hook = self.after_compile
         self._installed = True
         return True
 
@@ -69,7 +68,6 @@ class CompileWatch:
         seconds = time.perf_counter() - started if started is not None else 0.0
         if self.armed:
             self.compiles_after_start += 1
-            self.seconds_after_start += seconds
             logger.warning(
                 "kernel %s compiled after start-up (%.0f ms): a step waited for it; "
                 "its specialization: %s",
