@@ -6,19 +6,21 @@
 # Here first: ../shared/peers/vllm/build.sh (.peer/), ../shared/device-wheels copied to .whl/,
 # SmolLM2's GGUF split into .smol/a/part and .smol/b/part (+ .smol/b/sha256), vLLM's MoE
 # kernels in .peer/moe. Calls back to back (the machine keeps /tmp ~30 s after a call):
-#   1 prep   carry .whl .smol/a: asyncserve's wheels; the GPU kernel tests; W5 cold start and
-#            W6 prefix caching (18)
+#   1 prep   carry .whl .spy (.smol/a when smol follows): asyncserve's wheels; the GPU kernel
+#            tests; W5 cold start, W6 prefix caching and a warm server start sampled by py-spy
+#            (wheel in .spy/) (18)
 #   2 stage  carry .peer/p0: vLLM part 0 staged
 #   3 side   carry .peer/p1: vLLM installed; W1b (also at 1024 sequences) and W4 pairs (18);
 #            Gemma 3 W1b pair (13: its fused GELU kernel); LLaVA pair, then each engine's
 #            kernels over the burst (19)
 #   4 smol   carry .smol/b: SmolLM2 assembled; GPU tests (engine, worker, quantization,
-#            LoRA, speculative decoding); a warm server start sampled by py-spy (18, W5)
+#            LoRA, speculative decoding)
 #   5 moe    carry .peer/moe: vLLM's MoE kernels added; Qwen3-30B-A3B W2 and W4 pair (13);
-#            W2 at tensor parallel 2 and 1, both engines (11; GPUs 2-3 and 1); the
+#            W2 at tensor parallel 2 and 1, both engines (11; GPUs 2-3 and 1, or part tp2
+#            after moe on a 2-GPU host); the
 #            attention kernel against vLLM's FlashAttention 3 on W4 / W1b batches (18)
 #   Shorter, on a machine of its own: check (carry .whl), stage, pairs (carry .peer/p1).
-# Usage: bash benchmarks/gpu_pending.sh prep|stage|side|smol|moe|check|pairs
+# Usage: bash benchmarks/gpu_pending.sh prep|stage|side|smol|moe|tp2|check|pairs
 source "$(dirname "$0")/gpu_lanes.sh"
 QWEN=benchmarks/configs/qwen3-0.6b
 
@@ -51,7 +53,7 @@ j_w6() { TAIL=6 step w6 200 python3 benchmarks/prefix_cache.py --model $L3; }
 # Where a warm start's first seconds go (W5: 6 s before the loader's first line on the last
 # H200 host): py-spy (wheel in .smol/b) samples the server until it answers.
 j_w5_profile() {
-  python3 -m pip install -q --no-index --no-deps --target /tmp/spy .smol/b/py_spy-*.whl || return
+  python3 -m pip install -q --no-index --no-deps --target /tmp/spy .spy/py_spy-*.whl || return
   (sleep 30; pkill -f "port 8702") &
   TAIL=2 step w5_spy 60 /tmp/spy/bin/py-spy record -r 100 -f raw -o $OUT/w5_spy.txt -- \
     python3 -m asyncserve serve --model $L3 --load-format dummy --max-model-len 2048 --port 8702
@@ -124,8 +126,8 @@ echo "=== part $1 $(date +%T)"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 case $1 in
   prep)
-    mkdir -p /tmp/smol && cp .smol/a/part /tmp/smol/part_a
-    deal j_gpu_tests_kernels "j_cold_start j_w6" ;;
+    [ -d .smol/a ] && mkdir -p /tmp/smol && cp .smol/a/part /tmp/smol/part_a
+    deal j_gpu_tests_kernels "j_cold_start j_w6 j_w5_profile" ;;
   stage)
     bash .peer/p0/stage.sh | tail -1 ;;
   side)
@@ -133,12 +135,17 @@ case $1 in
     deal j_w1b j_w4 j_gemma "j_llava j_llava_kernels" ;;
   smol)
     cat /tmp/smol/part_a .smol/b/part > $SMOL && sha256sum $SMOL | cut -c1-64 | diff - .smol/b/sha256 && echo "SmolLM2 assembled"
-    deal j_gpu_tests_engine j_gpu_tests_quant "j_spec_tests j_w5_profile" ;;
+    deal j_gpu_tests_engine j_gpu_tests_quant j_spec_tests ;;
   moe)  # vLLM's MoE kernels (left out of the peer bundle) added to the installed vLLM
     xz -dc .peer/moe/moe.so.xz > /tmp/site_v/vllm/_moe_C_stable_libtorch.abi3.so
     sha256sum /tmp/site_v/vllm/_moe_C_stable_libtorch.abi3.so | cut -c1-64 | diff - .peer/moe/so.sha256 && echo "vLLM MoE kernels added"
-    deal j_qwen3moe "j_tp1 j_attn_fa3"
-    (export CUDA_VISIBLE_DEVICES=2,3; j_tp2) > $OUT/lane_tp2.txt 2>&1 &
+    deal j_qwen3moe "j_attn_fa3 j_tp1"
+    if [ "$(nvidia-smi -L | wc -l)" -ge 4 ]; then
+      (export CUDA_VISIBLE_DEVICES=2,3; j_tp2) > $OUT/lane_tp2.txt 2>&1 &
+      LANES+=($!)
+    fi ;;
+  tp2)  # on a 2-GPU host, after moe (its vLLM installed)
+    (export CUDA_VISIBLE_DEVICES=0,1; j_tp2) > $OUT/lane_tp2.txt 2>&1 &
     LANES+=($!) ;;
   check)  # carry .whl
     deal j_kernel_checks j_w4_cold_warm ;;
