@@ -61,9 +61,10 @@ def _find_seq_idx(cu_seqlens_q_ptr, q_block_idx, num_seqs, BLOCK_Q: tl.constexpr
     return lo - 1
 
 
-# num_seqs changes every step: one compiled kernel for all its values, not one per Triton
-# integer specialization (== 1, divisible by 16), compiled mid-run the first time each is seen.
-@triton.jit(do_not_specialize=["num_seqs"])
+# num_seqs and the block tables' width (stride_bt_seq) change every step: one compiled kernel
+# for all their values, not one per Triton integer specialization (== 1, divisible by 16),
+# compiled mid-run the first time each is seen.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt_seq"])
 def _unified_attention_kernel(
     out_ptr,  # [T, H, D]
     part_acc_ptr,  # [T, H, NUM_SPLITS, HEAD_DIM_PAD] fp32 (split-KV only)

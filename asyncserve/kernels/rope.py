@@ -31,7 +31,9 @@ def _rotate_heads(
     tl.store(ptr2, out2.to(x_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+# A step's positions may start anywhere in their buffer (a micro-batch's second half): one
+# compiled kernel whatever their alignment (each position is loaded on its own).
+@triton.jit(do_not_specialize_on_alignment=["positions_ptr"])
 def _rotary_kernel(
     positions_ptr,  # [T]
     query_ptr,  # [T, H, D]

@@ -19,7 +19,7 @@ pytestmark = [
 ]
 pytest.importorskip("triton", reason="triton is not installed")
 
-from asyncserve.kernels import activation, attention  # noqa: E402
+from asyncserve.kernels import activation, attention, rope  # noqa: E402
 from asyncserve.kernels.activation import silu_and_mul  # noqa: E402
 from asyncserve.kernels.kv_store import store_kv  # noqa: E402
 from asyncserve.kernels.norm import fused_add_rms_norm, rms_norm  # noqa: E402
@@ -174,6 +174,34 @@ def test_attention_compiles_once_for_any_number_of_sequences() -> None:
         assert _attention_err(batch, 128**-0.5) < ATTN_TOL[torch.bfloat16]
         variants.append(_compiled_variants(attention._unified_attention_kernel))
     assert variants[1:] == variants[:1] * 3, variants
+
+
+def test_attention_compiles_once_for_any_block_table_width() -> None:
+    """Decode batches whose block tables are 6, 16 and 17 blocks wide run one compiled kernel."""
+    variants = []
+    for context in (64, 239, 255):
+        batch = make_batch([1] * 8, [context] * 8, 8, 2, 128, 16, torch.bfloat16, CUDA)
+        assert batch.block_tables.shape[1] == {64: 6, 239: 16, 255: 17}[context]
+        assert _attention_err(batch, 128**-0.5) < ATTN_TOL[torch.bfloat16]
+        variants.append(_compiled_variants(attention._unified_attention_kernel))
+    assert variants[1:] == variants[:1] * 2, variants
+
+
+def test_rope_compiles_once_for_any_positions_offset() -> None:
+    """Positions sliced at an odd offset (not 16-byte aligned) reuse the aligned compile."""
+    cache = torch.randn((64, 64), device=CUDA)
+    positions = torch.arange(9, device=CUDA)
+    variants = []
+    for start in (0, 1):
+        query = torch.randn((8, 4, 64), device=CUDA, dtype=torch.bfloat16)
+        key = torch.randn((8, 2, 64), device=CUDA, dtype=torch.bfloat16)
+        pos = positions[start : start + 8]
+        ref_q, ref_k = reference.rotary_embedding(pos, query, key, cache)
+        out_q, out_k = rotary_embedding(pos, query.clone(), key.clone(), cache)
+        torch.testing.assert_close(out_q, ref_q, atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(out_k, ref_k, atol=1e-2, rtol=1e-2)
+        variants.append(_compiled_variants(rope._rotary_kernel))
+    assert variants[1] == variants[0], variants
 
 
 def test_a_compile_after_start_up_is_a_warning(caplog: Any) -> None:
