@@ -76,13 +76,30 @@ def write_blocks(kv_caches: KVCaches, block_ids: list[int], data: torch.Tensor) 
             f"({expected} {key0.dtype}): the two instances must serve the same model with the "
             "same block size and dtype"
         )
-    index = torch.tensor(block_ids, dtype=torch.long, device=key0.device)
-    data = data.to(key0.device)
+    index, data = _to_pool(block_ids, data, key0.device)
     for layer, (k, v) in enumerate(kv_caches):
         k.index_copy_(0, index, data[:, layer, 0])
         v.index_copy_(0, index, data[:, layer, 1])
-    if key0.is_cuda:
-        torch.cuda.current_stream(key0.device).synchronize()  # written before any step reads
+    # No synchronize on CUDA: the copies are queued on the current stream, which every later
+    # step runs on, so stream order puts them before any read of these blocks.
+
+
+def _to_pool(
+    block_ids: list[int], data: torch.Tensor, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The index and the blocks on the pool's device, without blocking the host on CUDA."""
+    if device.type != "cuda":
+        return torch.tensor(block_ids, dtype=torch.long, device=device), data.to(device)
+    if data.is_cuda:
+        # It may come from another stream (the KV group's receive, which the host waited
+        # for): its memory is not reused before this stream's copies of it ran.
+        data.record_stream(torch.cuda.current_stream(data.device))
+    else:
+        # Pinned, so the copy is queued without waiting for the stream.
+        data = torch.empty(data.shape, dtype=data.dtype, pin_memory=True).copy_(data)
+    index = torch.tensor(block_ids, dtype=torch.long, pin_memory=True)
+    index = index.to(device, non_blocking=True)
+    return index, data.to(device, non_blocking=True)
 
 
 def write_rank_blocks(
