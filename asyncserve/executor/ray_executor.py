@@ -44,7 +44,7 @@ from asyncserve.executor.abstract import Executor, MasksFuture
 from asyncserve.executor.multiproc import WorkerDied
 from asyncserve.executor.ray_cluster import connect, reserve
 from asyncserve.executor.ray_pipeline import driver_reply
-from asyncserve.executor.ray_worker import RayWorker, no_delay
+from asyncserve.executor.ray_worker import RayWorker, no_delay, send_by_value
 
 logger = logging.getLogger(__name__)
 
@@ -210,7 +210,7 @@ class RayExecutor(Executor):
             raise WorkerDied(self._failure)
         for rank, (conn, message) in enumerate(zip(self._conns, messages, strict=True)):
             try:
-                conn.send(message)
+                send_by_value(conn, message)
             except OSError as e:
                 reason = (
                     self._dead_worker(_GRACE_S) or f"{self._describe(rank)} is unreachable: {e}"
@@ -249,6 +249,10 @@ class RayExecutor(Executor):
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         return self._thread.submit(self._rpc, method, args).result()
+
+    def submit_rpc(self, method: str, *args: Any) -> Future[list[Any]]:
+        # Behind the steps sent so far, and without blocking the caller (the event loop).
+        return self._thread.submit(self._rpc, method, args)
 
     def _rpc(self, method: str, args: tuple[Any, ...]) -> list[Any]:
         self._send([("rpc", method, args)] * self.size)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import socket
 from multiprocessing.connection import Client, Connection
 from typing import Any
@@ -93,7 +94,15 @@ class ConnTransport:
         return message
 
     def send(self, reply: tuple[str, Any]) -> None:
-        self._conn.send(reply)
+        send_by_value(self._conn, reply)
+
+
+def send_by_value(conn: Connection, message: Any) -> None:
+    """`conn.send` with tensors pickled by value. The connection's own pickler (torch's
+    multiprocessing reductions) sends a tensor as a shared-memory handle that only a related
+    process may open: the engine and a Ray actor are not (KV blocks of disaggregated prefill
+    travel both ways). The receiver's plain `recv` reads either."""
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def no_delay(conn: Connection) -> None:

@@ -2,13 +2,15 @@
 Ray actors equals one device token for token, on one node and across both, and so does
 pipeline parallelism (2 stages x 2 ranks); a cluster too small is a one-line error before
 any load; a killed actor (busy or idle) or a lost node ends the engine with a clear error
-and frees its placement group.
+and frees its placement group. KV blocks (disaggregated prefill's pool work) travel between
+the engine and the actors by value, queued behind the steps.
 
 The model is a small Llama checkpoint with random weights: SmolLM2-135M's 9 attention heads
 cannot be split in two."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,10 +18,12 @@ from typing import Any
 
 import pytest
 import ray
+import torch
 
 from asyncserve import LLM, RequestOutput, SamplingParams
 from asyncserve.executor.ray_cluster import check_capacity
 from asyncserve.executor.ray_executor import RayExecutor
+from asyncserve.worker.kv_blocks import merge_rank_heads
 from tests.engine.test_tensor_parallel import ENGINE_ARGS, _generate
 from tests.ray.conftest import NODE_ARGS
 
@@ -55,13 +59,27 @@ def spread_llm(ray_cluster: Any, checkpoint: Path) -> Iterator[LLM]:
     llm.close()
 
 
-def test_tp2_across_two_nodes_equals_one_device(spread_llm: LLM, expected: list[list[int]]) -> None:
+def test_tp2_across_two_nodes_equals_one_device(
+    spread_llm: LLM, expected: list[list[int]], checkpoint: Path
+) -> None:
     executor = spread_llm.engine.executor
     assert isinstance(executor, RayExecutor)
     assert len(set(executor.nodes)) == 2  # one rank on each simulated node
     assert _generate(spread_llm) == expected
     assert spread_llm.engine.scheduler.num_preemptions_total > 0
     assert spread_llm.engine.num_free_blocks == spread_llm.engine.num_blocks
+    # Pool work (disaggregated prefill's block copies) queues behind the steps without
+    # holding its caller: here the step thread is still busy when submit_rpc returns.
+    executor._thread.submit(time.sleep, 0.5)
+    blocks = executor.submit_rpc("read_kv_blocks", [0, 1])
+    assert not blocks.done()
+    parts = blocks.result(timeout=30)  # one reply a rank: its KV heads, by value
+    # Blocks with every KV head go back the other way, each rank writing its own.
+    kv_heads = json.loads((checkpoint / "config.json").read_text())["num_key_value_heads"]
+    whole = merge_rank_heads(parts, kv_heads)
+    assert executor.submit_rpc("write_kv_blocks", [5, 4], whole).result(timeout=30) == [None] * 2
+    moved = executor.collective_rpc("read_kv_blocks", [5, 4])
+    assert all(torch.equal(m, p) for m, p in zip(moved, parts, strict=True))
 
 
 def test_tp2_on_one_node_equals_one_device(
