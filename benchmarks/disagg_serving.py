@@ -21,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +87,13 @@ def run_disagg(args: argparse.Namespace) -> dict[str, Any]:
             proxy = subprocess.Popen(proxy_cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
         procs.append(proxy)
         wait_ready(proxy, f"http://127.0.0.1:{port}", timeout=60)
-        return bench(args, f"http://127.0.0.1:{port}", "disagg")
+        report = bench(args, f"http://127.0.0.1:{port}", "disagg")
+        # What each instance computed and moved (prefix hits, pulled blocks): where the
+        # decode instance's slow gaps come from.
+        for name, base in (("consumer", c_base), ("producer", p_base)):
+            with urllib.request.urlopen(base + "/metrics", timeout=10) as reply:
+                (args.out / f"disagg_{name}_metrics.txt").write_bytes(reply.read())
+        return report
     finally:
         stop(procs)
 

@@ -20,7 +20,8 @@
 #            after moe on a 2-GPU host); the
 #            attention kernel against vLLM's FlashAttention 3 on W4 / W1b batches (18)
 #   Shorter, on a machine of its own: check (carry .whl), stage, pairs (carry .peer/p1).
-# Usage: bash benchmarks/gpu_pending.sh prep|stage|side|smol|moe|tp2|check|pairs
+#   disagg (carry .whl, 2 GPUs): the compile-once GPU tests; disaggregated prefill vs DP=2 (20).
+# Usage: bash benchmarks/gpu_pending.sh prep|stage|side|smol|moe|tp2|check|pairs|disagg
 source "$(dirname "$0")/gpu_lanes.sh"
 QWEN=benchmarks/configs/qwen3-0.6b
 
@@ -152,6 +153,10 @@ case $1 in
   pairs)  # carry .peer/p1
     bash .peer/p1/install.sh | tail -1
     deal j_w4_pair "j_llava j_llava_kernels" ;;
+  disagg)  # carry .whl; a 2-GPU host: compile-once checks, then disaggregated prefill vs DP=2
+    TAIL=4 step compile_checks 150 python3 -m pytest -q -p no:cacheprovider -rfs tests/kernels/test_kernels_gpu.py tests/worker/test_kv_blocks.py -k "compile or cuda_write"
+    TAIL=30 step disagg_serving 400 python3 benchmarks/disagg_serving.py --input-len 4096 --output-len 256 --num-prompts 200 --request-rate 5 --out $OUT
+    grep -h "compiled after start-up" $OUT/*.log | cut -c1-80 | sort | uniq -c ;;
   *) echo "unknown part $1"; exit 2 ;;
 esac
 finish $1
