@@ -21,7 +21,8 @@
 #            attention kernel against vLLM's FlashAttention 3 on W4 / W1b batches (18)
 #   Shorter, on a machine of its own: check (carry .whl), stage, pairs (carry .peer/p1).
 #   disagg (carry .whl, 2 GPUs): the compile-once GPU tests; disaggregated prefill vs DP=2 (20).
-# Usage: bash benchmarks/gpu_pending.sh prep|stage|side|smol|moe|tp2|check|pairs|disagg
+#   w1b_diag (carry .whl): W1b's kernels and a decode step's phases at 512 and 1024 sequences.
+# Usage: bash benchmarks/gpu_pending.sh prep|stage|side|smol|moe|tp2|check|pairs|disagg|w1b_diag
 source "$(dirname "$0")/gpu_lanes.sh"
 QWEN=benchmarks/configs/qwen3-0.6b
 
@@ -123,6 +124,15 @@ j_w4_cold_warm() {
 }
 j_w4_pair() { pair w4 150 250 --workloads w4 --model $QWEN; }
 
+# W1b at 512 and 1024 sequences: kernels per name over the run, and a decode step's phases.
+w1b_diag() {
+  local seqs=$1
+  TAIL=2 step w1b_${seqs}_kernels 150 python3 $SBS --engine asyncserve --workloads w1b --model $L3 --max-num-seqs $seqs --kernel-summary $OUT/w1b_${seqs}_kernels.tsv
+  TAIL=45 step phases_${seqs} 150 python3 benchmarks/step_phases.py --model $L3 --load-format dummy --batch-size $((seqs < 1000 ? seqs : 1000)) --input-len 256 --output-len 128 --max-num-seqs $seqs --no-detokenize
+}
+j_w1b_diag_512() { w1b_diag 512; }
+j_w1b_diag_1024() { w1b_diag 1024; }
+
 echo "=== part $1 $(date +%T)"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 case $1 in
@@ -157,6 +167,8 @@ case $1 in
     TAIL=4 step compile_checks 150 python3 -m pytest -q -p no:cacheprovider -rfs tests/kernels/test_kernels_gpu.py tests/worker/test_kv_blocks.py -k "compile or cuda_write"
     TAIL=30 step disagg_serving 400 python3 benchmarks/disagg_serving.py --input-len 4096 --output-len 256 --num-prompts 200 --request-rate 5 --out $OUT
     grep -h "compiled after start-up" $OUT/*.log | cut -c1-80 | sort | uniq -c ;;
+  w1b_diag)  # carry .whl: where W1b's time goes at 512 and at 1024 sequences (18)
+    deal j_w1b_diag_512 j_w1b_diag_1024 ;;
   *) echo "unknown part $1"; exit 2 ;;
 esac
 finish $1
