@@ -22,7 +22,8 @@
 #   Shorter, on a machine of its own: check (carry .whl), stage, pairs (carry .peer/p1).
 #   disagg (carry .whl, 2 GPUs): the compile-once GPU tests; disaggregated prefill vs DP=2 (20).
 #   w1b_diag (carry .whl): W1b's kernels and a decode step's phases at 512 and 1024 sequences.
-# Usage: bash benchmarks/gpu_pending.sh prep|stage|side|smol|moe|tp2|check|pairs|disagg|w1b_diag
+#   syncs (carry .whl): the synchronizing CUDA calls inside those decode steps.
+# Usage: bash benchmarks/gpu_pending.sh prep|stage|side|smol|moe|tp2|check|pairs|disagg|w1b_diag|syncs
 source "$(dirname "$0")/gpu_lanes.sh"
 QWEN=benchmarks/configs/qwen3-0.6b
 
@@ -169,6 +170,9 @@ case $1 in
     grep -h "compiled after start-up" $OUT/*.log | cut -c1-80 | sort | uniq -c ;;
   w1b_diag)  # carry .whl: where W1b's time goes at 512 and at 1024 sequences (18)
     deal j_w1b_diag_512 j_w1b_diag_1024 ;;
+  syncs)  # carry .whl: host waits inside W1b's decode steps (torch's sync debug mode)
+    TAIL=40 step syncs_512 150 python3 benchmarks/step_phases.py --model $L3 --load-format dummy --batch-size 512 --input-len 256 --output-len 64 --no-detokenize --sync-debug
+    TAIL=40 step syncs_1000 150 python3 benchmarks/step_phases.py --model $L3 --load-format dummy --batch-size 1000 --input-len 256 --output-len 64 --max-num-seqs 1024 --no-detokenize --sync-debug ;;
   *) echo "unknown part $1"; exit 2 ;;
 esac
 finish $1

@@ -30,9 +30,12 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import collections
 import statistics
 import sys
 import time
+import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +64,11 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--no-detokenize", action="store_true", help="token ids only")
     parser.add_argument(
         "--switch-interval", type=float, default=None, help="sys.setswitchinterval (seconds)"
+    )
+    parser.add_argument(
+        "--sync-debug",
+        action="store_true",
+        help="CUDA: count the timed run's synchronizing calls by where asyncserve made them",
     )
     return parser.parse_args()
 
@@ -153,13 +161,39 @@ def main() -> None:
     core.publish = timers["publish"]  # type: ignore[method-assign]
     if runner.decode_graphs is not None:
         runner.decode_graphs.run = timers["replay"]  # type: ignore[method-assign]
+    syncs = _watch_syncs() if args.sync_debug and torch.cuda.is_available() else None
     try:
         llm.generate(prompts, params, use_tqdm=False)
     finally:
+        if syncs is not None:
+            torch.cuda.set_sync_debug_mode(0)
         model_runner.SamplingMetadata.build = meta_build  # type: ignore[method-assign]
         model_runner.apply_plan = timers["  apply_plan"].fn  # type: ignore[attr-defined]
     _report(args, engine, timers, marks, schedule_end, full_decode)
+    if syncs is not None:
+        print(f"synchronizing CUDA calls in the timed run: {sum(syncs.values())}")
+        for where, count in syncs.most_common(12):
+            print(f"{count:8d}  {where}")
     llm.close()
+
+
+def _watch_syncs() -> collections.Counter[str]:
+    """torch's sync debug mode on, each warning counted by the innermost asyncserve frames
+    that led to it (a host wait inside a step keeps the device idle under async scheduling)."""
+    counts: collections.Counter[str] = collections.Counter()
+
+    def record(message: Any, category: Any, *_: Any, **__: Any) -> None:
+        if "synchroniz" not in str(message):
+            return
+        frames = [f for f in traceback.extract_stack() if "/asyncserve/" in f.filename]
+        counts[
+            " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames[::-1][:4])
+        ] += 1
+
+    warnings.simplefilter("always")
+    warnings.showwarning = record
+    torch.cuda.set_sync_debug_mode("warn")
+    return counts
 
 
 def _report(
@@ -225,8 +259,8 @@ def _report(
     print(f"{'step thread -> loop':>22}: {us(to_loop):9.1f} us")
     runner = engine.runner
     graphs = runner.decode_graphs
-    if graphs is not None and torch.cuda.is_available():
-        size = graphs.padded_size(args.batch_size)
+    size = graphs.padded_size(args.batch_size) if graphs is not None else None
+    if graphs is not None and size is not None and torch.cuda.is_available():
         graph, _ = graphs.graphs[size]  # type: ignore[index]
         torch.cuda.synchronize()
         start = time.perf_counter()
