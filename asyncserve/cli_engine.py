@@ -210,6 +210,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--enforce-eager", action="store_true", help="no CUDA graphs (GPU only; always on CPU)"
     )
     group.add_argument(
+        "--max-cudagraph-capture-size",
+        type=_positive_int,
+        default=512,
+        help="decode steps of up to this many requests replay CUDA graphs captured at start "
+        "(default 512; capped by --max-num-seqs); larger steps run eager",
+    )
+    group.add_argument(
         "--runner",
         default="auto",
         choices=["auto", "generate", "pooling"],
@@ -287,6 +294,7 @@ def engine_config_from_args(args: argparse.Namespace, env: Environment) -> Engin
         async_scheduling=args.async_scheduling,
         decode_latency_target_ms=args.decode_latency_target_ms,
         enforce_eager=args.enforce_eager,
+        max_cudagraph_capture_size=args.max_cudagraph_capture_size,
         tensor_parallel_size=args.tensor_parallel_size,
         data_parallel_size=getattr(args, "data_parallel_size", 1),
         enable_expert_parallel=args.enable_expert_parallel,

@@ -17,7 +17,8 @@ from asyncserve.cli import (
     parse_bytes,
     server_config_from_args,
 )
-from asyncserve.config import Environment
+from asyncserve.config import EngineConfig, Environment
+from asyncserve.worker.target_graphs import max_graph_batch
 from tests.conftest import smollm2_gguf_path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,6 +60,7 @@ def test_serve_flags_map_to_configs() -> None:
         "--max-waiting-requests", "9",
         "--kv-cache-memory", "512M",
         "--block-size", "32",
+        "--max-cudagraph-capture-size", "16",
         "--load-format", "dummy",
         "--host", "0.0.0.0",
         "--port", "9000",
@@ -81,6 +83,8 @@ def test_serve_flags_map_to_configs() -> None:
     assert engine.cache.kv_cache_memory == 512 * 1024**2
     assert engine.cache.block_size == 32
     assert engine.stream_interval == 4
+    assert engine.max_cudagraph_capture_size == 16
+    assert max_graph_batch(engine) == 16  # 32 sequences, graphs up to 16
     server = server_config_from_args(args, NO_ENV)
     assert server.served_model_names == ("a", "b")
     assert server.api_key == "k"
@@ -97,6 +101,7 @@ def test_defaults() -> None:
     assert engine.model.model is None  # the installed SmolLM2
     assert engine.cache.enable_prefix_caching is True
     assert engine.scheduler.policy == "fcfs"
+    assert max_graph_batch(engine) == min(engine.scheduler.max_num_seqs, 512)
     server = server_config_from_args(args, NO_ENV)
     assert (server.host, server.port) == ("127.0.0.1", 8000)
     assert server.served_model_names == (DEFAULT_SERVED_NAME,)
@@ -107,6 +112,12 @@ def test_defaults() -> None:
     tools = parse("serve", "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_xml")
     server = server_config_from_args(tools, NO_ENV)
     assert server.enable_auto_tool_choice and server.tool_call_parser == "qwen3_xml"
+
+
+@pytest.mark.parametrize("size", [0, -4, True, 2.5, "512"])
+def test_bad_graph_capture_size_is_a_value_error(size: object) -> None:
+    with pytest.raises(ValueError, match="max_cudagraph_capture_size"):
+        EngineConfig.from_engine_args(max_cudagraph_capture_size=size)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -165,6 +176,7 @@ def test_parse_bytes_rejects(text: str) -> None:
         ["serve", "--load-format", "pt"],
         ["serve", "--max-num-seqs", "0"],
         ["serve", "-tp", "0"],
+        ["serve", "--max-cudagraph-capture-size", "0"],
         ["serve", "--port", "http"],
         ["serve", "--tool-call-parser", "nonesuch"],
         ["serve", "--metrics-prefix", "tgi"],

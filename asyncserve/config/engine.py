@@ -38,9 +38,14 @@ class EngineConfig:
     multimodal: MultiModalConfig = field(default_factory=MultiModalConfig)
     # Step-loop behaviour.
     enable_cuda_graphs: bool = True
+    # Decode steps of up to this many requests replay captured graphs; larger ones run eager.
+    max_cudagraph_capture_size: int = 512
     stream_interval: int = 1
 
     def __post_init__(self) -> None:
+        size = self.max_cudagraph_capture_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"max_cudagraph_capture_size must be a positive integer, got {size!r}")
         spec = self.speculative
         parallel = self.parallel
         if (
@@ -78,6 +83,7 @@ class EngineConfig:
         scheduling_policy: str = "fcfs",
         async_scheduling: bool | None = None,
         enforce_eager: bool = False,
+        max_cudagraph_capture_size: int = 512,
         stream_interval: int = 1,
         tensor_parallel_size: int = 1,
         otlp_traces_endpoint: str | None = None,
@@ -163,6 +169,7 @@ class EngineConfig:
                 media_fetch_timeout_s=image_fetch_timeout_s() or DEFAULT_MEDIA_FETCH_TIMEOUT_S,
             ),
             enable_cuda_graphs=not enforce_eager,
+            max_cudagraph_capture_size=max_cudagraph_capture_size,
             stream_interval=stream_interval,
         ).checked()
 

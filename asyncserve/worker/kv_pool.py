@@ -106,7 +106,7 @@ def _free_gpu_bytes_after_profile(
     if config.enable_cuda_graphs:
         # Decode graphs keep their own activations and logits outside the profiled peak;
         # a draft model or EAGLE head has graphs of its own.
-        rows = min(config.scheduler.max_num_seqs, 512)
+        rows = min(config.scheduler.max_num_seqs, config.max_cudagraph_capture_size)
         spec = config.speculative
         sets = 2 if spec is not None and spec.model is not None else 1
         budget -= sets * (rows * arch.vocab_size * 4 * 2 + (512 << 20))

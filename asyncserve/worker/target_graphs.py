@@ -20,7 +20,7 @@ from asyncserve.worker.verify_layout import replays_verification, verify_capture
 
 
 def max_graph_batch(config: EngineConfig) -> int:
-    return min(config.scheduler.max_num_seqs, 512)
+    return min(config.scheduler.max_num_seqs, config.max_cudagraph_capture_size)
 
 
 def verify_query_len(config: EngineConfig) -> int | None:
