@@ -83,6 +83,8 @@ j_w1b() {
   # A pool that holds all 1000 sequences (H200) runs them in one wave at 1024 sequences
   # (vLLM's offline default); on an H100 the pool holds ~800 and 1024 preempts.
   TAIL=2 step w1b_as_1024 150 python3 $SBS --engine asyncserve --workloads w1b --model $L3 --max-num-seqs 1024
+  # ... with its decode steps captured as graphs up to 1024 (eager above 512 otherwise).
+  TAIL=2 step w1b_as_1024_graphs 150 python3 $SBS --engine asyncserve --workloads w1b --model $L3 --max-num-seqs 1024 --max-cudagraph-capture-size 1024
 }
 j_w4() { pair w4 150 250 --workloads w4 --model $QWEN; }
 j_gemma() { pair gemma 200 300 --workloads w1b --model benchmarks/configs/gemma3-4b; }

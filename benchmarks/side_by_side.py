@@ -54,6 +54,8 @@ def common_kwargs(a):
         kw["disable_custom_all_reduce"] = True
     if a.quantization:
         kw["quantization"] = a.quantization
+    if a.max_cudagraph_capture_size:
+        kw["max_cudagraph_capture_size"] = a.max_cudagraph_capture_size
     return kw
 
 
@@ -134,6 +136,7 @@ def main():
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--max-cudagraph-capture-size", type=int, default=None)
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--disable-custom-all-reduce", action="store_true", help="NCCL only")
     p.add_argument("--repeat", type=int, default=1)
