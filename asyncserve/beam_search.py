@@ -25,6 +25,7 @@ the tokenizer's only), and a beam that reaches max_model_len completes with fini
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -98,7 +99,13 @@ def get_beam_search_score(
     seq_len = len(tokens)
     if tokens and tokens[-1] in eos_ids:
         seq_len -= 1
-    return cumulative_logprob / (max(seq_len, 1) ** length_penalty)
+    try:
+        norm = max(seq_len, 1) ** length_penalty
+    except OverflowError:  # a huge length_penalty: the length term dwarfs the logprob
+        norm = math.inf
+    if norm == 0.0:  # a hugely negative one underflows: dividing by it would raise
+        return -math.inf if cumulative_logprob < 0 else 0.0
+    return cumulative_logprob / norm
 
 
 class BeamEngine(Protocol):

@@ -39,7 +39,13 @@ import tokenizers
 import torch
 from llguidance import LLExecutor, LLMatcher, LLParserLimits, LLTokenizer
 
-from asyncserve.core.grammar_limits import MAX_SCHEMA_DEPTH, check_regex, json_depth, ref_cycle
+from asyncserve.core.grammar_limits import (
+    MAX_SCHEMA_DEPTH,
+    check_regex,
+    check_schema_patterns,
+    json_depth,
+    ref_cycle,
+)
 from asyncserve.core.request import Request
 from asyncserve.core.step import GrammarBitmask, StepPlan
 from asyncserve.sampling_params import StructuredOutputsParams
@@ -125,6 +131,7 @@ def compile_grammar(
                 "structured_outputs.json: invalid schema: the $ref cycle "
                 f"{' -> '.join(cycle)} applies to the same value forever (no value matches)"
             )
+        check_schema_patterns(schema)
         try:
             grammar = LLMatcher.grammar_from_json_schema(
                 schema if isinstance(schema, dict) else json.dumps(schema),

@@ -71,13 +71,36 @@ def regex_expansion(pattern: str) -> int:
     return sum(stack)
 
 
-def check_regex(pattern: str) -> None:
+def check_regex(pattern: str, where: str = "structured_outputs.regex") -> None:
     size = regex_expansion(pattern)
     if size > MAX_REGEX_EXPANSION:
         raise ValueError(
-            f"structured_outputs.regex: its repetitions expand to about {size} atoms; the "
+            f"{where}: its repetitions expand to about {size} atoms; the "
             f"limit is {MAX_REGEX_EXPANSION}"
         )
+
+
+def check_schema_patterns(schema: Any) -> None:
+    """check_regex on every regex of a JSON schema (`pattern` values, `patternProperties`
+    keys): llguidance compiles them lazily, so an explosive one would stall the first
+    masks of every running request instead of failing here."""
+    stack: list[tuple[Any, str]] = [(schema, "#")]
+    while stack:
+        node, pointer = stack.pop()
+        if isinstance(node, list):
+            stack.extend((value, f"{pointer}/{i}") for i, value in enumerate(node))
+            continue
+        if not isinstance(node, dict):
+            continue
+        where = f"structured_outputs.json: invalid schema: the pattern at {pointer}"
+        if isinstance(node.get("pattern"), str):
+            check_regex(node["pattern"], where)
+        if isinstance(node.get("patternProperties"), dict):
+            for key in node["patternProperties"]:
+                check_regex(key, f"{where}/patternProperties")
+        for key, value in node.items():
+            if key not in _DATA_KEYWORDS and isinstance(value, dict | list):
+                stack.append((value, f"{pointer}/{_escape(str(key))}"))
 
 
 # Keywords whose values are data, not schemas: a {"$ref"} inside them is not a reference.

@@ -102,12 +102,14 @@ def _check_common(body: SamplingFields | GenerateRequest) -> None:
         raise APIError(f"n must be an integer in [1, {MAX_N}], got {body.n}", 400, "n")
     if isinstance(body, SamplingFields):
         check_stream_fields(body)
-        if body.best_of is not None and body.best_of != body.n and not body.use_beam_search:
-            raise APIError(
-                f"best_of must equal n ({body.n}) when given: best_of > n is not supported",
-                400,
-                "best_of",
-            )
+    # /generate takes best_of too: ignoring it would return n samples as if the best had
+    # been picked from more.
+    if body.best_of is not None and body.best_of != body.n and not body.use_beam_search:
+        raise APIError(
+            f"best_of must equal n ({body.n}) when given: best_of > n is not supported",
+            400,
+            "best_of",
+        )
 
 
 _GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")

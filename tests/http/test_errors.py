@@ -114,6 +114,14 @@ BAD_BODIES: list[tuple[str, dict[str, Any], str | None]] = [
     ("/generate", {"prompt": "x", "temperature": -0.5}, "temperature"),
     ("/generate", {"prompt": "x", "max_tokens": 99999}, "max_tokens"),
     ("/generate", {"max_tokens": 3}, "prompt"),
+    ("/generate", {"prompt": "x", "best_of": 3}, "best_of"),
+    # A schema pattern is held to the regex size limit (it used to stall the first masks).
+    (
+        "/v1/chat/completions",
+        {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "string", "pattern": "^(a{1000}){1000}$"}}}},
+        "response_format",
+    ),
 ]  # fmt: skip
 
 
@@ -221,6 +229,9 @@ EXTREME_BUT_VALID: list[dict[str, Any]] = [
     {"repetition_penalty": 1e300}, {"repetition_penalty": 1e-300},
     {"presence_penalty": 2, "frequency_penalty": -2}, {"logprobs": 20, "echo": True},
     {"prompt_logprobs": 20}, {"prompt": [0]}, {"max_tokens": 20, "stop": ["."] * 64},
+    # Beam scores len ** length_penalty: overflows and underflows to 0 (not a 500).
+    {"use_beam_search": True, "n": 2, "length_penalty": 1e300},
+    {"use_beam_search": True, "n": 2, "length_penalty": -1e300},
 ]  # fmt: skip
 
 

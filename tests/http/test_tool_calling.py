@@ -120,6 +120,31 @@ def test_stream_deltas_in_openai_shape(client: Any) -> None:
     assert json.loads(arguments)["zone"] in ("UTC", "CET", "PST")
 
 
+@pytest.mark.parametrize(
+    "tool_choice",
+    ["required", {"type": "function", "function": {"name": "get_weather"}}],
+    ids=["required", "named"],
+)
+def test_forced_call_cut_by_max_tokens(client: Any, tool_choice: Any) -> None:
+    """A forced call cut short keeps finish_reason "length" streamed or not, and a stream
+    never repeats the call's text as content after its argument deltas."""
+    body = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": tool_choice,
+            "temperature": 0, "max_tokens": 12 if tool_choice == "required" else 5}  # fmt: skip
+    done = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert done["finish_reason"] == "length"
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    choices = [c["choices"][0] for c in chunks if c["choices"]]
+    deltas = [c["delta"] for c in choices]
+    assert [c["finish_reason"] for c in choices if c["finish_reason"]] == ["length"]
+    assert "".join(d.get("content") or "" for d in deltas) == ""
+    calls = [t for d in deltas for t in d.get("tool_calls") or []]
+    assert calls, deltas
+    if tool_choice != "required":  # named: the cut arguments are the call, as vLLM's
+        arguments = "".join(t["function"]["arguments"] for t in calls)
+        assert [c["function"]["arguments"] for c in done["message"]["tool_calls"]] == [arguments]
+
+
 def test_bad_tool_requests_are_400s_naming_the_field(client: Any) -> None:
     def post(**fields: Any) -> Any:
         body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, **fields}

@@ -83,3 +83,8 @@ class NamedToolParser(ToolParser):
 
     def parse(self, text: str, final: bool) -> ParseResult:
         return ParseResult("", [ParsedCall(self.name, text, final)])
+
+    def extract(self, text: str) -> ParseResult:
+        # The whole output is the call, cut short or not (as vLLM and OpenAI return a
+        # truncated forced call): a stream has sent it as the call's arguments already.
+        return self.parse(text, final=True)

@@ -72,8 +72,9 @@ class ToolPlan:
 
     def finish_reason(self, reason: str | None, called: bool) -> str | None:
         """vLLM's: "tool_calls" when auto or required calls came out; a named call keeps
-        the engine's reason (as OpenAI's API does)."""
-        if reason is not None and called and self.mode in ("auto", "required"):
+        the engine's reason (as OpenAI's API does), and so does an output cut short by
+        max_tokens ("length"): its last call may be incomplete."""
+        if reason not in (None, "length") and called and self.mode in ("auto", "required"):
             return "tool_calls"
         return reason
 

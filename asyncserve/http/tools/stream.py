@@ -26,6 +26,13 @@ class ToolCallStream:
         self.text += delta
         if final:
             result = self.parser.extract(self.text)
+            if self.arguments and not result.calls:
+                # Calls already went out (the output was cut short mid-call): finish them
+                # as far as the text goes; their text sent again as content would repeat it.
+                try:
+                    result = self.parser.parse(self.text, final=True)
+                except (JSONScanError, ValueError, SyntaxError):
+                    return "", []
         else:
             try:
                 result = self.parser.parse(self.text, final=False)
