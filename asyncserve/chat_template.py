@@ -149,3 +149,5 @@ def render_chat_template(
         )
     except jinja2.exceptions.TemplateError as e:
         raise ValueError(f"chat template error: {e}") from e
+    except Exception as e:  # the template failing on these messages (None + str, say)
+        raise ValueError(f"chat template error: {type(e).__name__}: {e}") from e

@@ -19,10 +19,18 @@ from asyncserve.config.sections import offline_batch_limits
 from asyncserve.engine.async_engine import AsyncEngine
 from asyncserve.engine.dp_client import DataParallelClient
 from asyncserve.engine.dp_group import DataParallelGroup
-from asyncserve.engine.request_checks import check_token_params, check_truncation
-from asyncserve.llm_prompts import ImageWork, as_prompt_list, chat_prompts, split_prompt
+from asyncserve.engine.request_checks import check_logprobs, check_token_params, check_truncation
+from asyncserve.llm_prompts import (
+    ImageWork,
+    as_prompt_list,
+    chat_prompts,
+    params_per_prompt,
+    priorities_per_prompt,
+    split_prompt,
+)
 from asyncserve.llm_prompts import PromptType as PromptType
 from asyncserve.lora.request import LoRARequest
+from asyncserve.offline_loop import run_call
 from asyncserve.outputs import CompletionOutput, RequestOutput
 from asyncserve.pooling.config import resolve_runner
 from asyncserve.pooling.engine import PoolingEngine
@@ -89,7 +97,7 @@ class LLM:
         Under a data-parallel launcher (ASYNCSERVE_DP_RANK / _SIZE / _MASTER_IP /
         _MASTER_PORT set) this process is one rank: it joins the ranks' group and runs one
         engine on its own prompts."""
-        # Most logprobs (and prompt_logprobs) a SamplingParams may ask for, as in vLLM.
+        # Most logprobs (and prompt_logprobs) a SamplingParams may ask for; -1: no cap (vLLM's).
         self.max_logprobs = max_logprobs
         # Unset, the batch limits are offline's: larger than serving's on a GPU.
         on_gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
@@ -186,8 +194,8 @@ class LLM:
         for prompt in as_prompt_list(prompts):
             text, prompt_ids = split_prompt(prompt)
             items.append(prompt_ids if prompt_ids is not None else text or "")
-        vectors, ids = self._loop.run_until_complete(
-            pooling.embed_inputs(items, truncate_prompt_tokens=truncate_prompt_tokens)
+        vectors, ids = run_call(
+            self._loop, pooling.embed_inputs(items, truncate_prompt_tokens=truncate_prompt_tokens)
         )
         return [
             EmbeddingRequestOutput(str(next(self._ids)), tokens, EmbeddingOutput(vec.tolist()))
@@ -228,15 +236,17 @@ class LLM:
         firsts = [data_1] if isinstance(data_1, str) else list(data_1)
         if len(firsts) == 1:
             firsts = firsts * len(seconds)
-        scores, _ = self._loop.run_until_complete(
-            pooling.score(firsts, seconds, truncate_prompt_tokens)
-        )
+        scores, _ = run_call(self._loop, pooling.score(firsts, seconds, truncate_prompt_tokens))
         return [ScoringRequestOutput(str(next(self._ids)), [], ScoringOutput(s)) for s in scores]
 
     def _check_generates(self) -> None:
+        if self._loop.is_closed():  # not the event loop's own "Event loop is closed"
+            raise RuntimeError("this LLM is closed: LLM.close() was called")
         self.engine  # noqa: B018 - raises the ValueError for a pooling model
 
     def _pooling_engine(self) -> PoolingEngine:
+        if self._loop.is_closed():
+            raise RuntimeError("this LLM is closed: LLM.close() was called")
         if self._pooling is None:
             raise ValueError(
                 "embed(), encode() and score() need a pooling model: LLM(model, runner='pooling')"
@@ -266,31 +276,17 @@ class LLM:
         prompt_list = as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompt_list)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompt_list):
-                raise ValueError(
-                    f"sampling_params: got {len(params_list)} for {len(prompt_list)} prompts"
-                )
+        params_list = params_per_prompt(sampling_params, len(prompt_list))
+        vocab_size = self.engine.loaded.arch.vocab_size
         for params in params_list:
-            for name in ("logprobs", "prompt_logprobs"):
-                value = getattr(params, name)
-                if value is not None and value > self.max_logprobs:
-                    raise ValueError(
-                        f"{name}: requested {value}, which is greater than max allowed: "
-                        f"{self.max_logprobs} (LLM(max_logprobs=...))"
-                    )
-            check_token_params(params, self.engine.loaded.arch.vocab_size)
+            check_logprobs(params, self.max_logprobs, vocab_size)
+            check_token_params(params, vocab_size)
             if params.truncate_prompt_tokens is not None:
                 check_truncation(params.truncate_prompt_tokens, self.engine.max_model_len)
             if params.structured_outputs is not None:
                 # A bad schema, regex or grammar is the caller's error: raise before any work.
                 self.engine.structured.validate(params.structured_outputs)
-        if priority is not None and len(priority) != len(prompt_list):
-            raise ValueError(f"priority: got {len(priority)} values for {len(prompt_list)} prompts")
-        priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        priorities = priorities_per_prompt(priority, len(prompt_list))
         loras: list[LoRARequest | None]
         if lora_request is None or isinstance(lora_request, LoRARequest):
             loras = [lora_request] * len(prompt_list)
@@ -308,8 +304,9 @@ class LLM:
         # them; a bad one raises its ValueError and the call's other requests are aborted.
         images = ImageWork(self.engine, prompt_list)
         try:
-            return self._loop.run_until_complete(
-                self._run_all(prompt_list, params_list, priorities, use_tqdm, loras, images)
+            return run_call(
+                self._loop,
+                self._run_all(prompt_list, params_list, priorities, use_tqdm, loras, images),
             )
         finally:
             images.close()
@@ -362,9 +359,7 @@ class LLM:
                 ids = self.engine.tokenizer.encode(text or "", add_special_tokens=True)
             token_prompts.append(ids)
         prefix = f"beam-{next(self._ids)}"
-        return self._loop.run_until_complete(
-            beam_search(self.engine, token_prompts, params, prefix)
-        )
+        return run_call(self._loop, beam_search(self.engine, token_prompts, params, prefix))
 
     async def _run_all(
         self,

@@ -12,7 +12,9 @@ from typing import Any
 
 from asyncserve.engine.async_engine import AsyncEngine
 from asyncserve.engine.dp_client import DataParallelClient
+from asyncserve.engine.request_checks import check_priority
 from asyncserve.multimodal.inputs import MultiModalInputs
+from asyncserve.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -36,6 +38,43 @@ def as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTyp
             raise ValueError(f"prompts[{i}] must be a string, a list of token ids or a dict")
         split_prompt(p, f"prompts[{i}]")
     return prompt_list
+
+
+def params_per_prompt(
+    sampling_params: SamplingParams | Sequence[SamplingParams], num_prompts: int
+) -> list[SamplingParams]:
+    """One SamplingParams for every prompt, or one each; anything else is a ValueError
+    naming it (not an AttributeError from the checks that read them)."""
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * num_prompts
+    if not isinstance(sampling_params, Iterable) or isinstance(sampling_params, str | dict):
+        raise ValueError(
+            "sampling_params must be a SamplingParams or a list of them, "
+            f"got {type(sampling_params).__name__}"
+        )
+    params_list = list(sampling_params)
+    if len(params_list) != num_prompts:
+        raise ValueError(f"sampling_params: got {len(params_list)} for {num_prompts} prompts")
+    for i, params in enumerate(params_list):
+        if not isinstance(params, SamplingParams):
+            raise ValueError(
+                f"sampling_params[{i}] must be a SamplingParams, got {type(params).__name__}"
+            )
+    return params_list
+
+
+def priorities_per_prompt(priority: Sequence[int] | None, num_prompts: int) -> list[int]:
+    """One integer priority per prompt (0 for all without)."""
+    if priority is None:
+        return [0] * num_prompts
+    if not isinstance(priority, Iterable) or isinstance(priority, str | bytes | dict):
+        raise ValueError(f"priority must be a list of integers, got {type(priority).__name__}")
+    priorities = list(priority)
+    if len(priorities) != num_prompts:
+        raise ValueError(f"priority: got {len(priorities)} values for {num_prompts} prompts")
+    for value in priorities:
+        check_priority(value)
+    return priorities
 
 
 def _is_token_id(value: Any) -> bool:
@@ -133,6 +172,15 @@ def chat_prompts(
         raise ValueError(
             "chat_template_kwargs must be a dict, got " + type(chat_template_kwargs).__name__
         )
+    for reserved in ("messages", "bos_token", "eos_token"):
+        if reserved in (chat_template_kwargs or {}):
+            raise ValueError(f"chat_template_kwargs must not set {reserved!r}")
+    # As in vLLM, chat_template_kwargs override the arguments (add_generation_prompt, tools).
+    template_kwargs = {
+        "add_generation_prompt": add_generation_prompt,
+        "tools": tools,
+        **(chat_template_kwargs or {}),
+    }
     conversations: list[list[dict[str, Any]]]
     if messages and isinstance(messages[0], dict):
         conversations = [messages]  # type: ignore[list-item]
@@ -144,12 +192,7 @@ def chat_prompts(
     for conversation in conversations:
 
         def render(messages: list[dict[str, Any]]) -> str:
-            return tokenizer.apply_chat_template(  # type: ignore[no-any-return]
-                messages,
-                add_generation_prompt=add_generation_prompt,
-                tools=tools,
-                **(chat_template_kwargs or {}),
-            )
+            return tokenizer.apply_chat_template(messages, **template_kwargs)  # type: ignore[no-any-return]
 
         if front_end is None:
             text, images = render(conversation), []

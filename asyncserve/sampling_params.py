@@ -40,6 +40,15 @@ class StructuredOutputsParams:
             not self.choice or not all(isinstance(c, str) for c in self.choice)
         ):
             raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+        # Checked here, not left to the grammar compiler's TypeErrors.
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(
+                    f"structured_outputs.{name} must be a string, got {type(value).__name__}"
+                )
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise ValueError("structured_outputs.json_object must be a boolean")
 
 
 # Sampling fields whose default comes from the model's generation_config, as vLLM reads it.
@@ -270,6 +279,12 @@ class SamplingParams:
                 "truncate_prompt_tokens",
                 f"must be -1 or an integer >= 1, got {self.truncate_prompt_tokens}",
             )
+        _check(
+            self.structured_outputs is None
+            or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs",
+            f"must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}",
+        )
         _check(
             isinstance(self.output_kind, RequestOutputKind),
             "output_kind",

@@ -76,6 +76,13 @@ def test_broken_or_unsafe_templates_are_value_errors(template: str) -> None:
         render_chat_template(template, [{"role": "user", "content": "a"}])
 
 
+def test_template_failing_on_the_messages_is_a_value_error() -> None:
+    # A template that concatenates content fails on null content with a TypeError.
+    template = "{% for m in messages %}{{ '<' + m['content'] + '>' }}{% endfor %}"
+    with pytest.raises(ValueError, match="chat template error: TypeError"):
+        render_chat_template(template, [{"role": "user", "content": None}])
+
+
 def test_content_parts_are_joined_and_none_kept() -> None:
     messages: list[dict[str, Any]] = [
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},

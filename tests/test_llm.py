@@ -108,6 +108,24 @@ def test_chat_passes_tools_to_the_template(llm: LLM) -> None:
     assert llm.get_tokenizer().decode(out.prompt_token_ids, False) == "[get_weather]Hi"
 
 
+def test_chat_template_kwargs_override_the_arguments(llm: LLM) -> None:
+    # vLLM's LLM.chat lets chat_template_kwargs set add_generation_prompt (and tools).
+    messages = [{"role": "user", "content": "Hi"}]
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    out = llm.chat(messages, params, use_tqdm=False, add_generation_prompt=True,
+                   chat_template_kwargs={"add_generation_prompt": False})[0]  # fmt: skip
+    text = llm.get_tokenizer().decode(out.prompt_token_ids, False)
+    assert not text.rstrip().endswith("assistant")
+    with pytest.raises(ValueError, match="chat_template_kwargs must not set 'bos_token'"):
+        llm.chat(messages, params, use_tqdm=False, chat_template_kwargs={"bos_token": "x"})
+
+
+def test_chat_content_the_template_cannot_render_is_a_value_error(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="chat template error"):
+        llm.chat([{"role": "user", "content": None}], use_tqdm=False)
+    assert llm.engine.num_running == 0 and llm.engine.num_waiting == 0
+
+
 def test_too_long_prompt_fails_alone(llm: LLM) -> None:
     long_prompt = " ".join(["word"] * 400)
     params = SamplingParams(temperature=0.0, max_tokens=4)
@@ -139,6 +157,7 @@ def test_too_long_prompt_fails_alone(llm: LLM) -> None:
         ({"stop": 5}, "stop"),
         ({"stop_token_ids": [True]}, "stop_token_ids"),
         ({"stop_token_ids": 7}, "stop_token_ids"),
+        ({"structured_outputs": {"regex": "[0-9]+"}}, "structured_outputs"),
     ],
 )
 def test_invalid_sampling_params_name_the_field(kwargs: dict, field: str) -> None:  # type: ignore[type-arg]
@@ -159,6 +178,7 @@ def test_invalid_sampling_params_name_the_field(kwargs: dict, field: str) -> Non
         ({"prompt": 5}, r"\['prompt'\] must be a string"),
         ({"prompt_token_ids": "abc"}, "must be a list of token ids"),
         (["ok", {"prompt_token_ids": [1, None]}], r"prompts\[1\]\['prompt_token_ids'\]\[1\]"),
+        ({"prompt": "Hi", "multi_modal_data": 5}, "multi_modal_data must be a dict"),
     ],
 )
 def test_malformed_prompts_raise_before_any_work(llm: LLM, prompts: object, match: str) -> None:
@@ -168,6 +188,26 @@ def test_malformed_prompts_raise_before_any_work(llm: LLM, prompts: object, matc
     assert llm.engine.num_running == 0 and llm.engine.num_waiting == 0
     after = llm.generate("Hi", params, use_tqdm=False)[0]
     assert after.error is None and after.outputs[0].token_ids
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"sampling_params": [None]}, r"sampling_params\[0\] must be a SamplingParams"),
+        ({"sampling_params": {"max_tokens": 2}}, "sampling_params must be a SamplingParams"),
+        ({"priority": ["high"]}, "priority must be an integer"),
+        ({"priority": 5}, "priority must be a list"),
+    ],
+)
+def test_bad_params_or_priorities_raise_before_any_work(
+    llm: LLM, kwargs: dict[str, object], match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        llm.generate("Hi", use_tqdm=False, **kwargs)  # type: ignore[arg-type]
+    # The engine refuses it too: a priority queue would fail comparing it, request queued.
+    with pytest.raises(ValueError, match="priority must be an integer"):
+        llm.engine.add_request("Hi", SamplingParams(max_tokens=1), "bad-priority", None)  # type: ignore[arg-type]
+    assert llm.engine.num_running == 0 and llm.engine.num_waiting == 0
 
 
 def test_chat_template_kwargs_must_be_a_dict(llm: LLM) -> None:
@@ -197,6 +237,23 @@ def test_logprobs_over_max_logprobs(llm: LLM) -> None:
     # The bound is LLM's max_logprobs (20 by default, as in vLLM), not SamplingParams'.
     with pytest.raises(ValueError, match="logprobs.*max allowed: 20"):
         llm.generate("Hi", SamplingParams(logprobs=50, max_tokens=1), use_tqdm=False)
+
+
+def test_logprobs_bounded_by_the_vocabulary(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    # max_logprobs=-1 is vLLM's "no cap": up to the vocabulary, never past it (a top-k over
+    # more than the vocabulary would fail the step and with it the engine).
+    monkeypatch.setattr(llm, "max_logprobs", -1)
+    vocab = llm.engine.loaded.arch.vocab_size
+    out = llm.generate("Hi", SamplingParams(logprobs=30, max_tokens=1), use_tqdm=False)[0]
+    assert len(out.outputs[0].logprobs[0]) >= 30  # type: ignore[index]
+    for name in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=name):
+            llm.generate("Hi", SamplingParams(max_tokens=1, **{name: vocab + 1}), use_tqdm=False)
+        ids = llm.get_tokenizer().encode("Hi")
+        with pytest.raises(ValueError, match=name):
+            llm.engine.validate_request(ids, SamplingParams(max_tokens=1, **{name: vocab + 1}))
+    assert llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].text
+    assert_pool_whole(llm)
 
 
 def test_abort_frees_blocks(llm: LLM) -> None:
@@ -253,3 +310,38 @@ def test_offline_batch_limits(llm: LLM) -> None:
     assert offline_batch_limits(None, None, on_gpu=False) == (256, 2048)
     assert offline_batch_limits(64, None, on_gpu=True) == (64, 16384)
     assert offline_batch_limits(None, 4096, on_gpu=True) == (512, 4096)
+
+
+def test_closed_llm_says_so() -> None:
+    closed = LLM(device="cpu", max_model_len=64, num_gpu_blocks_override=8)
+    closed.close()
+    with pytest.raises(RuntimeError, match="LLM is closed"):
+        closed.generate("Hi", SamplingParams(max_tokens=1), use_tqdm=False)
+    with pytest.raises(RuntimeError, match="LLM is closed"):
+        closed.chat([{"role": "user", "content": "Hi"}], use_tqdm=False)
+    closed.close()  # twice is harmless
+
+
+def test_interrupted_generate_aborts_its_requests(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Ctrl-C during generate(): a KeyboardInterrupt out of the event loop. The call's other
+    # requests must not stay running (holding KV blocks, stepping in the next call).
+    class Interrupting:
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            pass
+
+        def update(self, n: int) -> None:
+            raise KeyboardInterrupt
+
+        def close(self) -> None:
+            pass
+
+    with monkeypatch.context() as patch:
+        patch.setattr("asyncserve.llm.tqdm", Interrupting)
+        params = [SamplingParams(max_tokens=1), SamplingParams(max_tokens=200, ignore_eos=True)]
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(["Hi", "Once upon a time"], params, use_tqdm=False)
+    assert llm.engine.num_running == 0 and llm.engine.num_waiting == 0
+    assert_pool_whole(llm)
+    assert llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].text

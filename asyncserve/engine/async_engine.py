@@ -23,7 +23,12 @@ from asyncserve.disagg.kv_transfer import KVTransferError
 from asyncserve.engine.admission import bad_words_token_ids, build_request
 from asyncserve.engine.engine_core import EngineCore
 from asyncserve.engine.multimodal import MultiModalFrontEnd
-from asyncserve.engine.request_checks import check_request, check_token_params, truncate_prompt
+from asyncserve.engine.request_checks import (
+    check_priority,
+    check_request,
+    check_token_params,
+    truncate_prompt,
+)
 from asyncserve.engine.setup import eos_token_ids, load_for_engine, make_tracer, resolve_device
 from asyncserve.engine.step_loop import StepLoop
 from asyncserve.executor.abstract import Executor
@@ -326,6 +331,7 @@ class AsyncEngine:
         expanded token ids replace the prompt's."""
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        check_priority(priority)
         if self._dead_reason is not None:
             raise RuntimeError(f"engine is not running: {self._dead_reason}")
         if isinstance(prompt, str):

@@ -29,7 +29,7 @@ from asyncserve.engine.dp_lora import ReplicaLoRAs
 from asyncserve.engine.dp_processes import EXIT_GRACE_S, ReplicaProcesses, replica_devices
 from asyncserve.engine.dp_replica import Stats
 from asyncserve.engine.multimodal import MultiModalFrontEnd
-from asyncserve.engine.request_checks import check_request, truncate_prompt
+from asyncserve.engine.request_checks import check_priority, check_request, truncate_prompt
 from asyncserve.engine.setup import eos_token_ids, resolve_device
 from asyncserve.lora.layers import module_shapes
 from asyncserve.lora.request import LoRARequest
@@ -234,6 +234,7 @@ class DataParallelClient:
         expanded token ids replace the prompt's."""
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        check_priority(priority)
         if self._dead_reason is not None:
             raise RuntimeError(f"engine is not running: {self._dead_reason}")
         if isinstance(prompt, str):

@@ -70,6 +70,11 @@ class MultiModalFrontEnd:
 
     def process(self, prompt: str | list[int], mm_data: Mapping[str, Any]) -> MultiModalInputs:
         """Tokenize (a text prompt, with special tokens), expand placeholders, preprocess."""
+        if not isinstance(mm_data, Mapping):
+            raise ValueError(
+                "multi_modal_data must be a dict such as {'image': ...}, "
+                f"got {type(mm_data).__name__}"
+            )
         for key in mm_data:
             if key not in SUPPORTED_MODALITIES:
                 raise ValueError(

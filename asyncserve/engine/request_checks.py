@@ -3,6 +3,8 @@ data-parallel front end (which rejects bad requests before choosing a replica)."
 
 from __future__ import annotations
 
+import numbers
+
 from asyncserve.core.grammar import StructuredOutputManager
 from asyncserve.sampling_params import SamplingParams
 
@@ -42,7 +44,14 @@ def check_request(
 
 
 def check_token_params(params: SamplingParams, vocab_size: int) -> None:
-    """allowed_token_ids and logit_bias name only tokens of the vocabulary."""
+    """allowed_token_ids and logit_bias name only tokens of the vocabulary, and no more
+    logprobs are asked for than it has (more would fail the whole step's top-k)."""
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > vocab_size:
+            raise ValueError(
+                f"{name}: requested {value}, more than the vocabulary's {vocab_size} tokens"
+            )
     if params.allowed_token_ids is not None:
         bad = next((t for t in params.allowed_token_ids if t >= vocab_size), None)
         if bad is not None:
@@ -56,6 +65,26 @@ def check_token_params(params: SamplingParams, vocab_size: int) -> None:
                 f"logit_bias contains out-of-vocab token ids {out_of_vocab[:10]}; the "
                 f"vocabulary size is {vocab_size}"
             )
+
+
+def check_logprobs(params: SamplingParams, max_logprobs: int, vocab_size: int) -> None:
+    """vLLM's bound on logprobs and prompt_logprobs: max_logprobs, -1 meaning no cap (the
+    vocabulary)."""
+    limit = vocab_size if max_logprobs == -1 else max_logprobs
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > limit:
+            raise ValueError(
+                f"{name}: requested {value}, which is greater than max allowed: "
+                f"{limit} (LLM(max_logprobs=...))"
+            )
+
+
+def check_priority(priority: object) -> None:
+    """The priority queue compares priorities when a request joins it: anything but an
+    integer would fail there, with the request already half queued."""
+    if not isinstance(priority, numbers.Integral) or isinstance(priority, bool):
+        raise ValueError(f"priority must be an integer, got {priority!r}")
 
 
 def check_truncation(keep: int, max_model_len: int) -> None:

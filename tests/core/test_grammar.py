@@ -94,6 +94,17 @@ def test_structured_outputs_params_need_exactly_one_field() -> None:
         StructuredOutputsParams(choice=[])
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [({"regex": 5}, "regex"), ({"grammar": b"start: x"}, "grammar"), ({"json_object": 1}, "json")],
+)
+def test_structured_outputs_fields_of_the_wrong_type_name_the_field(
+    kwargs: dict[str, object], field: str
+) -> None:
+    with pytest.raises(ValueError, match=f"structured_outputs.{field}"):
+        StructuredOutputsParams(**kwargs)  # type: ignore[arg-type]
+
+
 def test_choice_accepts_exactly_the_choices(
     manager: StructuredOutputManager, tokenizer: Tokenizer
 ) -> None:
