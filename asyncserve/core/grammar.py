@@ -181,6 +181,8 @@ def validate_structured_outputs(
 @dataclass
 class _MatcherState:
     matcher: LLMatcher
+    # The cached template's key (its grammar): dropped when this copy fails.
+    grammar: str
     # Output tokens of the request already consumed by the matcher.
     num_consumed: int = 0
 
@@ -247,14 +249,14 @@ class StructuredOutputManager:
         """Compile the constraint (cached); ValueError naming the field when it is invalid."""
         self._template(params)
 
-    def _template(self, params: StructuredOutputsParams) -> LLMatcher:
+    def _template(self, params: StructuredOutputsParams) -> tuple[str, LLMatcher]:
         compiled = compile_grammar(params, self.whitespace_flexible)
         # validate() may run in the server's preprocessing threads: the cache is shared.
         with self._templates_lock:
             template = self._templates.get(compiled.grammar)
             if template is not None:
                 self._templates.move_to_end(compiled.grammar)
-                return template
+                return compiled.grammar, template
         # Short errors: a rejected token's message goes to the client, without parser state.
         limits = LLParserLimits(verbose_errors=False)
         template = LLMatcher(self.tokenizer, compiled.grammar, log_level=0, limits=limits)
@@ -264,10 +266,11 @@ class StructuredOutputManager:
             self._templates[compiled.grammar] = template
             if len(self._templates) > self._cache_size:
                 self._templates.popitem(last=False)
-        return template
+        return compiled.grammar, template
 
     def add_request(self, request_id: str, params: StructuredOutputsParams) -> None:
-        self._matchers[request_id] = _MatcherState(self._template(params).deep_copy())
+        grammar, template = self._template(params)
+        self._matchers[request_id] = _MatcherState(template.deep_copy(), grammar)
 
     def remove(self, request_ids: Iterable[str]) -> None:
         if not self._matchers:
@@ -295,6 +298,11 @@ class StructuredOutputManager:
             state.num_consumed += len(new_tokens)
             if not state.matcher.consume_tokens(new_tokens):
                 del self._matchers[request_id]
+                # Copies share the template's lazily built lexer: one that failed inside it
+                # (a limit hit while computing a mask) would end the next copies at once
+                # with nothing generated. The next request with this grammar compiles anew.
+                with self._templates_lock:
+                    self._templates.pop(state.grammar, None)
                 error = state.matcher.get_error().replace("<non-verbose/>", "").strip()
                 message = error or "token rejected by the grammar"
                 result.errored.append((request_id, f"structured output failed: {message}"))

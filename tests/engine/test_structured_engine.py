@@ -10,6 +10,7 @@ import jsonschema
 import pytest
 
 from asyncserve import RequestOutputKind, SamplingParams
+from asyncserve.core import grammar
 from asyncserve.llm import LLM
 from asyncserve.sampling_params import StructuredOutputsParams
 
@@ -317,4 +318,19 @@ def test_abort_drops_the_matcher(llm: LLM) -> None:
 
     text = llm._loop.run_until_complete(scenario())
     assert text.startswith("[")
+    assert_clean(llm)
+
+
+def test_a_grammar_that_fails_inside_the_engine_fails_every_time(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pattern too large for llguidance's lexer fails only when a mask is computed (the
+    size check before queueing, disabled here, refuses this one). The cached template shares
+    the failed lexer: later requests must fail too, not stop at once with nothing made."""
+    monkeypatch.setattr(grammar, "check_schema_patterns", lambda schema: None)
+    constraint = StructuredOutputsParams(json={"type": "string", "pattern": "^(a{1000}){1000}$"})
+    params = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=constraint)
+    for _ in range(2):
+        out = llm.generate(["Say:"], params, use_tqdm=False)[0].outputs[0]
+        assert out.finish_reason == "error" and out.token_ids == []
     assert_clean(llm)
