@@ -105,8 +105,10 @@ class KVTransfer:
         if group is not None:
             self._check_group(group)
         try:
-            found = [(h, b) for h, b in zip(block_hashes, self.kv.cached_blocks(block_hashes),
-                                            strict=True) if b is not None]  # fmt: skip
+            # Only the blocks this request holds, each once: a pull must not read (or probe)
+            # the rest of the prefix cache, nor repeat one block to inflate the reply.
+            held = {b.block_hash: b for b in self.kv.exports.get(request_id, ())}
+            found = [(h, held.pop(h)) for h in block_hashes if h in held]
             hashes = [h for h, _ in found]
             data = torch.empty(0)
             meta = {"block_hashes": json.dumps(hashes)}
@@ -182,6 +184,10 @@ class KVTransfer:
             hashes, data = self._parse(url, await asyncio.to_thread(self._fetch, url, rid, missing))
         if not hashes:
             return 0
+        # The blocks join the shared prefix cache under these hashes: only those asked for.
+        if len(set(hashes)) != len(hashes) or not set(hashes) <= set(missing):
+            raise KVTransferError(f"KV transfer from {url}: the reply names blocks that "
+                                  "were not asked for")  # fmt: skip
         blocks = self.kv.take_blocks_for_import(len(hashes))
         if blocks is None:
             logger.info("no room for %d pulled KV blocks: the prompt is computed here", len(hashes))

@@ -138,7 +138,7 @@ def build_proxy(
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object")
         headers = headers_of(request)
-        transfer = await prefill_step(path, body, headers)
+        transfer = await prefill_step(path, body, headers) if _one_sequence(body) else None
         if isinstance(transfer, Response):
             return transfer
         # Only the producer's kv_transfer_params go on: a client's own would aim the decode
@@ -189,6 +189,15 @@ def build_proxy(
         ],
         lifespan=lifespan,
     )
+
+
+def _one_sequence(body: dict[str, Any]) -> bool:
+    """Disaggregated prefill serves one prompt and one sequence (a consumer refuses
+    kv_transfer_params with n > 1): anything else goes whole to a decode instance, rather
+    than failing there while the producer holds blocks nobody pulls."""
+    prompt = body.get("prompt")
+    batch = isinstance(prompt, list) and any(isinstance(p, (str, list)) for p in prompt)
+    return body.get("n") in (None, 1) and not body.get("use_beam_search") and not batch
 
 
 async def _forward(

@@ -63,11 +63,13 @@ def _encode_vector(vec: torch.Tensor, fmt: str) -> list[float] | str:
     return vec.tolist()
 
 
-async def _run(field: str, coro: Any) -> Any:
+async def _run(field: str, coro: Any, fields: Sequence[str] = ()) -> Any:
+    """The engine's ValueErrors as 400s; `fields`: the request's fields an error may name
+    first (a score's text_1, a rerank's query), else `field`."""
     try:
         return await coro
     except ValueError as exc:
-        raise from_value_error(exc, field) from exc
+        raise from_value_error(exc, field, {f: f for f in fields}) from exc
 
 
 def _usage(batches: Sequence[Sequence[int]]) -> PoolingUsage:
@@ -138,7 +140,9 @@ def routes(state: ServerState) -> list[Route]:
         if not seconds:
             raise APIError("text_2 must not be empty", 400, "text_2")
         scores, tokens = await _run(
-            "text_2", engine.score(firsts, seconds, body.truncate_prompt_tokens)
+            "text_2",
+            engine.score(firsts, seconds, body.truncate_prompt_tokens),
+            ("text_1", "text_2"),
         )
         data = [ScoreData(index=i, score=s) for i, s in enumerate(scores)]
         usage = PoolingUsage(prompt_tokens=tokens, total_tokens=tokens)
@@ -157,8 +161,12 @@ def routes(state: ServerState) -> list[Route]:
         scores, tokens = await _run(
             "documents",
             engine.score(
-                [body.query] * len(body.documents), body.documents, body.truncate_prompt_tokens
+                [body.query] * len(body.documents),
+                body.documents,
+                body.truncate_prompt_tokens,
+                ("query", "documents"),
             ),
+            ("query", "documents"),
         )
         order = sorted(range(len(scores)), key=lambda i: scores[i], reverse=True)
         if body.top_n:

@@ -42,10 +42,25 @@ class _Job:
 
 
 def truncate_tokens(ids: list[int], keep: int | None) -> list[int]:
-    """truncate_prompt_tokens: keep the last `keep` tokens (None or -1: all)."""
-    if keep is None or keep < 0:
-        return ids
-    return ids[-keep:] if keep else []
+    """truncate_prompt_tokens: keep the last `keep` tokens (None: all)."""
+    return ids if keep is None else ids[-keep:]
+
+
+def truncation(keep: int | None, max_model_len: int) -> int | None:
+    """vLLM's truncate_prompt_tokens for pooling: -1 keeps what max_model_len holds; 0, other
+    negatives and values over max_model_len are refused (as vLLM refuses them)."""
+    if keep is None:
+        return None
+    if keep == -1:
+        return max_model_len
+    if keep < 1:
+        raise ValueError(f"truncate_prompt_tokens must be -1 or an integer >= 1, got {keep}")
+    if keep > max_model_len:
+        raise ValueError(
+            f"truncate_prompt_tokens value ({keep}) is greater than max_model_len "
+            f"({max_model_len}); select a smaller truncation size"
+        )
+    return keep
 
 
 class PoolingEngine:
@@ -184,19 +199,22 @@ class PoolingEngine:
         items: list[str | list[int]],
         add_special_tokens: bool = True,
         truncate_prompt_tokens: int | None = None,
+        fields: str | list[str] = "input",
     ) -> tuple[list[torch.Tensor], list[list[int]]]:
-        """Texts (tokenized off the event loop) or token ids -> (vectors, token ids)."""
+        """Texts (tokenized off the event loop) or token ids -> (vectors, token ids).
+        `fields` names the items in errors: one name for all, or one per item."""
+        keep = truncation(truncate_prompt_tokens, self.max_model_len)
 
         def tokenize() -> list[list[int]]:
             out = []
-            for item in items:
+            for i, item in enumerate(items):
                 ids = (
                     self.tokenizer.encode(item, add_special_tokens)
                     if isinstance(item, str)
                     else list(item)
                 )
-                ids = truncate_tokens(ids, truncate_prompt_tokens)
-                self.check_prompt(ids)
+                ids = truncate_tokens(ids, keep)
+                self.check_prompt(ids, fields if isinstance(fields, str) else fields[i])
                 out.append(ids)
             return out
 
@@ -204,17 +222,21 @@ class PoolingEngine:
         return await self.embed(ids), ids
 
     async def score(
-        self, firsts: list[str], seconds: list[str], truncate_prompt_tokens: int | None = None
+        self,
+        firsts: list[str],
+        seconds: list[str],
+        truncate_prompt_tokens: int | None = None,
+        fields: tuple[str, str] = ("text_1", "text_2"),
     ) -> tuple[list[float], int]:
         """Relevance of each (first, second) pair and the tokens read: a cross-encoder's
         sigmoid of its one logit (else the last label's softmax probability), an embedding
-        model's cosine similarity."""
+        model's cosine similarity. `fields` names the two sides in errors."""
         if len(firsts) != len(seconds):
             raise ValueError("text_1 must be one text or as many texts as text_2")
+        keep = truncation(truncate_prompt_tokens, self.max_model_len)
         if not self.model.is_cross_encoder:
-            vecs, ids = await self.embed_inputs(
-                [*firsts, *seconds], truncate_prompt_tokens=truncate_prompt_tokens
-            )
+            names = [fields[0]] * len(firsts) + [fields[1]] * len(seconds)
+            vecs, ids = await self.embed_inputs([*firsts, *seconds], True, keep, names)
             k = len(firsts)
             sims = [float(F.cosine_similarity(vecs[i], vecs[k + i], dim=0)) for i in range(k)]
             return sims, sum(len(x) for x in ids)
@@ -224,9 +246,9 @@ class PoolingEngine:
             # encode_batch lets go of the GIL while it runs (see Tokenizer.encode).
             encodings = self.tokenizer.backend.encode_batch(list(zip(firsts, seconds, strict=True)))
             for enc in encodings:
-                ids = truncate_tokens(enc.ids, truncate_prompt_tokens)
-                types = truncate_tokens(enc.type_ids, truncate_prompt_tokens)
-                self.check_prompt(ids, "text_2")
+                ids = truncate_tokens(enc.ids, keep)
+                types = truncate_tokens(enc.type_ids, keep)
+                self.check_prompt(ids, fields[1])
                 pairs.append((ids, types))
             return pairs
 

@@ -5,12 +5,16 @@ already are not sent again; a lost transfer fails only its own request; the prox
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -218,3 +222,78 @@ def test_proxy_fails_over_to_live_instances(tmp_path: Path, cluster: dict[str, o
     finally:
         proxy.send_signal(signal.SIGTERM)
         proxy.wait(30)
+
+
+def _pull(producer: ServerProcess, request_id: str, hashes: list[int]) -> bytes:
+    body = {"request_id": request_id, "block_hashes": hashes}
+    reply = httpx.post(f"{producer.base_url}/kv_transfer/pull", json=body, headers=AUTH)
+    assert reply.status_code == 200, reply.text
+    return reply.content
+
+
+def test_a_pull_reads_only_its_own_requests_blocks(cluster: dict[str, object]) -> None:
+    from asyncserve.disagg.kv_transfer import _metadata
+
+    producer = cluster["producer"]
+    assert isinstance(producer, ServerProcess)
+    prefilled = _complete(producer.base_url, "Own blocks. " + PROMPT, max_tokens=1,
+                          kv_transfer_params={"do_remote_decode": True})  # fmt: skip
+    params = prefilled.json()["kv_transfer_params"]
+    hashes = params["remote_block_hashes"]
+    # Another id gets nothing (the cache is no oracle of other prompts) and frees nothing.
+    assert _metadata(_pull(producer, "not-a-request", hashes))["block_hashes"] == "[]"
+    # The right id gets each held block once, however often it is named.
+    blob = _pull(producer, params["remote_request_id"], hashes * 20)
+    assert json.loads(_metadata(blob)["block_hashes"]) == hashes
+
+
+def test_a_reply_naming_blocks_not_asked_for_is_refused(cluster: dict[str, object]) -> None:
+    from safetensors.torch import load, save
+
+    producer, consumer = cluster["producer"], cluster["consumer"]
+    assert isinstance(producer, ServerProcess) and isinstance(consumer, ServerProcess)
+
+    def prefill(prompt: str) -> dict[str, Any]:
+        reply = _complete(producer.base_url, prompt, max_tokens=1,
+                          kv_transfer_params={"do_remote_decode": True})  # fmt: skip
+        params: dict[str, Any] = reply.json()["kv_transfer_params"]
+        return params
+
+    victim, mine = "Someone else. " + PROMPT, "Mine. " + PROMPT
+    theirs = prefill(victim)["remote_block_hashes"]
+    ours = prefill(mine)
+    kv = load(_pull(producer, ours["remote_request_id"], ours["remote_block_hashes"]))["kv"]
+    n = min(len(theirs), len(kv))
+    # A rogue producer: real K/V of one prompt, named as another prompt's blocks.
+    forged = save({"kv": kv[:n].contiguous()}, metadata={"block_hashes": json.dumps(theirs[:n])})
+
+    class Rogue(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(forged)))
+            self.end_headers()
+            self.wfile.write(forged)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Rogue)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        rogue = f"http://127.0.0.1:{server.server_address[1]}"
+        refused = _complete(
+            consumer.base_url, mine, kv_transfer_params={**ours, "remote_url": rogue}
+        )
+        assert refused.json()["choices"][0]["finish_reason"] == "error", refused.text
+    finally:
+        server.shutdown()
+    # Nothing joined the consumer's prefix cache under the other prompt's hashes.
+    other = _complete(consumer.base_url, victim)
+    assert other.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, other.text
+
+
+def test_several_sequences_through_the_proxy(cluster: dict[str, object]) -> None:
+    # n > 1 (or a batch) is not disaggregated: the decode instance computes the prompt.
+    proxy = str(cluster["proxy"])
+    several = _complete(proxy, "Two answers. " + PROMPT, n=2)
+    assert several.status_code == 200 and len(several.json()["choices"]) == 2, several.text
+    batch = _complete(proxy, ["One. " + PROMPT, "Two. " + PROMPT])
+    assert batch.status_code == 200 and len(batch.json()["choices"]) == 2, batch.text

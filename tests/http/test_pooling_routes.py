@@ -101,7 +101,8 @@ def test_score_and_rerank_with_a_cross_encoder(cross_encoder_dir: Path) -> None:
 
 
 def test_pooling_and_matryoshka_dimensions(qwen3_body_dir: Path) -> None:  # noqa: F811
-    full, cut, pooled, odd, empty, unknown = _app_call(
+    long = "the cat " * 200  # 402 tokens, over the model's 256
+    full, cut, pooled, odd, empty, unknown, kept, zero, over, query = _app_call(
         qwen3_body_dir,
         [
             ("/v1/embeddings", {"input": [TEXTS[0]]}),
@@ -113,6 +114,12 @@ def test_pooling_and_matryoshka_dimensions(qwen3_body_dir: Path) -> None:  # noq
             ("/v1/embeddings", {"input": "x", "dimensions": 20}),
             ("/v1/embeddings", {"input": []}),
             ("/v1/embeddings", {"input": "x", "colour": "red"}),
+            # vLLM's truncate_prompt_tokens: -1 keeps what max_model_len holds; 0 and more
+            # than max_model_len are 400s naming it.
+            ("/v1/embeddings", {"input": long, "truncate_prompt_tokens": -1}),
+            ("/v1/embeddings", {"input": "x", "truncate_prompt_tokens": 0}),
+            ("/pooling", {"input": "x", "truncate_prompt_tokens": 257}),
+            ("/rerank", {"query": long, "documents": ["a"]}),
         ],
     )
     vec = torch.tensor(full.json()["data"][0]["embedding"])
@@ -127,6 +134,11 @@ def test_pooling_and_matryoshka_dimensions(qwen3_body_dir: Path) -> None:  # noq
     assert odd.status_code == 400 and odd.json()["error"]["param"] == "dimensions"
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "input"
     assert unknown.status_code == 400 and "colour" in unknown.json()["error"]["message"]
+    assert kept.status_code == 200 and kept.json()["usage"]["prompt_tokens"] == 256, kept.text
+    for bad in (zero, over):
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncate_prompt_tokens"
+    assert query.status_code == 400 and query.json()["error"]["param"] == "query", query.text
+    assert query.json()["error"]["message"].startswith("query has 402 tokens")
 
 
 def test_pooling_routes_on_a_generating_server(client: httpx.Client) -> None:
