@@ -15,6 +15,7 @@ from asyncserve.models.loader import LoadedModel
 from asyncserve.multimodal.chat_parts import (
     ContentPartError,
     ImageRef,
+    refuse_typed_placeholders,
     render_with_images,
     split_image_parts,
 )
@@ -106,10 +107,11 @@ class MultiModalFrontEnd:
     ) -> tuple[str, list[ImageRef]]:
         """The chat prompt text (`render`: the chat template over messages) and the image
         parts to load, in order; the count is checked before anything is loaded."""
+        placeholder = self.processor.image_token if self.processor is not None else ""
+        refuse_typed_placeholders(messages, placeholder)
         messages, refs = split_image_parts(messages)
         where = refs[-1].param if refs else "messages"
         self.check_image_count(len(refs), where)
-        placeholder = self.processor.image_token if self.processor is not None else ""
         return render_with_images(render, messages, len(refs), placeholder), refs
 
     def load_images(self, refs: list[ImageRef], policy: MediaPolicy) -> list[Image]:

@@ -10,7 +10,11 @@ from typing import TYPE_CHECKING, Any
 from asyncserve.http.chat_prompt import messages_to_dicts
 from asyncserve.http.errors import APIError
 from asyncserve.http.protocol import ChatCompletionRequest
-from asyncserve.multimodal.chat_parts import ContentPartError, split_image_parts
+from asyncserve.multimodal.chat_parts import (
+    ContentPartError,
+    refuse_typed_placeholders,
+    split_image_parts,
+)
 from asyncserve.multimodal.inputs import MultiModalInputs
 from asyncserve.multimodal.processor import ImageError
 
@@ -59,6 +63,8 @@ async def load_chat_images(engine: Any, body: ChatCompletionRequest) -> ChatImag
         reason = f"{front_end.architecture} is a text-only model and does not take images"
         _refuse_image_parts(messages, reason)
     try:
+        if front_end is not None and front_end.processor is not None:
+            refuse_typed_placeholders(messages, front_end.processor.image_token)
         messages, refs = split_image_parts(messages)
     except ContentPartError as exc:
         raise APIError(str(exc), 400, exc.param) from exc

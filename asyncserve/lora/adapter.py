@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,14 +58,18 @@ def read_adapter_config(name: str, path: str, max_rank: int) -> AdapterConfig:
     supported target modules and none of the PEFT features this engine does not run."""
     folder = Path(path)
     config_path = folder / CONFIG_NAME
-    if not folder.is_dir():
+    # os.path's checks, not Path's: these say False for any OSError (a name too long,
+    # a loop), where Path's raise it.
+    if not os.path.isdir(folder):
         raise _fail(name, f"path {path!r} is not a directory")
-    if not config_path.is_file():
+    if not os.path.isfile(config_path):
         raise _fail(name, f"{CONFIG_NAME} not found in {path!r}")
     try:
         raw: Any = json.loads(config_path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise _fail(name, f"{CONFIG_NAME} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise _fail(name, f"{CONFIG_NAME} is not valid JSON: nested too deeply") from None
     if not isinstance(raw, dict):
         raise _fail(name, f"{CONFIG_NAME} must hold a JSON object")
     peft_type = str(raw.get("peft_type", "LORA")).upper()
@@ -144,13 +149,13 @@ def check_adapter_files(name: str, path: str) -> None:
     use and after evicting it from its cache): a cheap check before a request uses it."""
     folder = Path(path)
     for file in (CONFIG_NAME, WEIGHTS_NAME):
-        if not (folder / file).is_file():
+        if not os.path.isfile(folder / file):
             raise _fail(name, f"{file} is gone from {path!r} since the adapter was loaded")
 
 
 def _open(name: str, path: str) -> Any:
     weights_path = Path(path) / WEIGHTS_NAME
-    if not weights_path.is_file():
+    if not os.path.isfile(weights_path):
         raise _fail(name, f"{WEIGHTS_NAME} not found in {path!r}")
     try:
         return safe_open(str(weights_path), framework="pt", device="cpu")

@@ -69,6 +69,27 @@ def split_image_parts(
     return out, refs
 
 
+def refuse_typed_placeholders(messages: list[dict[str, Any]], placeholder: str) -> None:
+    """Text that spells the image placeholder would stand where no image goes (or take an
+    image's place): refused naming the text, before anything is loaded."""
+    if not placeholder:
+        return
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        texts = [(f"messages[{i}].content", content)] if isinstance(content, str) else [
+            (f"messages[{i}].content[{j}].text", part.get("text"))
+            for j, part in enumerate(content if isinstance(content, list) else [])
+            if isinstance(part, dict) and part.get("type") == "text"
+        ]  # fmt: skip
+        for param, text in texts:
+            if isinstance(text, str) and placeholder in text:
+                raise ContentPartError(
+                    f"the text holds the image placeholder {placeholder!r}; send images "
+                    "as image_url parts",
+                    param,
+                )
+
+
 def _image_ref(part: dict[str, Any], kind: str, param: str) -> ImageRef:
     if kind == "image_url":
         value = part.get("image_url")

@@ -70,6 +70,10 @@ def image_hash(image: Any, *extra: object) -> str:
     """sha256 of a PIL image's mode, size and pixels, plus anything the processing depends on
     (`extra`, e.g. the processor's settings): equal images hash equal however they arrived."""
     h = hashlib.sha256()
-    h.update(f"{image.mode}|{image.size}|{extra!r}|".encode())
+    # A palette image's pixels are indices: its colours (and a transparency key, which
+    # changes its RGB form) must be hashed too, or images of other colours hash equal.
+    palette = image.getpalette(None) if image.mode in ("P", "PA") else None
+    keyed = image.info.get("transparency")
+    h.update(f"{image.mode}|{image.size}|{extra!r}|{palette!r}|{keyed!r}|".encode())
     h.update(image.tobytes())
     return h.hexdigest()

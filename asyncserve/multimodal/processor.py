@@ -66,7 +66,9 @@ def preprocess_each(images: list[Image], preprocess: Callable[[Image], T]) -> li
     for i, image in enumerate(images):
         try:
             out.append(preprocess(image))
-        except ValueError as exc:
+        # OSError: an image opened lazily (offline) whose data is truncated or unreadable
+        # fails when its pixels are first read, here.
+        except (ValueError, OSError) as exc:
             raise ImageError(i, str(exc)) from exc
     return out
 

@@ -125,7 +125,15 @@ def test_bad_image_parts_are_400s(llava_server: ServerProcess) -> None:
     response = httpx.post(f"{llava_server.base_url}/v1/completions", json=body, timeout=60)
     assert response.status_code == 400, response.text
     assert "no image was given" in response.json()["error"]["message"]
-    assert _chat(llava_server, [{"type": "text", "text": "<image> hi"}]).status_code == 400
+    # Typed in the text, alone or beside an image part: a 400 naming the text.
+    for content, param in (
+        ([{"type": "text", "text": "<image> hi"}], "messages[0].content"),  # text only: a string
+        ([image_part(data_url(image)), {"type": "text", "text": "see <image>"}],
+         "messages[0].content[1].text"),
+    ):  # fmt: skip
+        response = _chat(llava_server, content)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == param, response.text
     # The server still answers.
     assert _chat(llava_server, [image_part(data_url(image)), QUESTION]).status_code == 200
 

@@ -58,6 +58,8 @@ def test_folders_that_are_not_adapters(tiny_lora: TinyLoRA, tmp_path: Path) -> N
     (truncated / "adapter_model.safetensors").write_bytes(data[: len(data) // 2])
     listed = edit_config(a, tmp_path / "listed")
     (listed / "adapter_config.json").write_text("[1, 2]")
+    deep = edit_config(a, tmp_path / "deep")
+    (deep / "adapter_config.json").write_text("[" * 100_000 + "]" * 100_000)
     cases = [
         (tiny_lora.base_path, "adapter_config.json not found"),  # a model, not an adapter
         (tmp_path / "empty", "adapter_config.json not found"),
@@ -65,6 +67,8 @@ def test_folders_that_are_not_adapters(tiny_lora: TinyLoRA, tmp_path: Path) -> N
         (garbage, "cannot be read"),
         (truncated, "adapter_model.safetensors"),
         (listed, "must hold a JSON object"),
+        (deep, "nested too deeply"),
+        (tmp_path / ("x" * 300), "not a directory"),  # a name too long for the file system
         (edit_config(a, tmp_path / "rank", r=17), "exceeds max_lora_rank=16"),
         (edit_config(a, tmp_path / "rank0", r=0), "r (rank) must be a positive integer"),
         (edit_config(a, tmp_path / "srank", r="8"), "r (rank) must be a positive integer"),

@@ -3,12 +3,15 @@ the encoder cache, image hashes in prefix-cache keys, chunked prefill through an
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from asyncserve.llm import LLM
 from asyncserve.multimodal.image_processing import ImageProcessor
@@ -113,6 +116,24 @@ def test_repeated_image_is_encoded_once(llava: LLM) -> None:
     assert _encoded(llava) == before + 1
 
 
+def test_palette_images_of_other_colours_share_nothing(llava: LLM) -> None:
+    """Equal palette indices under other palettes are other images: neither takes the
+    other's encoder cache entry or prefix-cache blocks."""
+    indices = np.random.default_rng(5).integers(0, 4, (50, 40), dtype=np.uint8)
+    images = []
+    for seed in (6, 7):
+        image = Image.fromarray(indices, "P")
+        image.putpalette(np.random.default_rng(seed).integers(0, 256, 12).tolist())
+        images.append(image)
+    a, b = (
+        llava.generate({"prompt": ONE, "multi_modal_data": {"image": image}}, GREEDY)[0]
+        for image in images
+    )
+    rgb = {"prompt": ONE, "multi_modal_data": {"image": images[1].convert("RGB")}}
+    assert b.outputs[0].token_ids == llava.generate(rgb, GREEDY)[0].outputs[0].token_ids
+    assert b.outputs[0].token_ids != a.outputs[0].token_ids
+
+
 def test_same_text_other_image_shares_no_image_blocks(llava: LLM) -> None:
     kv = llava.engine.scheduler.kv_cache_manager  # type: ignore[union-attr]
     # The image starts at token 3: blocks of 16 tokens hold it from the first one on.
@@ -180,6 +201,12 @@ def test_bad_multimodal_input(llava: LLM, smollm2_llm: LLM) -> None:
         llava.generate({"prompt": ONE, "multi_modal_data": {"video": image}}, GREEDY)
     with pytest.raises(ValueError, match="at most 4 per prompt"):
         llava.generate({"prompt": "<image>" * 5, "multi_modal_data": {"image": [image] * 5}})
+    # Opened lazily, truncated: it fails when its pixels are read, as a ValueError too.
+    encoded = io.BytesIO()
+    random_image(61, 100, 100).save(encoded, format="PNG")
+    truncated = Image.open(io.BytesIO(encoded.getvalue()[:2000]))
+    with pytest.raises(ValueError, match="image 0: image file is truncated"):
+        llava.generate({"prompt": ONE, "multi_modal_data": {"image": truncated}}, GREEDY)
     with pytest.raises(ValueError, match="text-only model"):
         smollm2_llm.generate({"prompt": "Hi", "multi_modal_data": {"image": image}}, GREEDY)
     # Placeholders without an image fail the request, not the engine.
