@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 KV_CONNECTORS = ("TCPConnector", "P2pNcclConnector", "PyNcclConnector")
@@ -32,6 +33,9 @@ class KVTransferConfig:
     kv_buffer_device: str = "cuda"
     # Seconds one group send or receive may take before that transfer fails.
     kv_group_timeout_s: float = 30.0
+    # A consumer's producers (base URLs): a request naming any other remote_url is refused,
+    # so a caller cannot aim the pull (and the API key it carries) elsewhere. Empty: any.
+    kv_producer_urls: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kv_connector not in KV_CONNECTORS:
@@ -97,6 +101,17 @@ class KVTransferConfig:
             args["kv_export_timeout_s"] = float(extra["export_timeout_s"])
         if "transfer_timeout_s" in extra:
             args["kv_group_timeout_s"] = float(extra["transfer_timeout_s"])
+        if "producer_urls" in extra:
+            urls = extra["producer_urls"]
+            if not isinstance(urls, list) or not all(isinstance(u, str) and u for u in urls):
+                raise ValueError("kv_transfer_config: kv_connector_extra_config.producer_urls "
+                                 "must be a list of base URLs")  # fmt: skip
+            for url in urls:
+                parts = urlsplit(url)
+                if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+                    raise ValueError(f"kv_transfer_config: producer_urls: {url!r} is not an "
+                                     "http(s) base URL")  # fmt: skip
+            args["kv_producer_urls"] = tuple(urls)
         return cls(**args)
 
 

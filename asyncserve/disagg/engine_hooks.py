@@ -68,10 +68,20 @@ def check_kv_transfer_params(transfer: KVTransfer | None, params: SamplingParams
                 "kv_transfer_params: do_remote_prefill needs remote_url, remote_request_id and "
                 "remote_block_hashes (a producer's kv_transfer_params, with its URL)"
             )
-        _check_remote_url(raw["remote_url"])
+        _check_remote_url(raw["remote_url"], transfer.config.kv_producer_urls)
 
 
-def _check_remote_url(url: str) -> None:
+def _origin(url: str) -> tuple[str, str, int | None]:
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    return (
+        scheme,
+        (parts.hostname or "").lower(),
+        parts.port or {"http": 80, "https": 443}.get(scheme),
+    )
+
+
+def _check_remote_url(url: str, allowed: tuple[str, ...] = ()) -> None:
     """A producer's base URL: http(s), a host, nothing the pull path could not follow (the
     consumer POSTs to url + /kv_transfer/pull; a file: URL or a '#' would read elsewhere)."""
     try:
@@ -90,6 +100,10 @@ def _check_remote_url(url: str) -> None:
         problem = "must not carry credentials"
     elif parts.query or parts.fragment or "?" in url or "#" in url:
         problem = "must not have a query or fragment"
+    elif allowed and _origin(url) not in {_origin(a) for a in allowed}:
+        problem = (
+            "is not one of this consumer's producers (kv_connector_extra_config.producer_urls)"
+        )
     if problem is not None:
         raise ValueError(f"kv_transfer_params: remote_url {url[:100]!r} {problem} (the "
                          "producer's base URL)")  # fmt: skip
