@@ -164,10 +164,7 @@ class ReplicaProcesses:
     def terminate(self) -> None:
         for proc in self.procs:
             if proc.is_alive():
-                proc.terminate()
-                proc.join(EXIT_GRACE_S)
-            if proc.is_alive():
-                proc.kill()
+                proc.kill()  # replicas ignore SIGTERM (dp_replica.py)
             proc.join()
         # The readers pass on what the replicas sent before they ended, then see EOF.
         for reader in self._readers:

@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import signal
 import sys
 import threading
 import traceback
@@ -53,6 +54,12 @@ def replica_main(
     log_level: int,
     conn: Connection,
 ) -> None:
+    # Ctrl-C and a service manager's SIGTERM reach the whole process group: the front end
+    # drains, then ends the replicas (a "shutdown" message, or its pipe closing); a replica
+    # that died of the signal first would fail the requests still running. SIG_IGN carries
+    # over to this replica's own TP workers.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # Before anything touches CUDA: this replica sees only its own devices (as 0..TP-1).
     if devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
@@ -95,6 +102,7 @@ class _Replica:
         self.send_lock = threading.Lock()
         self.done: asyncio.Future[int] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.stopping = False
 
     def stats(self) -> Stats:
         e = self.engine
@@ -134,7 +142,9 @@ class _Replica:
                 message = ("gone",)
             with contextlib.suppress(RuntimeError):  # the loop has closed: we are exiting
                 self.loop.call_soon_threadsafe(self._handle, message)
-            if message[0] in ("gone", "shutdown"):
+            # Not at "shutdown": aborts that follow it (streams cut at the server's deadline)
+            # must still reach the draining engine, else it waits out the whole timeout.
+            if message[0] == "gone":
                 return
 
     def _handle(self, message: tuple[Any, ...]) -> None:
@@ -152,10 +162,12 @@ class _Replica:
             self.metrics.on_step(*self.stats()[:3])
             families = list(self.metrics.registry.collect())
             self.send(("metrics", message[1], families, self.stats()))
-        elif kind == "shutdown":
-            asyncio.ensure_future(self._shutdown(message[1]))
-        elif kind == "gone":
-            asyncio.ensure_future(self._shutdown(0.0, reply=False))
+        elif kind in ("shutdown", "gone") and not self.stopping:  # the first one decides
+            self.stopping = True
+            if kind == "shutdown":
+                asyncio.ensure_future(self._shutdown(message[1]))
+            else:
+                asyncio.ensure_future(self._shutdown(0.0, reply=False))
 
     def _add(
         self,

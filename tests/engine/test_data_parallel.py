@@ -16,6 +16,7 @@ from asyncserve import LLM, SamplingParams
 from asyncserve.config import Environment
 from asyncserve.engine.dp_client import DataParallelClient
 from asyncserve.engine.dp_processes import replica_devices
+from asyncserve.outputs import RequestOutput
 from asyncserve.sampling_params import RequestOutputKind
 from tests.conftest import PLAIN_PROMPTS
 
@@ -119,18 +120,18 @@ def test_cuda_devices_per_replica(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_killed_replica_fails_its_requests(dp_llm: LLM) -> None:
-    """Last in the module: it ends one of the shared engine's replicas."""
+    """Last in the module: it ends one of the shared engine's replicas, then the engine."""
     client = dp_llm.engine
     assert isinstance(client, DataParallelClient)
     params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 
-    async def run() -> list[str | None]:
-        async def one(prompt: str, rid: str) -> str | None:
+    async def run() -> list[RequestOutput]:
+        async def one(prompt: str, rid: str) -> RequestOutput:
             last = None
             async for out in client.generate(prompt, params, rid):
                 last = out
             assert last is not None and last.finished
-            return last.error
+            return last
 
         tasks = [
             asyncio.ensure_future(one(p, f"kill-{i}"))
@@ -142,10 +143,20 @@ def test_killed_replica_fails_its_requests(dp_llm: LLM) -> None:
         reason = await asyncio.wait_for(client.wait_until_dead(), 30)
         assert "data-parallel replica 0" in reason and "died" in reason
         assert not client.is_running  # what /health reads
-        await client.shutdown(timeout=0)
+        # The survivor drains; a request abandoned during the drain (a stream the server
+        # cut at its deadline) is aborted there rather than run to its end.
+        shutdown = asyncio.ensure_future(client.shutdown(timeout=120))
+        await asyncio.sleep(0.2)
+        for request_id, tracked in list(client._requests.items()):
+            assert tracked.replica == 1
+            await client.abort(request_id)
+        await asyncio.wait_for(shutdown, 60)
         return list(await asyncio.gather(*tasks))
 
-    errors = dp_llm._loop.run_until_complete(run())
-    # The request on the killed replica failed naming it; the other ended at shutdown.
+    outs = dp_llm._loop.run_until_complete(run())
+    errors = [o.error for o in outs]
+    # The request on the killed replica failed naming it; the other was aborted.
     assert any(e is not None and "data-parallel replica 0" in e for e in errors), errors
+    survivor = next(o.outputs[0] for o in outs if o.error is None)
+    assert survivor.finish_reason == "abort" and len(survivor.token_ids) < 400, survivor
     assert not any(p.is_alive() for p in client._replicas.procs)

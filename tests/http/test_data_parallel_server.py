@@ -78,6 +78,32 @@ def test_streams_and_metrics_show_both_replicas(dp_server: ServerProcess) -> Non
     assert ("asyncserve:num_requests_running", "total") in s
 
 
+def test_replicas_outlive_the_signals_their_process_group_gets(dp_server: ServerProcess) -> None:
+    """Ctrl-C (SIGINT) and systemd's stop (SIGTERM) reach every process of the group; the
+    replicas leave the drain to the front end instead of failing their requests."""
+    base = dp_server.base_url
+    body = {"model": "smol", "prompt": "Count to a hundred:", "max_tokens": 60,
+            "ignore_eos": True, "temperature": 0.0, "stream": True}  # fmt: skip
+    with ThreadPoolExecutor(1) as pool:
+
+        def streamed() -> list[str]:
+            with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as r:
+                return sse_events("".join(r.iter_text()))
+
+        result = pool.submit(streamed)
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{base}/health", timeout=10).json()["num_running"] < 1:
+            assert time.monotonic() < deadline, dp_server.logs()[-3000:]
+            time.sleep(0.05)
+        for pid in _replica_pids(dp_server):
+            os.kill(pid, signal.SIGINT)
+            os.kill(pid, signal.SIGTERM)
+        events = result.result()
+    assert events[-1] == "[DONE]" and not any('"error"' in e for e in events), events
+    assert '"finish_reason":"length"' in events[-2], events[-3:]
+    assert httpx.get(f"{base}/health", timeout=10).status_code == 200, dp_server.logs()[-3000:]
+
+
 def test_killed_replica_fails_its_request_and_the_server_exits_1(
     dp_server: ServerProcess,
 ) -> None:
