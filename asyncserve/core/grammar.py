@@ -46,7 +46,7 @@ from asyncserve.core.grammar_limits import (
     json_depth,
     ref_cycle,
 )
-from asyncserve.core.request import Request
+from asyncserve.core.request import Request, RequestStatus
 from asyncserve.core.step import GrammarBitmask, StepPlan
 from asyncserve.sampling_params import StructuredOutputsParams
 
@@ -187,6 +187,19 @@ class _MatcherState:
     num_consumed: int = 0
 
 
+def _grammar_end(matcher: LLMatcher, tokens: list[int]) -> int | None:
+    """How many of `tokens` complete the grammar when more follow them; None when the
+    grammar is not complete before the last one (the matcher is left as it was)."""
+    num_valid = matcher.validate_tokens(tokens[:-1]) if len(tokens) > 1 else 0
+    for i in range(num_valid):
+        matcher.consume_token(tokens[i])
+        if matcher.is_stopped():
+            return i + 1
+    if num_valid:
+        matcher.rollback(num_valid)
+    return None
+
+
 @dataclass
 class AcceptResult:
     """What consuming one step's tokens did to the matchers."""
@@ -291,10 +304,21 @@ class StructuredOutputManager:
             state = self._matchers.get(request_id)
             if state is None:
                 continue
+            new_tokens = request.output_token_ids[state.num_consumed :]
+            end = _grammar_end(state.matcher, new_tokens)
+            if end is not None:
+                # Several tokens in one step (speculative decoding) went past the grammar's
+                # end (the EOS its mask forced): the output ends there, as one a step would.
+                del request.output_token_ids[state.num_consumed + end :]
+                if request.is_finished:  # by that EOS: released already
+                    request.status = RequestStatus.FINISHED_STOPPED
+                    request.stop_reason = None
+                del self._matchers[request_id]
+                result.stopped.append(request_id)
+                continue
             if request.is_finished:
                 del self._matchers[request_id]
                 continue
-            new_tokens = request.output_token_ids[state.num_consumed :]
             state.num_consumed += len(new_tokens)
             if not state.matcher.consume_tokens(new_tokens):
                 del self._matchers[request_id]

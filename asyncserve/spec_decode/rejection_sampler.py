@@ -37,16 +37,20 @@ class SpecLayout:
     index: torch.Tensor
     num_drafts: torch.Tensor
     draft_ids: torch.Tensor
+    # The rows that score a draft, on the host: only those draw a seeded uniform.
+    draft_rows: frozenset[int] = frozenset()
 
     @classmethod
     def build(cls, drafts: list[list[int]], device: torch.device) -> SpecLayout:
         width = max((len(d) for d in drafts), default=0) + 1
         index: list[list[int]] = []
         draft_ids: list[int] = []
+        draft_rows: set[int] = set()
         for d in drafts:
             first = len(draft_ids)
             rows = [first + min(j, len(d)) for j in range(width)]
             index.append(rows)
+            draft_rows.update(range(first, first + len(d)))
             draft_ids.extend(d)
             draft_ids.append(-1)
         pin = device.type == "cuda"
@@ -59,6 +63,7 @@ class SpecLayout:
             index=to_device(index),
             num_drafts=to_device([len(d) for d in drafts]),
             draft_ids=to_device(draft_ids),
+            draft_rows=frozenset(draft_rows),
         )
 
 
@@ -110,7 +115,7 @@ def rejection_sample(
         # p - q can vanish only where the draft is always accepted; keep p as a fallback.
         empty = residual.sum(dim=-1, keepdim=True) <= 0
         residual = torch.where(empty, p, residual)
-        uniform = _uniform(num_rows, meta, logits.device)
+        uniform = _uniform(num_rows, meta, layout.draft_rows, logits.device)
         accepted = has_draft & (uniform * q_draft < p_draft)
         recovered = sample_from(residual, meta)
         if greedy_tokens is not None:
@@ -128,10 +133,15 @@ def rejection_sample(
     return out.masked_fill_(col > num_accepted, -1)
 
 
-def _uniform(num_rows: int, meta: SamplingMetadata, device: torch.device) -> torch.Tensor:
+def _uniform(
+    num_rows: int, meta: SamplingMetadata, draft_rows: frozenset[int], device: torch.device
+) -> torch.Tensor:
     u = torch.rand(num_rows, device=device)
     for row, generator in meta.generators.items():
-        u[row] = torch.rand(1, device=device, generator=generator)[0]
+        # A seeded row without a draft draws only its token, as it would in a step without
+        # proposals: its stream does not depend on whether other requests propose.
+        if row in draft_rows:
+            u[row] = torch.rand(1, device=device, generator=generator)[0]
     return u
 
 

@@ -170,3 +170,34 @@ def test_grammar_checks_the_proposals(
         assert rate > 0.5, rate
     else:
         assert all(t.isalpha() or t == " " for t in ours.text), ours.text
+
+
+def test_grammar_completed_by_accepted_proposals(spec_llm: LLM, smollm2_llm: LLM) -> None:
+    """The proposals "4, 5, 6, 7, 8" complete the choice: the output ends there (no EOS
+    from the step's extra token), as one token a step would."""
+    choice = StructuredOutputsParams(choice=["4, 5, 6, 7, 8", "d e f g"])
+    for ignore_eos in (False, True):
+        params = SamplingParams(
+            temperature=0.0, max_tokens=30, structured_outputs=choice, ignore_eos=ignore_eos
+        )
+        ours = spec_llm.generate([COUNTING, LETTERS], params, use_tqdm=False)
+        theirs = smollm2_llm.generate([COUNTING, LETTERS], params, use_tqdm=False)
+        for a, b in zip(ours, theirs, strict=True):
+            got, want = a.outputs[0], b.outputs[0]
+            assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == (
+                want.token_ids,
+                want.text,
+                want.finish_reason,
+                want.stop_reason,
+            )
+    assert spec_llm.engine.num_free_blocks == spec_llm.engine.num_blocks
+
+
+def test_seeded_output_does_not_depend_on_the_batch(spec_llm: LLM) -> None:
+    """A seeded request's steps without proposals draw as they would alone, also when
+    another request in the step verifies proposals."""
+    seeded = SamplingParams(temperature=0.8, max_tokens=20, seed=3)
+    alone = _ids(spec_llm, [LETTERS], seeded)
+    greedy = SamplingParams(temperature=0.0, max_tokens=30)
+    outs = spec_llm.generate([COUNTING, LETTERS], [greedy, seeded], use_tqdm=False)
+    assert list(outs[1].outputs[0].token_ids) == alone[0]
