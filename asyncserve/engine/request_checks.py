@@ -46,12 +46,7 @@ def check_request(
 def check_token_params(params: SamplingParams, vocab_size: int) -> None:
     """allowed_token_ids and logit_bias name only tokens of the vocabulary, and no more
     logprobs are asked for than it has (more would fail the whole step's top-k)."""
-    for name in ("logprobs", "prompt_logprobs"):
-        value = getattr(params, name)
-        if value is not None and value > vocab_size:
-            raise ValueError(
-                f"{name}: requested {value}, more than the vocabulary's {vocab_size} tokens"
-            )
+    _bound_logprobs(params, vocab_size, f"more than the vocabulary's {vocab_size} tokens")
     if params.allowed_token_ids is not None:
         bad = next((t for t in params.allowed_token_ids if t >= vocab_size), None)
         if bad is not None:
@@ -71,13 +66,15 @@ def check_logprobs(params: SamplingParams, max_logprobs: int, vocab_size: int) -
     """vLLM's bound on logprobs and prompt_logprobs: max_logprobs, -1 meaning no cap (the
     vocabulary)."""
     limit = vocab_size if max_logprobs == -1 else max_logprobs
+    _bound_logprobs(params, limit, f"which is greater than max allowed: {limit} "
+                    "(LLM(max_logprobs=...))")  # fmt: skip
+
+
+def _bound_logprobs(params: SamplingParams, limit: int, why: str) -> None:
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(params, name)
         if value is not None and value > limit:
-            raise ValueError(
-                f"{name}: requested {value}, which is greater than max allowed: "
-                f"{limit} (LLM(max_logprobs=...))"
-            )
+            raise ValueError(f"{name}: requested {value}, {why}")
 
 
 def check_priority(priority: object) -> None:
