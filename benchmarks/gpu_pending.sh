@@ -6,23 +6,16 @@
 # Here first: ../shared/peers/vllm/build.sh (.peer/), ../shared/device-wheels copied to .whl/,
 # SmolLM2's GGUF split into .smol/a/part and .smol/b/part (+ .smol/b/sha256), vLLM's MoE
 # kernels in .peer/moe. Calls back to back (the machine keeps /tmp ~30 s after a call):
-#   1 prep   carry .whl .spy (.smol/a when smol follows): asyncserve's wheels; the GPU kernel
-#            tests; W5 cold start, W6 prefix caching and a warm server start sampled by py-spy
-#            (wheel in .spy/) (18)
+#   1 prep   carry .whl: asyncserve's wheels; the int4 GEMV on the GPU (tests, then
+#            benchmarks/int4_gemv_bench.py against its predecessor, with a tile sweep) (14);
+#            a lone LLaVA request's kernels and a host + CUDA trace (19)
 #   2 stage  carry .peer/p0: vLLM part 0 staged
-#   3 side   carry .peer/p1: vLLM installed; W1b (also at 1024 sequences) and W4 pairs (18);
-#            Gemma 3 W1b pair (13: its fused GELU kernel); LLaVA pair, then each engine's
-#            kernels over the burst (19)
-#   4 smol   carry .smol/b: SmolLM2 assembled; GPU tests (engine, worker, quantization,
-#            LoRA, speculative decoding)
-#   5 moe    carry .peer/moe: vLLM's MoE kernels added; Qwen3-30B-A3B W2 and W4 pair (13);
-#            W2 at tensor parallel 2 and 1, both engines (11; GPUs 2-3 and 1, or part tp2
-#            after moe on a 2-GPU host); the
-#            attention kernel against vLLM's FlashAttention 3 on W4 / W1b batches (18)
-#   Shorter, on a machine of its own: check (carry .whl), stage, pairs (carry .peer/p1).
-#   disagg (carry .whl, 2 GPUs): the compile-once GPU tests; disaggregated prefill vs DP=2 (20).
-#   w1b_diag (carry .whl): W1b's kernels and a decode step's phases at 512 and 1024 sequences.
-#   syncs (carry .whl): the synchronizing CUDA calls inside those decode steps.
+#   3 side   carry .peer/p1: vLLM installed; W2 with W4A16 weights (14) and W1b (also at
+#            1024 sequences with graphs up to 1024) pairs (18); the LLaVA pair with lone
+#            requests' kernels and traces for both engines (19)
+#   Older parts, each on a machine of its own: smol (carry .smol/b after prep with .smol/a),
+#   moe (carry .peer/moe after side), tp2, check (carry .whl), pairs (carry .peer/p1),
+#   disagg, w1b_diag and syncs (carry .whl).
 # Usage: bash benchmarks/gpu_pending.sh prep|stage|side|smol|moe|tp2|check|pairs|disagg|w1b_diag|syncs
 source "$(dirname "$0")/gpu_lanes.sh"
 QWEN=benchmarks/configs/qwen3-0.6b
@@ -81,9 +74,8 @@ profiled_pair() {
 j_w1b() {
   pair w1b 150 250 --workloads w1b --model $L3
   # A pool that holds all 1000 sequences (H200) runs them in one wave at 1024 sequences
-  # (vLLM's offline default); on an H100 the pool holds ~800 and 1024 preempts.
-  TAIL=2 step w1b_as_1024 150 python3 $SBS --engine asyncserve --workloads w1b --model $L3 --max-num-seqs 1024
-  # ... with its decode steps captured as graphs up to 1024 (eager above 512 otherwise).
+  # (vLLM's offline default), with its decode steps captured as graphs up to 1024 (eager
+  # above 512 otherwise).
   TAIL=2 step w1b_as_1024_graphs 150 python3 $SBS --engine asyncserve --workloads w1b --model $L3 --max-num-seqs 1024 --max-cudagraph-capture-size 1024
 }
 j_w4() { pair w4 150 250 --workloads w4 --model $QWEN; }
@@ -109,6 +101,21 @@ j_llava() {
   TAIL=3 step llava_as 200 python3 benchmarks/llava_bench.py --model-dir /tmp/llava-7b-dummy --engine asyncserve --output-json $OUT/llava_as.json
   TAIL=30 step llava_vllm 300 env $VENV PYTHONPATH=$PWD/benchmarks/peer_shims:/tmp/site_v:$AS python3 benchmarks/llava_bench.py --model-dir /tmp/llava-7b-dummy --engine vllm --output-json $OUT/llava_vllm.json
 }
+# A lone LLaVA request: its kernels against its wall time, and a host + CUDA trace (19).
+LLAVA_SINGLES="benchmarks/llava_bench.py --model-dir /tmp/llava-7b-dummy --num-prompts 16 --output-len 8"
+j_llava_single_as() {
+  TAIL=3 step llava_single_as 200 python3 $LLAVA_SINGLES --engine asyncserve --singles-profile $OUT/llava_single_as.tsv --singles-trace $OUT/llava_single_as.json.gz --output-json $OUT/llava_single_as.json
+}
+j_llava_single_vllm() {
+  TAIL=3 step llava_single_vllm 300 env $VENV VLLM_ENABLE_V1_MULTIPROCESSING=0 PYTHONPATH=$PWD/benchmarks/peer_shims:/tmp/site_v:$AS python3 $LLAVA_SINGLES --engine vllm --singles-profile $OUT/llava_single_vllm.tsv --singles-trace $OUT/llava_single_vllm.json.gz --output-json $OUT/llava_single_vllm.json
+}
+# The int4 GEMV: GPU tests, then against its predecessor and bf16, one token and four (14).
+j_int4() {
+  TAIL=4 step int4_tests 200 python3 -m pytest -q -p no:cacheprovider -rfs tests/kernels/test_int4_gemv.py tests/quantization -k "int4 or gptq or awq or w4a16"
+  TAIL=8 step int4_gemv_m1 200 python3 benchmarks/int4_gemv_bench.py --sweep
+  TAIL=6 step int4_gemv_m4 100 python3 benchmarks/int4_gemv_bench.py --m 4
+}
+j_w4a16_pair() { pair w4a16 150 250 --workloads w2 --model benchmarks/configs/llama3-8b-w4a16; }
 # The LLaVA burst's kernels, each engine (vLLM's engine core in-process): where 0.77x comes from.
 j_llava_kernels() {
   TAIL=3 step llava_as_kernels 200 python3 benchmarks/llava_bench.py --model-dir /tmp/llava-7b-dummy --engine asyncserve --kernel-summary $OUT/llava_as_kernels.tsv
@@ -141,12 +148,12 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 case $1 in
   prep)
     [ -d .smol/a ] && mkdir -p /tmp/smol && cp .smol/a/part /tmp/smol/part_a
-    deal j_gpu_tests_kernels "j_cold_start j_w6 j_w5_profile" ;;
+    deal j_int4 j_llava_single_as ;;
   stage)
     bash .peer/p0/stage.sh | tail -1 ;;
   side)
     bash .peer/p1/install.sh | tail -1
-    deal j_w1b j_w4 j_gemma "j_llava j_llava_kernels" ;;
+    deal "j_w4a16_pair j_w1b" "j_llava j_llava_single_as j_llava_single_vllm" ;;
   smol)
     cat /tmp/smol/part_a .smol/b/part > $SMOL && sha256sum $SMOL | cut -c1-64 | diff - .smol/b/sha256 && echo "SmolLM2 assembled"
     deal j_gpu_tests_engine j_gpu_tests_quant j_spec_tests ;;

@@ -12,7 +12,8 @@ processor) and --input-len random text tokens after "<image>\n".
 
 Reported: `ttft_burst_s` (all requests at once, max_tokens 1: mean and p50 / p90 latency of
 the first token when every prompt arrives together), `ttft_single_s` (one request alone,
-median of 5), and throughput with --output-len tokens per request (greedy, ignore_eos).
+median of --singles; with --singles-profile PATH their CUDA kernels summed per name, with
+the requests' wall time, so the GPU's share of a lone request shows), and throughput with --output-len tokens per request (greedy, ignore_eos).
 """
 
 from __future__ import annotations
@@ -115,6 +116,32 @@ def sampling(args: argparse.Namespace, max_tokens: int) -> Any:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
+def trace_singles(llm: Any, args: argparse.Namespace, path: str) -> None:
+    """Three lone requests under the torch profiler (host ops and CUDA kernels), written as a
+    gzipped Chrome trace: where a lone request's time goes, host or GPU."""
+    import gzip
+    import shutil
+
+    from torch.profiler import ProfilerActivity, profile
+
+    try:  # the engine's threads too, where torch has it
+        from torch._C._profiler import _ExperimentalConfig
+
+        config = {"experimental_config": _ExperimentalConfig(profile_all_threads=True)}
+    except TypeError:
+        config = {}
+    requests = make_requests(3, args.input_len, seed=5)
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with profile(activities=activities, with_stack=True, **config) as prof:
+        for request in requests:
+            llm.generate([request], sampling(args, 1), use_tqdm=False)
+    raw = path.removesuffix(".gz")
+    prof.export_chrome_trace(raw)
+    with open(raw, "rb") as src, gzip.open(path, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    Path(raw).unlink()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--engine", choices=["asyncserve", "vllm"], default="asyncserve")
@@ -126,6 +153,13 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--tiny", action="store_true", help="a tiny model of the same layout")
     parser.add_argument("--output-json", default=None)
+    parser.add_argument("--singles", type=int, default=20, help="lone requests timed")
+    parser.add_argument("--singles-profile", default=None, help="PATH: their kernels (see above)")
+    parser.add_argument(
+        "--singles-trace",
+        default=None,
+        help="PATH.json.gz: a torch profiler trace (host and CUDA) of 3 more lone requests",
+    )
     parser.add_argument(
         "--kernel-summary",
         default=None,
@@ -139,11 +173,15 @@ def main() -> None:
     warm = make_requests(4, args.input_len, seed=99)
     llm.generate(warm, sampling(args, 4), use_tqdm=False)
 
-    singles = []
-    for request in make_requests(5, args.input_len, seed=1):
-        start = time.perf_counter()
-        llm.generate([request], sampling(args, 1), use_tqdm=False)
-        singles.append(time.perf_counter() - start)
+    singles: list[float] = []
+    with kernel_profile(args.singles_profile, "llava single requests") as wall:
+        for request in make_requests(args.singles, args.input_len, seed=1):
+            start = time.perf_counter()
+            llm.generate([request], sampling(args, 1), use_tqdm=False)
+            singles.append(time.perf_counter() - start)
+        wall.append(sum(singles))
+    if args.singles_trace:
+        trace_singles(llm, args, args.singles_trace)
 
     # A burst: every request arrives at once and produces one token; each one's latency is
     # its time to first token (asyncserve reports it per request; otherwise the batch's end).
@@ -167,6 +205,7 @@ def main() -> None:
         "num_prompts": args.num_prompts,
         "prompt_tokens_mean": num_in / len(outs),  # 576 image tokens included
         "ttft_single_s": statistics.median(singles),
+        "ttft_single_min_s": min(singles),
         "ttft_burst_all_s": burst_s,
         "elapsed_s": elapsed,
         "requests_per_s": len(outs) / elapsed,
