@@ -231,11 +231,12 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
-                # The upper bound is the server's (--max-logprobs) or LLM's (max_logprobs).
+                # -1: the whole vocabulary (vLLM's). The upper bound is the server's
+                # (--max-logprobs) or LLM's (max_logprobs); the engine turns -1 into a count.
                 _check(
-                    _is_int(value) and value >= 0,
+                    _is_int(value) and value >= -1,
                     name,
-                    f"must be a non-negative integer, got {value}",
+                    f"must be a non-negative integer or -1 (the whole vocabulary), got {value}",
                 )
         _check(
             -2.0 <= self.presence_penalty <= 2.0,

@@ -256,6 +256,31 @@ def test_logprobs_bounded_by_the_vocabulary(llm: LLM, monkeypatch: pytest.Monkey
     assert_pool_whole(llm)
 
 
+def test_logprobs_minus_one_is_the_whole_vocabulary(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # vLLM's -1: logprobs of every vocabulary token, when max_logprobs allows that many.
+    vocab = llm.engine.loaded.arch.vocab_size
+    for name in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=f"^{name}: requested -1 .*max allowed: 20"):
+            llm.generate("Hi", SamplingParams(max_tokens=1, **{name: -1}), use_tqdm=False)
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=-2)
+    monkeypatch.setattr(llm, "max_logprobs", -1)
+    params = SamplingParams(temperature=0.0, max_tokens=2, logprobs=-1, prompt_logprobs=-1)
+    out = llm.generate("The sky is", params, use_tqdm=False)[0]
+    assert params.logprobs == params.prompt_logprobs == -1  # the caller's are left as they are
+    comp = out.outputs[0]
+    assert comp.logprobs is not None and len(comp.logprobs) == len(comp.token_ids) == 2
+    for token, entry in zip(comp.token_ids, comp.logprobs, strict=True):
+        assert len(entry) == vocab and token in entry
+    assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
+    assert [len(e or {}) for e in out.prompt_logprobs[1:]] == [vocab] * (
+        len(out.prompt_token_ids) - 1
+    )
+    assert_pool_whole(llm)
+
+
 def test_abort_frees_blocks(llm: LLM) -> None:
     engine = llm.engine
 

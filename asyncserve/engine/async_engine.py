@@ -27,6 +27,7 @@ from asyncserve.engine.request_checks import (
     check_priority,
     check_request,
     check_token_params,
+    resolve_logprobs,
     truncate_prompt,
 )
 from asyncserve.engine.setup import eos_token_ids, load_for_engine, make_tracer, resolve_device
@@ -346,6 +347,7 @@ class AsyncEngine:
             prompt_ids = self.truncate_prompt(prompt_ids, params)
             self.multimodal.check_text_prompt(prompt_ids)
         self.validate_request(prompt_ids, params, strict_max_tokens=False)
+        params = resolve_logprobs(params, self.loaded.arch.vocab_size)  # -1: every token
         if lora_request is not None:
             if (broken := self.lora_error(lora_request.lora_int_id)) is not None:
                 raise ValueError(f"lora_request: {broken}")

@@ -3,6 +3,7 @@ data-parallel front end (which rejects bad requests before choosing a replica)."
 
 from __future__ import annotations
 
+import copy
 import numbers
 
 from asyncserve.core.grammar import StructuredOutputManager
@@ -64,10 +65,16 @@ def check_token_params(params: SamplingParams, vocab_size: int) -> None:
 
 def check_logprobs(params: SamplingParams, max_logprobs: int, vocab_size: int) -> None:
     """vLLM's bound on logprobs and prompt_logprobs: max_logprobs, -1 meaning no cap (the
-    vocabulary)."""
+    vocabulary). A request's -1 asks for the whole vocabulary, so counts as its size."""
     limit = vocab_size if max_logprobs == -1 else max_logprobs
-    _bound_logprobs(params, limit, f"which is greater than max allowed: {limit} "
-                    "(LLM(max_logprobs=...))")  # fmt: skip
+    why = f"which is greater than max allowed: {limit} (LLM(max_logprobs=...))"
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value == -1 and vocab_size > limit:
+            raise ValueError(
+                f"{name}: requested -1 (the whole vocabulary, {vocab_size} tokens), {why}"
+            )
+    _bound_logprobs(params, limit, why)
 
 
 def _bound_logprobs(params: SamplingParams, limit: int, why: str) -> None:
@@ -75,6 +82,20 @@ def _bound_logprobs(params: SamplingParams, limit: int, why: str) -> None:
         value = getattr(params, name)
         if value is not None and value > limit:
             raise ValueError(f"{name}: requested {value}, {why}")
+
+
+def resolve_logprobs(params: SamplingParams, vocab_size: int) -> SamplingParams:
+    """params with logprobs / prompt_logprobs of -1 (the whole vocabulary) made the
+    vocabulary's size, the count the worker takes: a copy, the caller's are left as they
+    are. params itself when neither is -1."""
+    if params.logprobs != -1 and params.prompt_logprobs != -1:
+        return params
+    params = copy.copy(params)
+    if params.logprobs == -1:
+        params.logprobs = vocab_size
+    if params.prompt_logprobs == -1:
+        params.prompt_logprobs = vocab_size
+    return params
 
 
 def check_priority(priority: object) -> None:

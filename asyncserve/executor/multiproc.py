@@ -21,6 +21,7 @@ Executor holds as with UniProcExecutor. A worker that dies fails the stage waiti
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import socket
@@ -96,10 +97,13 @@ class MultiProcExecutor(Executor):
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncserve-step")
         pipes = [ctx.Pipe() for _ in range(size)]
         self._broadcast = ShmBroadcast(ctx, [parent for parent, _ in pipes])
+        # Before multiprocessing's own exit handler, which SIGTERMs daemonic children and
+        # waits for them: the workers ignore SIGTERM (tp_worker.py), so it would wait forever.
+        atexit.register(self.shutdown)
         try:
             for rank, (parent, child) in enumerate(pipes):
-                # Daemonic: the workers end with the engine process even when nobody calls
-                # shutdown.
+                # Daemonic, and shutdown runs at exit: the workers end with the engine
+                # process even when nobody calls shutdown.
                 proc = ctx.Process(
                     target=worker_main,
                     args=(
@@ -253,6 +257,7 @@ class MultiProcExecutor(Executor):
         return driver_result(self._replies(), 0)
 
     def shutdown(self) -> None:
+        atexit.unregister(self.shutdown)
         self._closing = True
         self._thread.shutdown(wait=False, cancel_futures=True)
         # After a failure the live ranks may be blocked in a collective: no grace then.
@@ -264,10 +269,8 @@ class MultiProcExecutor(Executor):
         for proc in self._procs:
             proc.join(grace)
             if proc.is_alive():
-                # Blocked in a collective with a dead peer: it never reads "stop".
-                proc.terminate()
-                proc.join(_EXIT_GRACE_S)
-            if proc.is_alive():
+                # Blocked in a collective with a dead peer: it never reads "stop". Workers
+                # ignore SIGTERM (tp_worker.py).
                 proc.kill()
                 proc.join()
         for conn in self._conns:

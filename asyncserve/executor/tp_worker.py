@@ -96,9 +96,12 @@ def worker_main(
     conn: Connection,
     handle: ReaderHandle,
 ) -> None:
-    # Ctrl-C reaches the whole process group: the engine process drains and then ends the
-    # workers; a worker that died of it first would fail the requests still running.
+    # Ctrl-C and a service manager's SIGTERM reach the whole process group: the engine
+    # process drains and then ends the workers ("stop", or SIGKILL past the grace); a worker
+    # that died of the signal first would fail the requests still running. An engine
+    # process that dies without that is noticed by the reader (ShmReader.read: orphaned).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         runner = _start(config, device_type, rank, size, init_method)
     except Exception as exc:

@@ -1,6 +1,7 @@
 """Tensor parallelism on CPU (gloo, 2 worker processes): greedy output equal to one device,
 token for token, through chunked prefill, prefix hits and preemption; a killed worker ends
-the engine with a clear error and no process left behind; bad sizes fail before any start.
+the engine with a clear error and no process left behind; workers ignore SIGTERM yet end
+with the engine process; bad sizes fail before any start.
 
 SmolLM2-135M (the default model) has 9 attention heads, which 2 ranks cannot split, so the
 equality runs on a small Llama checkpoint (random weights, safetensors) and the default
@@ -13,6 +14,8 @@ import multiprocessing
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -202,6 +205,87 @@ def test_tp2_expert_parallel_equals_one_device(tmp_path: Path) -> None:
         finally:
             llm.close()
     assert outputs[0] == outputs[1]
+
+
+def _gone(pid: int) -> bool:
+    """Ended: no such process, or a zombie left for a reaper that is not this test."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_workers_ignore_sigterm_until_shutdown(checkpoint: Path) -> None:
+    # A service manager's SIGTERM to the process group reaches the workers too: they keep
+    # serving while the engine process drains, and end when it shuts them down.
+    llm = LLM(str(checkpoint), tensor_parallel_size=2, **ENGINE_ARGS)  # type: ignore[arg-type]
+    try:
+        executor = llm.engine.executor
+        assert isinstance(executor, MultiProcExecutor)
+        pids = executor.pids
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+        async def run() -> RequestOutput:
+            last = None
+            async for out in llm.engine.generate([5, 6, 7], params, "terminated"):
+                if last is None:
+                    for pid in pids:
+                        os.kill(pid, signal.SIGTERM)
+                last = out
+            assert last is not None
+            return last
+
+        out = llm._loop.run_until_complete(run())
+        assert out.error is None and len(out.outputs[0].token_ids) == 24
+        assert llm.engine._dead_reason is None and not any(_gone(pid) for pid in pids)
+    finally:
+        start = time.monotonic()
+        llm.close()
+    assert time.monotonic() - start < 5  # "stop" ended them, not the grace and a SIGKILL
+    assert all(_gone(pid) for pid in pids)
+    assert not [p for p in multiprocessing.active_children() if p.pid in pids]
+
+
+_ENGINE_SCRIPT = """
+import sys
+from asyncserve import LLM
+llm = LLM(sys.argv[1], tensor_parallel_size=2, device="cpu", dtype="float32",
+          max_model_len=64, num_gpu_blocks_override=8)
+print(*llm.engine.executor.pids, flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.parametrize("end", ["exit", "sigkill"])
+def test_workers_end_with_the_engine_process(checkpoint: Path, end: str) -> None:
+    # Workers that ignore SIGTERM still end with the engine process: one that exits without
+    # LLM.close() shuts them down at exit (multiprocessing's own exit handler would SIGTERM
+    # them and wait forever); one killed outright is noticed by the workers themselves.
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _ENGINE_SCRIPT, str(checkpoint)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2
+        for pid in pids:
+            os.kill(pid, signal.SIGTERM)
+        time.sleep(0.5)
+        assert not any(_gone(pid) for pid in pids)
+        if end == "exit":
+            proc.stdin.close()
+            assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not all(_gone(pid) for pid in pids):
+        time.sleep(0.05)
+    assert all(_gone(pid) for pid in pids)
 
 
 def test_killed_worker_ends_the_engine(tp_llm: LLM) -> None:
