@@ -43,6 +43,7 @@ from asyncserve.core.grammar_limits import (
     MAX_SCHEMA_DEPTH,
     check_regex,
     check_schema_patterns,
+    endless_chain,
     json_depth,
     ref_cycle,
 )
@@ -130,6 +131,12 @@ def compile_grammar(
             raise ValueError(
                 "structured_outputs.json: invalid schema: the $ref cycle "
                 f"{' -> '.join(cycle)} applies to the same value forever (no value matches)"
+            )
+        chain = endless_chain(schema)
+        if chain is not None:
+            raise ValueError(
+                "structured_outputs.json: invalid schema: every value must hold another of "
+                f"the same schema ({' -> '.join(chain)}), so no finite value matches"
             )
         check_schema_patterns(schema)
         try:

@@ -1,6 +1,7 @@
 """Cheap checks that keep a constraint from costing seconds to compile or to mask: a JSON
 schema nested too deeply, a regex whose counted repetitions multiply out too far; and a
-schema whose $refs loop on one value (no value matches it)."""
+schema whose $refs loop on one value, or whose every value must hold another one of the
+same schema (no finite value matches either)."""
 
 from __future__ import annotations
 
@@ -111,31 +112,11 @@ def ref_cycle(schema: Any) -> list[str] | None:
     """A chain of local `$ref` / `allOf` links that comes back to where it started, as
     JSON pointers ("#/$defs/a", ...), or None. Such a chain applies a schema to the same
     value forever (JSON Schema's infinite regress): no value matches, and a grammar built
-    from it dead-ends mid-output. Recursion through properties or items is fine."""
-    nodes: dict[str, dict[str, Any]] = {}
-    stack: list[tuple[Any, str]] = [(schema, "#")]
-    while stack:
-        node, pointer = stack.pop()
-        if isinstance(node, dict):
-            nodes[pointer] = node
-            for key, value in node.items():
-                if key not in _DATA_KEYWORDS and isinstance(value, dict | list):
-                    stack.append((value, f"{pointer}/{_escape(str(key))}"))
-        elif isinstance(node, list):
-            stack.extend((value, f"{pointer}/{i}") for i, value in enumerate(node))
+    from it dead-ends mid-output. Recursion through properties or items: endless_chain."""
+    nodes = _schema_nodes(schema)
 
     def links(pointer: str) -> list[str]:
-        node = nodes[pointer]
-        out = []
-        ref = node.get("$ref")
-        if isinstance(ref, str) and ref.startswith("#"):
-            target = "#" + unquote(ref[1:]).rstrip("/") if ref != "#/" else "#"
-            if target in nodes:
-                out.append(target)
-        all_of = node.get("allOf")
-        if isinstance(all_of, list):
-            out.extend(f"{pointer}/allOf/{i}" for i in range(len(all_of)))
-        return [p for p in out if p in nodes]
+        return [p for p in _same_value_links(nodes, pointer) if p in nodes]
 
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     for start in nodes:
@@ -156,6 +137,111 @@ def ref_cycle(schema: Any) -> list[str] | None:
                 path.append(nxt)
                 todo.append(iter(links(nxt)))
     return None
+
+
+def endless_chain(schema: Any) -> list[str] | None:
+    """For a schema whose every value must contain another value of the same schema (an
+    object property that is required, the items of a non-empty array: no finite value
+    matches), a chain of JSON pointers from the root back into such a loop; else None.
+    llguidance compiles these, then fails mid-output. Optional recursion, an `anyOf` branch
+    that ends, or a type that lets a value skip the requirement (no "type": "object") is
+    fine; pure $ref loops are ref_cycle's."""
+    nodes = _schema_nodes(schema)
+    if "#" not in nodes:
+        return None
+    # A node matches a finite value once every one of its groups has a branch that does.
+    groups = {pointer: _requirements(nodes, pointer) for pointer in nodes}
+    open_groups = {pointer: len(g) for pointer, g in groups.items()}
+    users: dict[str, list[tuple[str, int]]] = {}
+    for pointer, node_groups in groups.items():
+        for i, group in enumerate(node_groups):
+            for target in group:
+                users.setdefault(target, []).append((pointer, i))
+    done: set[tuple[str, int]] = set()  # groups with a branch that matches
+    finite = [pointer for pointer, count in open_groups.items() if count == 0]
+    matched = set(finite)
+    while finite:
+        target = finite.pop()
+        for pointer, i in users.get(target, ()):
+            if (pointer, i) in done:
+                continue
+            done.add((pointer, i))
+            open_groups[pointer] -= 1
+            if open_groups[pointer] == 0 and pointer not in matched:
+                matched.add(pointer)
+                finite.append(pointer)
+    if "#" in matched:
+        return None
+    # Every node left needs one that is left too: follow the first until one repeats.
+    chain = ["#"]
+    seen = {"#"}
+    while True:
+        pointer = chain[-1]
+        group = next(g for i, g in enumerate(groups[pointer]) if (pointer, i) not in done)
+        chain.append(group[0])
+        if group[0] in seen:
+            return chain
+        seen.add(group[0])
+
+
+def _schema_nodes(schema: Any) -> dict[str, dict[str, Any]]:
+    """Every schema object in `schema` by its JSON pointer ("#", "#/properties/a", ...)."""
+    nodes: dict[str, dict[str, Any]] = {}
+    stack: list[tuple[Any, str]] = [(schema, "#")]
+    while stack:
+        node, pointer = stack.pop()
+        if isinstance(node, dict):
+            nodes[pointer] = node
+            for key, value in node.items():
+                if key not in _DATA_KEYWORDS and isinstance(value, dict | list):
+                    stack.append((value, f"{pointer}/{_escape(str(key))}"))
+        elif isinstance(node, list):
+            stack.extend((value, f"{pointer}/{i}") for i, value in enumerate(node))
+    return nodes
+
+
+def _same_value_links(nodes: dict[str, dict[str, Any]], pointer: str) -> list[str]:
+    """The schemas that apply to the same value as the one at `pointer`: its local $ref
+    and its allOf members."""
+    node = nodes[pointer]
+    out = []
+    ref = node.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        out.append("#" + unquote(ref[1:]).rstrip("/") if ref != "#/" else "#")
+    all_of = node.get("allOf")
+    if isinstance(all_of, list):
+        out.extend(f"{pointer}/allOf/{i}" for i in range(len(all_of)))
+    return out
+
+
+def _requirements(nodes: dict[str, dict[str, Any]], pointer: str) -> list[list[str]]:
+    """What a value of the schema at `pointer` needs, as groups of schemas: one schema of
+    each group must match (the value itself or a part it must have). A group naming
+    something that is not a schema object here (true, a remote $ref) always holds."""
+    node = nodes[pointer]
+    groups = [[target] for target in _same_value_links(nodes, pointer)]
+    for key in ("anyOf", "oneOf"):
+        if isinstance(node.get(key), list):
+            groups.append([f"{pointer}/{key}/{i}" for i in range(len(node[key]))])
+    kind = node.get("type")
+    if kind == "object" or kind == ["object"]:
+        properties = node.get("properties")
+        required = node.get("required")
+        if isinstance(properties, dict) and isinstance(required, list):
+            groups.extend(
+                [f"{pointer}/properties/{_escape(name)}"]
+                for name in required
+                if isinstance(name, str) and name in properties
+            )
+    elif kind == "array" or kind == ["array"]:
+        min_items = node.get("minItems")
+        count = min_items if isinstance(min_items, int) else 0
+        prefix = node.get("prefixItems")
+        prefix = prefix if isinstance(prefix, list) else []
+        groups.extend([f"{pointer}/prefixItems/{i}"] for i in range(min(count, len(prefix))))
+        if count > len(prefix) and isinstance(node.get("items"), dict):
+            groups.append([f"{pointer}/items"])
+    return [group for group in groups if group and all(p in nodes for p in group)]
 
 
 def _escape(key: str) -> str:

@@ -77,7 +77,7 @@ async def run_beam_search(
             for i, (p, out) in enumerate(zip(prompts, outputs, strict=True))
         ]
 
-    return await cancel_on_disconnect(run(), request.receive)
+    return await cancel_on_disconnect(run(), request.receive, request.scope)
 
 
 async def beam_completion(

@@ -10,7 +10,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from asyncserve.http.chat_images import load_chat_images
+from asyncserve.http.chat_images import ChatImages, load_chat_images
 from asyncserve.http.chat_prompt import render_chat_prompt
 from asyncserve.http.errors import APIError
 from asyncserve.http.limits import Ticket
@@ -130,28 +130,17 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     params = chat_params(body, state.generation_config)
     tools = _plan_tools(state, body, params.structured_outputs is not None)
     tools.apply(params)
-    max_tokens_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-    constraint = "response_format" if body.response_format is not None else "structured_outputs"
-    if tools.forced:
-        constraint = "tools"
-
+    constraint = "tools" if tools.forced else None
     images = await load_chat_images(state.engine, body)
-
-    def prepare() -> PromptInput:  # in the preprocessing pool: off the event loop
-        text = render_chat_prompt(state.engine.tokenizer, body, state.config.chat_template, images)
-        prompt = state.prepare(text, body.add_special_tokens, params)
-        mm = images.process(prompt.token_ids)
-        if mm is not None:
-            prompt = PromptInput(prompt.text, mm.prompt_token_ids, mm)
-        state.validate(prompt, params, "messages", max_tokens_param, constraint)
-        return prompt
-
-    prompt = await state.preprocessor.run(prepare)
+    # In the preprocessing pool: off the event loop.
+    prompt = await state.preprocessor.run(
+        prepare_chat_prompt, state, body, images, params, constraint
+    )
     job = _Job(state, body, prompt, model, request, tools)
     job.ticket = state.check_ready(body.priority)
     if body.stream:
         return EventStreamResponse(_stream(job, params))
-    final = await cancel_on_disconnect(_final(job.stream(params)), request.receive)
+    final = await cancel_on_disconnect(_final(job.stream(params)), request.receive, request.scope)
     if final.error is not None and not final.internal_error:
         raise engine_error(final, state.engine)
     choices = [_choice(job, comp) for comp in sorted(final.outputs, key=lambda c: c.index)]
@@ -171,6 +160,30 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
         kv_transfer_params=final.kv_transfer_params,
     )
     return Response(msgspec.json.encode(response), media_type="application/json")
+
+
+def prepare_chat_prompt(
+    state: ServerState,
+    body: ChatCompletionRequest,
+    images: ChatImages,
+    params: SamplingParams,
+    constraint: str | None = None,
+) -> PromptInput:
+    """One conversation's prompt as the engine takes it: rendered with its images (from
+    load_chat_images), tokenized, the images processed, checked; 400s name the field
+    (`constraint`: the field the output constraint came from). Blocking: in the
+    preprocessing pool. The batch route shares it, so both take the same messages."""
+    text = render_chat_prompt(state.engine.tokenizer, body, state.config.chat_template, images)
+    prompt = state.prepare(text, body.add_special_tokens, params)
+    mm = images.process(prompt.token_ids)
+    if mm is not None:
+        prompt = PromptInput(prompt.text, mm.prompt_token_ids, mm)
+    max_tokens_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    if constraint is None:
+        given = body.response_format is not None
+        constraint = "response_format" if given else "structured_outputs"
+    state.validate(prompt, params, "messages", max_tokens_param, constraint)
+    return prompt
 
 
 def _plan_tools(state: ServerState, body: ChatCompletionRequest, constrained: bool) -> ToolPlan:

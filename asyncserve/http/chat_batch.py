@@ -3,13 +3,16 @@ answered as one choice (index = the conversation's position), in one chat.comple
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from asyncserve.http.chat_prompt import render_chat_prompt
+from asyncserve.http.chat import prepare_chat_prompt
+from asyncserve.http.chat_images import ChatImages, load_chat_images
 from asyncserve.http.errors import APIError
 from asyncserve.http.logprobs import chat_logprobs
 from asyncserve.http.protocol import (
@@ -55,6 +58,16 @@ def _check(body: BatchChatCompletionRequest) -> None:
         )
 
 
+@contextlib.contextmanager
+def _naming(index: int) -> Iterator[None]:
+    """400s about one conversation name it: messages[1] -> messages[2][1]."""
+    try:
+        yield
+    except APIError as exc:
+        exc.param = (exc.param or "messages").replace("messages", f"messages[{index}]", 1)
+        raise
+
+
 async def create_batch_chat_completion(state: ServerState, request: Request) -> Response:
     body = await state.read_json(request, BatchChatCompletionRequest)
     model = state.response_model(body.model)
@@ -62,19 +75,19 @@ async def create_batch_chat_completion(state: ServerState, request: Request) -> 
     body.top_logprobs = state.resolve_logprobs(body.top_logprobs, "top_logprobs")
     params = chat_params(body, state.generation_config)
 
-    def prepare() -> list[PromptInput]:  # in the preprocessing pool: off the event loop
+    # Each conversation goes the single route's way: images fetched here, the rest in the
+    # preprocessing pool.
+    conversations = [msgspec.structs.replace(body, messages=c) for c in body.messages]
+    images: list[ChatImages] = []
+    for i, one in enumerate(conversations):
+        with _naming(i):
+            images.append(await load_chat_images(state.engine, one))
+
+    def prepare() -> list[PromptInput]:
         prompts: list[PromptInput] = []
-        for i, conversation in enumerate(body.messages):
-            one = msgspec.structs.replace(body, messages=conversation)
-            try:
-                text = render_chat_prompt(state.engine.tokenizer, one, state.config.chat_template)
-            except APIError as exc:  # name the conversation: messages[1] -> messages[2][1]
-                param = exc.param or "messages"
-                exc.param = param.replace("messages", f"messages[{i}]", 1)
-                raise
-            prompt = state.prepare(text, body.add_special_tokens, params)
-            state.validate(prompt, params, f"messages[{i}]")
-            prompts.append(prompt)
+        for i, (one, its_images) in enumerate(zip(conversations, images, strict=True)):
+            with _naming(i):
+                prompts.append(prepare_chat_prompt(state, one, its_images, params))
         return prompts
 
     prompts = await state.preprocessor.run(prepare)
@@ -94,6 +107,7 @@ async def create_batch_chat_completion(state: ServerState, request: Request) -> 
                 priority=body.priority,
                 trace_headers=traced,
                 lora_request=lora,
+                **({"mm_inputs": p.mm_inputs} if p.mm_inputs else {}),
             )
         )
         for rid, p in zip(engine_ids, prompts, strict=True)
@@ -106,7 +120,7 @@ async def create_batch_chat_completion(state: ServerState, request: Request) -> 
                 finals[index] = out
         return finals
 
-    finals = await cancel_on_disconnect(collect(), request.receive)
+    finals = await cancel_on_disconnect(collect(), request.receive, request.scope)
     token_text = state.token_text_for(body.return_tokens_as_token_ids)
     choices: list[ChatChoice] = []
     completion_tokens = 0

@@ -198,7 +198,7 @@ async def _complete(job: _Job, params: SamplingParams, model: str, request: Requ
                 finals[index] = out
         return [f for f in finals if f is not None]
 
-    finals = await cancel_on_disconnect(collect(), request.receive)
+    finals = await cancel_on_disconnect(collect(), request.receive, request.scope)
     body = job.body
     token_ids = bool(body.return_token_ids)
     choices: list[CompletionResponseChoice] = []

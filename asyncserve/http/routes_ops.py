@@ -79,7 +79,7 @@ async def generate(state: ServerState, request: Request) -> Response:
             raise RuntimeError("the engine ended the request without an output")
         return last
 
-    out = await cancel_on_disconnect(final(), request.receive)
+    out = await cancel_on_disconnect(final(), request.receive, request.scope)
     if out.error is not None and not out.internal_error:
         raise engine_error(out, state.engine)
     return _json(GenerateResponse(text=_texts(prefix, out)))

@@ -18,6 +18,8 @@ import msgspec
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from asyncserve.http.errors import APIError
+
 T = TypeVar("T")
 
 DONE = b"data: [DONE]\n\n"
@@ -53,20 +55,37 @@ async def _finish(*tasks: asyncio.Future[Any]) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def cancel_on_disconnect(work: Awaitable[T], receive: Receive) -> T:
-    """Await `work`; if the client disconnects first, cancel it and raise ClientDisconnected."""
+def shutdown_error() -> APIError:
+    """What a request cut by the server's shutdown deadline answers."""
+    return APIError("the server is shutting down (--shutdown-timeout ran out)", 503)
+
+
+async def cancel_on_disconnect(
+    work: Awaitable[T], receive: Receive, scope: Scope | None = None
+) -> T:
+    """Await `work`; if the client disconnects first, cancel it and raise ClientDisconnected.
+    With the request's `scope`, the server's shutdown deadline cuts it too: cancelled, then
+    shutdown_error() (a JSON 503, where uvicorn would cancel the handler a moment later
+    into a plain-text 500)."""
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(wait_for_disconnect(receive))
+    waits: set[asyncio.Future[Any]] = {task, watch}
+    deadline = _shutdown_deadline(scope) if scope is not None else None
+    if deadline is not None:
+        waits.add(deadline)  # shared by every request: never cancelled here
     try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
         await _finish(task, watch)
         raise
     if task.done():
         await _finish(watch)
         return task.result()
-    await _finish(task)
-    raise ClientDisconnected
+    if watch.done():
+        await _finish(task)
+        raise ClientDisconnected
+    await _finish(task, watch)
+    raise shutdown_error()
 
 
 # A comment line every this many idle seconds keeps proxies from closing a quiet stream
@@ -146,14 +165,7 @@ class EventStreamResponse(Response):
     async def _send_cut(self, send: Send) -> None:
         """The server's shutdown deadline passed: end the stream with an error the client
         can read (then [DONE] on SSE) instead of a broken chunked body."""
-        error = {
-            "error": {
-                "message": "the server is shutting down (--shutdown-timeout ran out)",
-                "type": "ServiceUnavailableError",
-                "param": None,
-                "code": 503,
-            }
-        }
+        error = shutdown_error().to_body()
         tail = sse_event(error) + DONE if self.media_type == "text/event-stream" else b""
         if self.media_type != "text/event-stream":
             tail = ndjson_line(error)

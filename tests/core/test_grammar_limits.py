@@ -2,7 +2,13 @@ from __future__ import annotations
 
 import pytest
 
-from asyncserve.core.grammar_limits import check_regex, json_depth, ref_cycle, regex_expansion
+from asyncserve.core.grammar_limits import (
+    check_regex,
+    endless_chain,
+    json_depth,
+    ref_cycle,
+    regex_expansion,
+)
 
 
 @pytest.mark.parametrize(
@@ -52,3 +58,40 @@ def test_json_depth_skips_strings() -> None:
 )  # fmt: skip
 def test_ref_cycles(schema: object, cycle: list[str] | None) -> None:
     assert ref_cycle(schema) == cycle
+
+
+NODE = {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}, "required": ["next"]}
+
+
+@pytest.mark.parametrize(
+    ("schema", "chain"),
+    [
+        ({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+         ["#", "#/properties/a", "#"]),
+        ({"type": "array", "items": {"$ref": "#"}, "minItems": 1}, ["#", "#/items", "#"]),
+        ({"type": "array", "prefixItems": [{"$ref": "#"}], "minItems": 1},
+         ["#", "#/prefixItems/0", "#"]),
+        ({"type": "object", "required": ["a"],
+          "properties": {"a": {"anyOf": [{"$ref": "#"}, {"allOf": [{"$ref": "#"}]}]}}},
+         ["#", "#/properties/a", "#/properties/a/anyOf/0", "#"]),
+        ({"$defs": {"n": NODE}, "type": "object", "properties": {"root": {"$ref": "#/$defs/n"}},
+          "required": ["root"]},
+         ["#", "#/properties/root", "#/$defs/n", "#/$defs/n/properties/next", "#/$defs/n"]),
+        # A way out: the property optional, a branch that ends, a value that need not be an
+        # object (or array), an empty array, a loop the root does not need.
+        ({"type": "object", "properties": {"a": {"$ref": "#"}}}, None),
+        ({"type": "object", "properties": {"a": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+          "required": ["a"]}, None),
+        ({"properties": {"a": {"$ref": "#"}}, "required": ["a"]}, None),
+        ({"type": ["object", "null"], "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+         None),
+        ({"type": "array", "items": {"$ref": "#"}}, None),
+        ({"$defs": {"n": NODE}, "type": "object", "properties": {"root": {"$ref": "#/$defs/n"}}},
+         None),
+        ({"type": "object", "properties": {"a": {"anyOf": [{"$ref": "#"}, True]}},
+          "required": ["a"]}, None),
+        (True, None),
+    ],
+)  # fmt: skip
+def test_endless_chains(schema: object, chain: list[str] | None) -> None:
+    assert endless_chain(schema) == chain

@@ -148,6 +148,42 @@ def test_image_to_text_only_model_is_400(client: httpx.Client) -> None:
     assert "text-only" in error["message"]
 
 
+def test_chat_batch_takes_image_parts(llava_server: ServerProcess) -> None:
+    # Each conversation answers as the single route answers it alone.
+    first, second = data_url(random_image(94)), data_url(random_image(95, 64, 30))
+    conversations = [
+        [image_part(first), QUESTION],
+        [QUESTION],
+        [image_part(first), image_part(second), QUESTION],
+    ]
+    body: dict[str, Any] = {"model": "llava", "max_tokens": 6, "temperature": 0,
+        "ignore_eos": True, "messages": [[{"role": "user", "content": c}] for c in conversations]}  # fmt: skip
+    url = f"{llava_server.base_url}/v1/chat/completions/batch"
+    batch = httpx.post(url, json=body, timeout=120)
+    assert batch.status_code == 200, batch.text
+    singles = [_chat(llava_server, content).json() for content in conversations]
+    choices = batch.json()["choices"]
+    assert [c["message"] for c in choices] == [s["choices"][0]["message"] for s in singles]
+    prompt_tokens = sum(s["usage"]["prompt_tokens"] for s in singles)
+    assert batch.json()["usage"]["prompt_tokens"] == prompt_tokens
+    # A bad part is a 400 naming its conversation.
+    body["messages"][1][0]["content"] = [image_part("data:image/png;base64,bm90"), QUESTION]
+    refused = httpx.post(url, json=body, timeout=120)
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["param"] == "messages[1][0].content[0].image_url"
+
+
+def test_chat_batch_image_to_text_only_model_is_400(client: httpx.Client) -> None:
+    content = [QUESTION, image_part(data_url(random_image(96)))]
+    single = {"model": "smol", "max_tokens": 2, "messages": [{"role": "user", "content": content}]}
+    one = client.post("/v1/chat/completions", json=single)
+    conversations = [[{"role": "user", "content": "Hi"}], single["messages"]]
+    batch = client.post("/v1/chat/completions/batch", json={**single, "messages": conversations})
+    assert one.status_code == batch.status_code == 400, batch.text
+    assert batch.json()["error"]["message"] == one.json()["error"]["message"]
+    assert batch.json()["error"]["param"] == "messages[1][0].content[1].type"
+
+
 def test_image_larger_than_the_text_body_limit(llava_server: ServerProcess) -> None:
     # max_model_len 256 gives text bodies 1 MiB; a model that takes images also gets room
     # for the data: URLs of --limit-mm-per-prompt images of the media byte limit.

@@ -150,6 +150,27 @@ def test_bad_constraints_and_beam_requests_are_400(
     assert error["param"] == param and message in error["message"], error
 
 
+# Every value must hold another one: llguidance compiles it, then fails mid-output.
+SELF_REQUIRING = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+
+
+def test_self_requiring_schema_is_400_before_the_engine(client: httpx.Client) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": SELF_REQUIRING}}
+    for path, extra, param in (
+        ("/v1/chat/completions", {"messages": CHAT, "response_format": fmt}, "response_format"),
+        ("/v1/completions", {"prompt": "Hello", "structured_outputs": {"json": SELF_REQUIRING}},
+         "structured_outputs"),
+    ):  # fmt: skip
+        response = client.post(path, json={"model": MODEL, "max_tokens": 8, **extra})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        # Refused by the checks before queueing, not by the engine (code "request_failed").
+        assert error["param"] == param and error["code"] == 400, error
+        assert "# -> #/properties/a -> #" in error["message"], error
+    # The server still answers.
+    complete(client, prompt="Hello", max_tokens=2)
+
+
 def test_beam_search_matches_offline(client: httpx.Client, smollm2_llm: LLM) -> None:
     prompts = ["The capital of France is", "def fibonacci(n):"]
     out = complete(
