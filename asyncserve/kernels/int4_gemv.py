@@ -64,11 +64,6 @@ def gemv_config(n: int, k: int, group_size: int, per_column: bool, sms: int) -> 
     return GemvConfig(block_n, block_k, split_k)
 
 
-# The bits of the float 2^23 (exponent only), and its value: see the kernel's unpacking.
-_EXP_2_23 = tl.constexpr(0x4B000000)
-_TWO_23 = tl.constexpr(8388608.0)
-
-
 @triton.jit
 def _int4_gemv_kernel(
     x_ptr,
@@ -114,8 +109,6 @@ def _int4_gemv_kernel(
         qx = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
         xs = tl.zeros([WORDS], dtype=tl.float32)
         wu = words.to(tl.uint32, bitcast=True)
-        if not PER_COLUMN:
-            wu_hi = wu >> 12  # nibbles 5-7 at bits 8-19
         for i in tl.static_range(8):
             # Nibble i of each word is column 8j + i (a strided load of x, from L1).
             if EVEN_K:
@@ -134,21 +127,11 @@ def _int4_gemv_kernel(
                 q = ((wu >> (4 * i)) & 0xF).to(tl.float32)
                 qx += (q - zero) * scale * xi[None, :]
             else:
-                # q * 16^s is the nibble masked in place (s = i, or i - 3 in the word shifted
-                # by 12, so that it stays below bit 23) under the exponent of 2^23: read as a
-                # float that is 2^23 + q * 16^s exactly, and one subtraction leaves q * 16^s.
-                # Times x / 16^s (once per column, not per element) it is q * x. Per element:
-                # one logic op (mask | exponent), a subtraction and a multiply-add; an
-                # int-to-float conversion instead runs at 1/8 of the FMA rate and bounded
-                # this kernel.
-                if i < 5:
-                    src = wu
-                    s = i
-                else:
-                    src = wu_hi
-                    s = i - 3
-                q_at = ((src & (0xF << (4 * s))) | _EXP_2_23).to(tl.float32, bitcast=True)
-                qx += (q_at - _TWO_23) * (xi * (1.0 / (1 << (4 * s))))[None, :]
+                # q * 16^i is the nibble masked in place, converted exactly; times x / 16^i
+                # (exact too, and once per column, not per element) it is q * x. Per element:
+                # a mask, a conversion and a multiply-add.
+                q_at = (wu & (0xF << (4 * i))).to(tl.float32)
+                qx += q_at * (xi * (1.0 / (1 << (4 * i))))[None, :]
                 xs += xi
         if PER_COLUMN:
             acc += tl.sum(qx, axis=1)[:, None]
