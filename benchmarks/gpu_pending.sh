@@ -10,9 +10,10 @@
 #            benchmarks/int4_gemv_bench.py against its predecessor, with a tile sweep) (14);
 #            a lone LLaVA request's kernels and a host + CUDA trace (19)
 #   2 stage  carry .peer/p0: vLLM part 0 staged
-#   3 side   carry .peer/p1: vLLM installed; W2 with W4A16 weights (14) and W1b (also at
-#            1024 sequences with graphs up to 1024) pairs (18); the LLaVA pair with lone
-#            requests' kernels and traces for both engines (19)
+#   3 mmtest carry .tinyllava: the image encoder's graphs tested; a lone LLaVA request's
+#            phases (19)
+#   4 side   carry .peer/p1: vLLM installed; the LLaVA pair; vLLM's lone requests' kernels and
+#            trace (19)
 #   Older parts, each on a machine of its own: smol (carry .smol/b after prep with .smol/a),
 #   moe (carry .peer/moe after side), tp2, check (carry .whl), pairs (carry .peer/p1),
 #   disagg, w1b_diag and syncs (carry .whl).
@@ -115,6 +116,13 @@ j_int4() {
   TAIL=8 step int4_gemv_m1 200 python3 benchmarks/int4_gemv_bench.py --sweep
   TAIL=6 step int4_gemv_m4 100 python3 benchmarks/int4_gemv_bench.py --m 4
 }
+j_encoder_graph_tests() { ASYNCSERVE_TEST_TINY_LLAVA=/tmp/tinyllava TAIL=4 step encoder_graph_tests 200 python3 -m pytest -q -p no:cacheprovider -rfs tests/multimodal/test_encoder_graphs_gpu.py; }
+j_llava_phases() { TAIL=2 step llava_phases 200 python3 benchmarks/llava_phases.py --reps 20; }
+# W1b at asyncserve's default (512 sequences) and at 1024 with graphs up to 1024, one GPU.
+j_w1b_as_graphs() {
+  TAIL=1 step w1b_as_512 150 python3 $SBS --engine asyncserve --workloads w1b --model $L3
+  TAIL=1 step w1b_as_1024_graphs 150 python3 $SBS --engine asyncserve --workloads w1b --model $L3 --max-num-seqs 1024 --max-cudagraph-capture-size 1024
+}
 j_w4a16_pair() { pair w4a16 150 250 --workloads w2 --model benchmarks/configs/llama3-8b-w4a16; }
 # The LLaVA burst's kernels, each engine (vLLM's engine core in-process): where 0.77x comes from.
 j_llava_kernels() {
@@ -151,9 +159,12 @@ case $1 in
     deal j_int4 j_llava_single_as ;;
   stage)
     bash .peer/p0/stage.sh | tail -1 ;;
+  mmtest)  # carry .tinyllava (tests/multimodal/tiny_llava.py's checkpoint, built here)
+    rm -rf /tmp/tinyllava && cp -r .tinyllava /tmp/tinyllava
+    deal "j_encoder_graph_tests j_llava_phases" ;;
   side)
     bash .peer/p1/install.sh | tail -1
-    deal "j_w4a16_pair j_w1b" "j_llava j_llava_single_as j_llava_single_vllm" ;;
+    deal j_llava j_llava_single_vllm ;;
   smol)
     cat /tmp/smol/part_a .smol/b/part > $SMOL && sha256sum $SMOL | cut -c1-64 | diff - .smol/b/sha256 && echo "SmolLM2 assembled"
     deal j_gpu_tests_engine j_gpu_tests_quant j_spec_tests ;;
@@ -168,6 +179,8 @@ case $1 in
   tp2)  # on a 2-GPU host, after moe (its vLLM installed)
     (export CUDA_VISIBLE_DEVICES=0,1; j_tp2) > $OUT/lane_tp2.txt 2>&1 &
     LANES+=($!) ;;
+  probe)  # carry .whl: a lone LLaVA request's phases (19); W1b with graphs up to 1024 (18)
+    deal "j_llava_phases j_llava_single_as" j_w1b_as_graphs ;;
   check)  # carry .whl
     deal j_kernel_checks j_w4_cold_warm ;;
   pairs)  # carry .peer/p1

@@ -127,11 +127,18 @@ class LlavaForConditionalGeneration(MultiModalCausalLM):
     def embed_images(self, items: list[MultiModalItem]) -> list[torch.Tensor]:
         pixels = torch.stack([item.data["pixel_values"] for item in items])
         device = self.multi_modal_projector.linear_1.weight.device
-        states = self.vision_tower(host_to_device(pixels, device), list(self.llava.feature_layers))
+        return list(self.encode_pixels(host_to_device(pixels, device)).unbind(0))
+
+    def encoder_input_shape(self) -> tuple[int, ...] | None:
+        vision = self.llava.vision
+        return (vision.num_channels, vision.image_size, vision.image_size)
+
+    def encode_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
+        states = self.vision_tower(pixels, list(self.llava.feature_layers))
         features = torch.cat(states, dim=-1)
         if self.llava.select_strategy == "default":
             features = features[:, 1:]
-        return list(self.multi_modal_projector(features).unbind(0))
+        return self.multi_modal_projector(features)  # type: ignore[no-any-return]
 
     # ---- CausalLM surface --------------------------------------------------------------
 

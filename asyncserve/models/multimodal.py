@@ -64,6 +64,16 @@ class MultiModalCausalLM(CausalLM):
         """One [item.length, hidden] tensor per item (model dtype, on the model's device)."""
         raise NotImplementedError
 
+    def encoder_input_shape(self) -> tuple[int, ...] | None:
+        """The one shape of an image's `pixel_values` when every image is resized to it (its
+        encoder can then replay CUDA graphs: worker/encoder_graphs.py); None otherwise."""
+        return None
+
+    def encode_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
+        """[B, *encoder_input_shape()] pixels on the device -> [B, rows, hidden] embeddings
+        (models with a fixed encoder input shape)."""
+        raise NotImplementedError
+
     def forward(
         self,
         input_ids: torch.Tensor,

@@ -21,6 +21,7 @@ import torch
 from asyncserve.models.multimodal import host_to_device
 from asyncserve.multimodal.inputs import MultiModalItem
 from asyncserve.worker.encoder_cache import EncoderCache
+from asyncserve.worker.encoder_graphs import EncoderGraphs
 
 if TYPE_CHECKING:
     from asyncserve.models.multimodal import MultiModalCausalLM
@@ -31,6 +32,16 @@ class StepEmbedder:
     def __init__(self, model: MultiModalCausalLM, cache: EncoderCache) -> None:
         self.model = model
         self.cache = cache
+        # The encoder's CUDA graphs, once captured (capture_encoder_graphs).
+        self.graphs: EncoderGraphs | None = None
+
+    def capture_encoder_graphs(self, device: torch.device) -> None:
+        """Capture the encoder's graphs when its input has one shape (see encoder_graphs.py)."""
+        shape = self.model.encoder_input_shape()
+        if shape is not None:
+            graphs = EncoderGraphs(self.model.encode_pixels, shape, device)
+            graphs.capture_all()
+            self.graphs = graphs
 
     def inputs_embeds(
         self, inputs: StepInputs, states: dict[str, CachedRequestState]
@@ -72,7 +83,9 @@ class StepEmbedder:
                 missing[item.hash] = item
         if missing:
             todo = list(missing.values())
-            outputs = self.model.embed_images(todo)
+            outputs = self.graphs.encode_items(todo) if self.graphs is not None else None
+            if outputs is None:
+                outputs = self.model.embed_images(todo)
             for item, out in zip(todo, outputs, strict=True):
                 if out.shape[0] != item.length:
                     raise RuntimeError(

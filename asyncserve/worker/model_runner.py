@@ -179,6 +179,9 @@ class ModelRunner:
             self.decode_graphs, self.verify_graphs = capture_target_graphs(
                 self.model, self.kv_caches, self.config, max_model_len, self.device
             )
+        if graphs and self.embedder is not None:
+            with torch.inference_mode():
+                self.embedder.capture_encoder_graphs(self.device)
         if self.device.type == "cuda":
             warm_up_grammar_kernel(self.device)
             WATCH.arm()  # start-up compiled what steps need: later compiles are warnings
@@ -188,6 +191,8 @@ class ModelRunner:
         proposer): its engine is closed, and a later engine in this process (another LLM)
         must find the memory free even while the closed one is still referenced."""
         self.decode_graphs = self.verify_graphs = None
+        if self.embedder is not None:
+            self.embedder.graphs = None
         self.kv_caches = []
         self.proposer = None
         self.lora = None

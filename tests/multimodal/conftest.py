@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,10 @@ from tests.multimodal.tiny_llava import build_tiny_llava
 
 @pytest.fixture(scope="session")
 def tiny_llava_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # A checkpoint built elsewhere (a GPU machine without SmolLM2's GGUF).
+    prebuilt = os.environ.get("ASYNCSERVE_TEST_TINY_LLAVA")
+    if prebuilt:
+        return Path(prebuilt)
     pytest.importorskip("transformers")
     gguf = smollm2_gguf_path()
     if gguf is None:
