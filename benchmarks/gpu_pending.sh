@@ -164,7 +164,7 @@ case $1 in
     deal "j_encoder_graph_tests j_llava_phases" ;;
   side)
     bash .peer/p1/install.sh | tail -1
-    deal j_llava j_llava_single_vllm ;;
+    deal j_llava "j_llava_phases j_llava_single_vllm" ;;
   smol)
     cat /tmp/smol/part_a .smol/b/part > $SMOL && sha256sum $SMOL | cut -c1-64 | diff - .smol/b/sha256 && echo "SmolLM2 assembled"
     deal j_gpu_tests_engine j_gpu_tests_quant j_spec_tests ;;

@@ -92,7 +92,51 @@ def main() -> None:
         lambda i: llm.generate([texts[i]], one, use_tqdm=False), args.reps, device
     )
     report["prompt_tokens"] = prompt_len
+    fresh = [
+        {"prompt_token_ids": [1 + (11 * i + 3 * j) % 30000 for j in range(prompt_len)]}
+        for i in range(n)
+    ]  # not in the prefix cache
+    report["text_request_anatomy_ms"] = anatomy(llm, engine.runner, fresh, device)
+    report["request_anatomy_ms"] = anatomy(llm, engine.runner, requests[2 * n :], device)
     print(json.dumps(report), flush=True)
+
+
+def anatomy(llm: LLM, runner: Any, prompts: list[Any], device: torch.device) -> dict[str, float]:
+    """A lone request's timeline on the host (medians, ms from generate()'s call): when the
+    worker's forward, sampling and collection of each step begin and end, and the end."""
+    marks: dict[str, list[float]] = {}
+    start = [0.0]
+
+    def wrap(name: str) -> None:
+        original = getattr(runner, name)
+
+        def timed_call(*args: Any, **kwargs: Any) -> Any:
+            key = f"{name}#{sum(k.startswith(name) for k in seen)}"
+            seen.append(key)
+            marks.setdefault(key + " start", []).append(time.perf_counter() - start[0])
+            try:
+                return original(*args, **kwargs)
+            finally:
+                marks.setdefault(key + " end", []).append(time.perf_counter() - start[0])
+
+        setattr(runner, name, timed_call)
+
+    seen: list[str] = []
+    for name in ("launch_forward", "launch_sampling", "collect"):
+        wrap(name)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    try:
+        for prompt in prompts[:9]:
+            seen.clear()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start[0] = time.perf_counter()
+            llm.generate([prompt], one, use_tqdm=False)
+            marks.setdefault("done", []).append(time.perf_counter() - start[0])
+    finally:
+        for name in ("launch_forward", "launch_sampling", "collect"):
+            delattr(runner, name)  # the class's methods again
+    return {key: round(1e3 * statistics.median(v), 2) for key, v in marks.items()}
 
 
 if __name__ == "__main__":
