@@ -181,6 +181,11 @@ case $1 in
     LANES+=($!) ;;
   probe)  # carry .whl: a lone LLaVA request's phases (19); W1b with graphs up to 1024 (18)
     deal "j_llava_phases j_llava_single_as" j_w1b_as_graphs ;;
+  lone)  # carry .whl .spy: where a lone prefill's host time goes (19: a lone request's TTFT)
+    python3 -m pip install -q --no-index --no-deps --target /tmp/spy .spy/py_spy-*.whl
+    TAIL=1 step lone_641 150 python3 benchmarks/lone_prefill.py --input-len 641
+    TAIL=1 step lone_64 150 python3 benchmarks/lone_prefill.py --input-len 64
+    TAIL=2 step lone_spy 200 /tmp/spy/bin/py-spy record -r 1000 --native --idle --threads -f raw -o $OUT/lone_spy.txt -- python3 benchmarks/lone_prefill.py --input-len 641 --num-requests 150 ;;
   check)  # carry .whl
     deal j_kernel_checks j_w4_cold_warm ;;
   pairs)  # carry .peer/p1
