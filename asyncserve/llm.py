@@ -371,7 +371,8 @@ class LLM:
         images: ImageWork | None = None,
     ) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * len(prompts)
-        progress = tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm)
+        # None without a bar: even a disabled tqdm starts its monitor thread (ms a call).
+        progress = tqdm(total=len(prompts), desc="Processed prompts") if use_tqdm else None
 
         async def run_one(index: int) -> None:
             prompt = prompts[index]
@@ -398,7 +399,8 @@ class LLM:
                 results[index] = _error_output(request_id, text, ids or [], str(exc), params.n)
             if results[index] is not None and text is not None:
                 results[index].prompt = text  # type: ignore[union-attr]
-            progress.update(1)
+            if progress is not None:
+                progress.update(1)
 
         tasks = [asyncio.ensure_future(run_one(i)) for i in range(len(prompts))]
         try:
@@ -410,7 +412,8 @@ class LLM:
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
         finally:
-            progress.close()
+            if progress is not None:
+                progress.close()
         return [r for r in results if r is not None]
 
     def close(self) -> None:
