@@ -365,8 +365,8 @@ def test_interrupted_generate_aborts_its_requests(
     with monkeypatch.context() as patch:
         patch.setattr("asyncserve.llm.tqdm", Interrupting)
         params = [SamplingParams(max_tokens=1), SamplingParams(max_tokens=200, ignore_eos=True)]
-        with pytest.raises(KeyboardInterrupt):
-            llm.generate(["Hi", "Once upon a time"], params, use_tqdm=False)
+        with pytest.raises(KeyboardInterrupt):  # the patched bar interrupts: it must exist
+            llm.generate(["Hi", "Once upon a time"], params, use_tqdm=True)
     assert llm.engine.num_running == 0 and llm.engine.num_waiting == 0
     assert_pool_whole(llm)
     assert llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].text
