@@ -116,6 +116,10 @@ j_int4() {
   TAIL=8 step int4_gemv_m1 200 python3 benchmarks/int4_gemv_bench.py --sweep
   TAIL=6 step int4_gemv_m4 100 python3 benchmarks/int4_gemv_bench.py --m 4
 }
+j_lone() {
+  TAIL=1 step lone_641 150 python3 benchmarks/lone_prefill.py --input-len 641
+  TAIL=1 step lone_64 150 python3 benchmarks/lone_prefill.py --input-len 64
+}
 j_encoder_graph_tests() { ASYNCSERVE_TEST_TINY_LLAVA=/tmp/tinyllava TAIL=4 step encoder_graph_tests 200 python3 -m pytest -q -p no:cacheprovider -rfs tests/multimodal/test_encoder_graphs_gpu.py; }
 j_llava_phases() { TAIL=2 step llava_phases 200 python3 benchmarks/llava_phases.py --reps 20; }
 # W1b at asyncserve's default (512 sequences) and at 1024 with graphs up to 1024, one GPU.
@@ -165,6 +169,9 @@ case $1 in
   side)
     bash .peer/p1/install.sh | tail -1
     deal j_llava "j_llava_phases j_llava_single_vllm" ;;
+  side2)  # carry .peer/p1 after stage: the LLaVA pair again, and lone text prompts (19)
+    bash .peer/p1/install.sh | tail -1
+    deal j_llava j_lone ;;
   smol)
     cat /tmp/smol/part_a .smol/b/part > $SMOL && sha256sum $SMOL | cut -c1-64 | diff - .smol/b/sha256 && echo "SmolLM2 assembled"
     deal j_gpu_tests_engine j_gpu_tests_quant j_spec_tests ;;
@@ -186,6 +193,11 @@ case $1 in
     TAIL=1 step lone_641 150 python3 benchmarks/lone_prefill.py --input-len 641
     TAIL=1 step lone_64 150 python3 benchmarks/lone_prefill.py --input-len 64
     TAIL=2 step lone_spy 200 /tmp/spy/bin/py-spy record -r 1000 --native --idle --threads -f raw -o $OUT/lone_spy.txt -- python3 benchmarks/lone_prefill.py --input-len 641 --num-requests 150 ;;
+  graphs)  # carry .whl .tinyllava: the prefill and image encoder graphs on the GPU; lone prompts
+    rm -rf /tmp/tinyllava && cp -r .tinyllava /tmp/tinyllava
+    ASYNCSERVE_TEST_TINY_LLAVA=/tmp/tinyllava TAIL=4 step graph_tests 150 python3 -m pytest -q -p no:cacheprovider -rfs tests/worker/test_prefill_graphs.py tests/worker/test_cuda_graphs_gpu.py tests/multimodal/test_encoder_graphs_gpu.py
+    TAIL=1 step lone_641 100 python3 benchmarks/lone_prefill.py --input-len 641
+    TAIL=1 step lone_64 100 python3 benchmarks/lone_prefill.py --input-len 64 ;;
   check)  # carry .whl
     deal j_kernel_checks j_w4_cold_warm ;;
   pairs)  # carry .peer/p1

@@ -149,6 +149,11 @@ class DecodeGraphs:
             size, self.query_len, time.perf_counter() - start,
         )  # fmt: skip
 
+    def capture(self, size: int) -> None:
+        """One size's graph, without capture_all's log line."""
+        if size not in self.graphs:
+            self._capture(size)
+
     def capture_all(self, what: str = "decode") -> None:
         """Every size, largest first (the smaller graphs reuse the largest one's pool)."""
         start = time.perf_counter()

@@ -59,6 +59,7 @@ from asyncserve.worker.mm_embeds import (
     step_mrope_positions,
 )
 from asyncserve.worker.plan_state import apply_plan
+from asyncserve.worker.prefill_graphs import choose_prefill_graph
 from asyncserve.worker.runner_steps import ForwardedStep as ForwardedStep
 from asyncserve.worker.runner_steps import LaunchedStep as LaunchedStep
 from asyncserve.worker.runner_steps import sampling_rows
@@ -66,7 +67,7 @@ from asyncserve.worker.sampler import Sampler, SamplerOutput
 from asyncserve.worker.sampling_columns import SamplingColumns
 from asyncserve.worker.sampling_metadata import SamplingMetadata
 from asyncserve.worker.speculation import Proposer, draft_probs, make_proposer, propose
-from asyncserve.worker.target_graphs import capture_target_graphs, choose_graphs, max_graph_batch
+from asyncserve.worker.target_graphs import capture_step_graphs, choose_graphs, max_graph_batch
 from asyncserve.worker.vocab_watch import FullVocabWatch, switch_watch
 
 logger = logging.getLogger(__name__)
@@ -113,6 +114,7 @@ class ModelRunner:
         self.num_blocks = 0
         self.decode_graphs: DecodeGraphs | None = None
         self.verify_graphs: DecodeGraphs | None = None
+        self.prefill_graphs: list[DecodeGraphs] = []
         self.staging = HostStaging(device)
         # Every held request's block ids, kept in step with states (see block_table.py).
         self.block_table = BlockTable()
@@ -173,15 +175,8 @@ class ModelRunner:
             self.proposer.allocate_kv_cache(num_blocks)
             if graphs:  # its one-token proposal steps replay graphs of their own
                 self.proposer.use_cuda_graphs(max_graph_batch(self.config), max_model_len)
-        # A graph cannot hold the stages' sends and receives; an EAGLE head reads the
-        # hidden states of every step (EAGLE-3: of inner layers), which the graphs keep.
-        if graphs and self.pp is None and not isinstance(self.proposer, EagleProposer):
-            self.decode_graphs, self.verify_graphs = capture_target_graphs(
-                self.model, self.kv_caches, self.config, max_model_len, self.device
-            )
-        if graphs and self.embedder is not None:
-            with torch.inference_mode():
-                self.embedder.capture_encoder_graphs(self.device)
+        if graphs:
+            capture_step_graphs(self, max_model_len)
         if self.device.type == "cuda":
             warm_up_grammar_kernel(self.device)
             WATCH.arm()  # start-up compiled what steps need: later compiles are warnings
@@ -191,6 +186,7 @@ class ModelRunner:
         proposer): its engine is closed, and a later engine in this process (another LLM)
         must find the memory free even while the closed one is still referenced."""
         self.decode_graphs = self.verify_graphs = None
+        self.prefill_graphs = []
         if self.embedder is not None:
             self.embedder.graphs = None
         self.kv_caches = []
@@ -280,7 +276,7 @@ class ModelRunner:
             forwarded.logits = graphs.run(inputs, positions)
             launched()
         else:
-            if graphs is not None:  # a verification graph: the step's hidden states
+            if graphs is not None:  # a verification or prefill graph: the step's hidden states
                 hidden = graphs.run(inputs, positions, inputs.counts)
             elif self.embedder is not None:
                 hidden = self._forward_multimodal(inputs)
@@ -447,6 +443,8 @@ class ModelRunner:
         """The graphs this step replays (None: eager); not a last prompt token of a request
         with images (its image rows are not in a graph)."""
         graphs = choose_graphs(self.decode_graphs, self.verify_graphs, inputs)
+        if graphs is None and self.prefill_graphs:
+            return choose_prefill_graph(self.prefill_graphs, inputs)
         if graphs is None or self.embedder is None or past_image_prompts(inputs, self.states):
             return graphs
         return None

@@ -10,13 +10,36 @@ its outputs read before the next step's forward.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from asyncserve.config import EngineConfig
 from asyncserve.models.base import CausalLM
+from asyncserve.spec_decode.eagle_proposer import EagleProposer
 from asyncserve.worker.cuda_graphs import DecodeGraphs, hidden_forward, logits_forward
 from asyncserve.worker.input_batch import StepInputs
+from asyncserve.worker.prefill_graphs import capture_prefill_graphs, plain_steps
 from asyncserve.worker.verify_layout import replays_verification, verify_capture_sizes
+
+if TYPE_CHECKING:
+    from asyncserve.worker.model_runner import ModelRunner
+
+
+def capture_step_graphs(runner: ModelRunner, max_model_len: int) -> None:
+    """Every graph the runner's steps replay: decode (and verification) steps', the image
+    encoder's (worker/encoder_graphs.py) and lone prefills' (worker/prefill_graphs.py)."""
+    # A graph cannot hold the stages' sends and receives; an EAGLE head reads the hidden
+    # states of every step (EAGLE-3: of inner layers), which the graphs keep.
+    if runner.pp is None and not isinstance(runner.proposer, EagleProposer):
+        runner.decode_graphs, runner.verify_graphs = capture_target_graphs(
+            runner.model, runner.kv_caches, runner.config, max_model_len, runner.device
+        )
+    if runner.embedder is not None:
+        with torch.inference_mode():
+            runner.embedder.capture_encoder_graphs(runner.device)
+    if runner.decode_graphs is not None and plain_steps(runner):
+        runner.prefill_graphs = capture_prefill_graphs(runner, max_model_len)
 
 
 def max_graph_batch(config: EngineConfig) -> int:
