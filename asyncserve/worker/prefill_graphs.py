@@ -1,15 +1,17 @@
 """CUDA graphs for a lone request's prefill: a step of one request whose rows are all prompt
-tokens, up to 1,024 of them.
+tokens, up to 512 of them.
 
-A lone prompt's eager forward is bound by its launches below about a thousand tokens: on an
-H200, a 641-token prefill of an 8B model is ~11 ms of GPU work and took 16.5 ms of host time
-to launch (~160 Triton launches and ~130 torch ops), and a 64-token one the same host time
-for ~4 ms of GPU work. With little traffic that is every request's time to first token. One
-graph per row count in PREFILL_GRAPH_ROWS (up to the step's token budget) is captured at
-start-up, for one request; a step replays the smallest that holds its rows, padded the way a
+A lone prompt's eager forward is bound by its launches below several hundred tokens: on an
+H200 an 8B model's eager prefill took 18-27 ms for 64 to 500 tokens whatever the length
+(~160 Triton launches and ~130 torch ops; 16.5 ms of host time at 641 tokens), for 4-9 ms
+of GPU work. With little traffic that is every request's time to first token. One graph per
+row count in PREFILL_GRAPH_ROWS (up to the step's token budget) is captured at start-up,
+for one request; a step replays the smallest that holds its rows, padded the way a
 verification step is (verify_layout.py: padding rows follow the real ones, store no K/V,
-and their outputs are dropped). Longer prompts run eagerly: their GPU time covers their
-launches.
+and their outputs are dropped). Measured (benchmarks/lone_prefill.py, same call): 64 tokens
+8.5 ms against 18.2 eager, 300 tokens 13.4 against 22.8, 500 tokens 13.5 against 27.4, 641
+tokens padded to a graph of 768 rows 19.8 against 18.3. So prompts past 512 tokens run
+eagerly: their GPU time covers most of their launches, and padding costs about what it saves.
 
 Only plain steps replay them: one rank (a graph cannot hold a tensor-parallel all-reduce of
 a whole prompt's rows), no pipeline stages, LoRA, speculative decoding or images.
@@ -29,7 +31,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-PREFILL_GRAPH_ROWS = (256, 512, 768, 1024)
+PREFILL_GRAPH_ROWS = (256, 512)
 
 
 def plain_steps(runner: ModelRunner) -> bool:
