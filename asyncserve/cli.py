@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import sys
 from typing import TYPE_CHECKING, Any
@@ -69,9 +70,10 @@ def run_serve(args: argparse.Namespace) -> int:
         # Before the model loads: a port in use fails in a second, not after the load.
         sock = bound_socket(server_config.host, server_config.port)
     except OSError as exc:
+        in_use = exc.errno == errno.EADDRINUSE
         print(
             f"asyncserve serve: error: cannot bind {server_config.host}:{server_config.port}: "
-            f"{exc.strerror or exc} (is another server using it?)",
+            f"{exc.strerror or exc}{' (is another server using it?)' if in_use else ''}",
             file=sys.stderr,
         )
         return 1

@@ -45,8 +45,11 @@ def _json_list(text: str) -> list[str]:
 
 def _positive_or_none(text: str) -> float | None:
     """A timeout in seconds; 0 turns it off."""
-    value = float(text)
-    if value < 0:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
     return value or None
 
@@ -79,6 +82,17 @@ def check_generation_config(value: str) -> str:
         f"--generation-config: {value!r} is not 'auto', 'vllm' or a folder holding a "
         "generation_config.json"
     )
+
+
+def check_readable(flag: str, value: str | None) -> None:
+    """A file flag's path, checked before the model loads (the TLS files are read only
+    when the server starts listening, after it)."""
+    if value is not None:
+        try:
+            with open(value, "rb"):
+                pass
+        except OSError as exc:
+            raise ValueError(f"{flag}: cannot read {value!r}: {exc.strerror or exc}") from exc
 
 
 def parse_lora_module(text: str) -> tuple[str, str]:
@@ -292,7 +306,7 @@ def served_names(args: argparse.Namespace, env: Environment) -> tuple[str, ...]:
 
 def server_config_from_args(args: argparse.Namespace, env: Environment) -> ServerConfig:
     endpoints = tuple(p.strip() for p in args.disable_access_log_for_endpoints.split(",") if p)
-    return ServerConfig(
+    config = ServerConfig(
         host=args.host,
         port=args.port,
         served_model_names=served_names(args, env),
@@ -330,6 +344,9 @@ def server_config_from_args(args: argparse.Namespace, env: Environment) -> Serve
         tool_call_parser=args.tool_call_parser,
         metrics_prefix=args.metrics_prefix,
     )
+    check_readable("--ssl-keyfile", config.ssl_keyfile)
+    check_readable("--ssl-certfile", config.ssl_certfile)
+    return config
 
 
 def expand_config_file(argv: Sequence[str], parser: argparse.ArgumentParser) -> list[str]:

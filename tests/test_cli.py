@@ -192,6 +192,23 @@ def test_bad_flags_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -
 
 
 @pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--max-model-len", "4k", "not an integer: '4k'"),
+        ("--decode-latency-target-ms", "fast", "not a number: 'fast'"),
+        ("--timeout-request-header", "soon", "not a number: 'soon'"),
+    ],
+)
+def test_bad_numbers_name_the_flag_not_the_parser(
+    flag: str, value: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["serve", flag, value])
+    err = capsys.readouterr().err
+    assert f"argument {flag}: {message}" in err and "_positive" not in err
+
+
+@pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["serve", "--gpu-memory-utilization", "2"], "gpu_memory_utilization"),
@@ -199,6 +216,10 @@ def test_bad_flags_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -
         (["serve", "--ssl-keyfile", "k.pem"], "ssl_certfile"),
         (["serve", "--port", "70000"], "port"),
         (["serve", "--enable-auto-tool-choice"], "--tool-call-parser"),
+        (
+            ["serve", "--ssl-keyfile", "/nonexistent/k.pem", "--ssl-certfile", "/nonexistent/c"],
+            "--ssl-keyfile: cannot read '/nonexistent/k.pem': No such file or directory",
+        ),
     ],
 )
 def test_invalid_config_exits_2_before_loading(
@@ -293,3 +314,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def test_device_is_checked_before_loading(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from asyncserve.engine.setup import resolve_device
+
+    with pytest.raises(ValueError, match="device must be 'auto', 'cpu' or 'cuda', got 'tpu'"):
+        EngineConfig.from_engine_args(device="tpu")
+    assert EngineConfig.from_engine_args(device="cuda:1").model.device == "cuda:1"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="device 'cuda': no CUDA device is available"):
+        resolve_device("cuda")
+    assert resolve_device("auto") == torch.device("cpu")
+
+
+def test_unresolvable_host_is_not_called_in_use(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--host", "no-such-host.invalid", "--port", "0"]) == 1
+    err = capsys.readouterr().err
+    assert "cannot bind no-such-host.invalid:0" in err and "another server" not in err

@@ -19,6 +19,11 @@ from asyncserve.tracing import RequestTracer
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(
+            f"device {name!r}: no CUDA device is available to this torch "
+            f"({torch.__version__}); use device 'cpu' or 'auto'"
+        )
     return torch.device(name)
 
 

@@ -153,9 +153,11 @@ class ArchConfig:
         model_type = str(d.get("model_type") or "")
         hidden = _int(d, "hidden_size")
         heads = _int(d, "num_attention_heads")
-        kv_heads = d.get("num_key_value_heads")
+        kv_heads = _int(d, "num_key_value_heads", heads)
         head_dim = d.get("head_dim")
         if head_dim is None:
+            if heads < 1:  # before dividing by it (__post_init__ names the others)
+                raise ValueError(f"num_attention_heads must be a positive integer, got {heads}")
             if hidden % heads:
                 raise ValueError(
                     f"head_dim is missing and hidden_size ({hidden}) is not a multiple of "
@@ -167,10 +169,14 @@ class ArchConfig:
         # (or none) changes nothing; a smaller one is exact only up to the window, so the usable
         # context is capped there rather than silently computing something else.
         window = d.get("sliding_window")
+        if window is not None:
+            window = _int(d, "sliding_window")
+            if window < 1:  # before it caps the context (a 0 would blame max_position_embeddings)
+                raise ValueError(f"sliding_window must be >= 1, got {window}")
         uses_window = d.get("use_sliding_window", True)
         if not uses_window or arch not in _WINDOWED:
-            if window is not None and uses_window and int(window) < max_pos:
-                max_pos = int(window)
+            if window is not None and uses_window and window < max_pos:
+                max_pos = window
             window = None
         theta, scaling = _rope(d)
         eos = d.get("eos_token_id")
@@ -196,9 +202,9 @@ class ArchConfig:
             ),
             num_hidden_layers=_int(d, "num_hidden_layers"),
             num_attention_heads=heads,
-            num_key_value_heads=int(kv_heads) if kv_heads is not None else heads,
-            head_dim=int(head_dim),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            num_key_value_heads=kv_heads,
+            head_dim=_int(d, "head_dim", head_dim),
+            rms_norm_eps=_float(d, "rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=max_pos,
@@ -210,12 +216,13 @@ class ArchConfig:
             bos_token_id=bos,
             eos_token_ids=eos_ids,
             hidden_act=_activation(arch, d),
-            partial_rotary_factor=float(
+            partial_rotary_factor=_number(
                 d.get("partial_rotary_factor")
                 or (d.get("rope_parameters") or {}).get("partial_rotary_factor")
-                or 1.0
+                or 1.0,
+                "partial_rotary_factor",
             ),
-            sliding_window=int(window) if window is not None else None,
+            sliding_window=window,
             mrope_section=_mrope_section(d),
             **_family_fields(arch, d),
         )
@@ -284,10 +291,10 @@ def _family_fields(arch: str, d: dict[str, Any]) -> dict[str, Any]:
             mlp_only_layers=tuple(int(i) for i in d.get("mlp_only_layers") or ()),
         )
     if arch in ("GraniteForCausalLM", "GraniteMoeForCausalLM"):
-        out["embedding_multiplier"] = float(d.get("embedding_multiplier", 1.0))
-        out["residual_multiplier"] = float(d.get("residual_multiplier", 1.0))
-        out["logits_scaling"] = float(d.get("logits_scaling", 1.0))
-        out["attention_scale"] = float(d.get("attention_multiplier", 1.0))
+        out["embedding_multiplier"] = _float(d, "embedding_multiplier", 1.0)
+        out["residual_multiplier"] = _float(d, "residual_multiplier", 1.0)
+        out["logits_scaling"] = _float(d, "logits_scaling", 1.0)
+        out["attention_scale"] = _float(d, "attention_multiplier", 1.0)
     if arch == "Gemma3ForCausalLM":
         out.update(_gemma3_fields(d))
     if arch == "OPTForCausalLM":
@@ -323,14 +330,25 @@ def _gemma3_fields(d: dict[str, Any]) -> dict[str, Any]:
         local_theta = local.get("rope_theta", local_theta)
     return {
         "layer_types": tuple(str(t) for t in layer_types),
-        "rope_local_theta": float(local_theta),
-        "attention_scale": float(d.get("query_pre_attn_scalar", 256)) ** -0.5,
-        "final_logit_softcap": _optional_float(d.get("final_logit_softcapping")),
+        "rope_local_theta": _number(local_theta, "rope_local_base_freq"),
+        "attention_scale": _float(d, "query_pre_attn_scalar", 256) ** -0.5,
+        "final_logit_softcap": _optional_float(d, "final_logit_softcapping"),
     }
 
 
-def _optional_float(value: Any) -> float | None:
-    return None if value is None else float(value)
+def _optional_float(d: dict[str, Any], name: str) -> float | None:
+    return None if d.get(name) is None else _float(d, name, 0.0)
+
+
+def _number(value: Any, name: str) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
+
+
+def _float(d: dict[str, Any], name: str, default: float) -> float:
+    return _number(d.get(name, default), name)
 
 
 def _architecture(d: dict[str, Any]) -> str:
@@ -349,7 +367,7 @@ def _architecture(d: dict[str, Any]) -> str:
 
 
 def _int(d: dict[str, Any], name: str, default: int | None = None) -> int:
-    value = d.get(name, default)
+    value = default if d.get(name) is None else d[name]  # absent or null: the default
     if value is None:
         raise ValueError(f"{name} is missing from the model config")
     if isinstance(value, bool) or not isinstance(value, int | float) or int(value) != value:
@@ -384,13 +402,16 @@ def _rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
                 f"rope_scaling type {rope_type!r} is not supported; "
                 f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
             )
+        factor = scaling.get("factor")
+        if factor is not None and not _number(factor, "rope_scaling factor") > 0:
+            raise ValueError(f"rope_scaling factor must be > 0, got {factor!r}")
         if rope_type == "longrope":
             scaling = _longrope(scaling, d)
         if rope_type == "default":
             scaling = None
     else:
         scaling = None
-    return float(theta if theta is not None else 10000.0), scaling
+    return _number(theta if theta is not None else 10000.0, "rope_theta"), scaling
 
 
 def _mrope_section(d: dict[str, Any]) -> tuple[int, ...]:

@@ -30,7 +30,7 @@ from asyncserve.models.registry import resolve_model_class
 from asyncserve.models.weights import param_source
 from asyncserve.quantization import QuantConfig, quantized_build, resolve_quant_config
 from asyncserve.quantization.kv_scales import KVScales
-from asyncserve.sampling_params import MODEL_SAMPLING_DEFAULTS
+from asyncserve.sampling_params import MODEL_SAMPLING_DEFAULTS, SamplingParams
 from asyncserve.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -165,14 +165,16 @@ def _safetensors_files(root: Path) -> list[Path]:
     index = root / "model.safetensors.index.json"
     if index.is_file():
         weight_map = _read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{index} has no weight_map")
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) for v in weight_map.values()
+        ):
+            raise ValueError(f"{index} has no weight_map of tensor names to file names")
         files = [root / name for name in sorted(set(weight_map.values()))]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise ValueError(f"{root} is missing shards listed in its index: {missing}")
         return files
-    files = sorted(root.glob("*.safetensors"))
+    files = sorted(f for f in root.glob("*.safetensors") if f.is_file())
     if not files:
         raise ValueError(f"no *.safetensors weights in {root} (PyTorch .bin is not supported)")
     return files
@@ -214,7 +216,7 @@ def _iter_safetensors(
                     dim, start, size = part
                     index = (slice(None),) * dim + (slice(start, start + size),)
                     yield name, view[index]
-        except SafetensorError as e:
+        except (SafetensorError, OSError) as e:
             raise ValueError(f"cannot read {file}: {e}") from e
 
 
@@ -265,6 +267,10 @@ def _generation_config(root: Path | None, arch: ArchConfig, tokenizer: Tokenizer
     ordered = [tokenizer.eos_token_id, *file_eos, *arch.eos_token_ids]
     eos_ids = list(dict.fromkeys(i for i in ordered if isinstance(i, int)))
     out: dict[str, Any] = {k: raw[k] for k in MODEL_SAMPLING_DEFAULTS if raw.get(k) is not None}
+    try:  # else every request that leaves them unset would fail, naming a field it never sent
+        SamplingParams(**out)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{root}/generation_config.json: {e}") from e
     out["eos_token_id"] = eos_ids
     return out
 

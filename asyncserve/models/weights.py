@@ -122,6 +122,13 @@ def load_checkpoint(
                 f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
                 f"expected {tuple(view.shape)}"
             )
+        if tensor.is_floating_point() != view.is_floating_point():
+            # copy_ would convert silently: integer weights, or float ones truncated
+            raise ValueError(
+                f"checkpoint tensor {hf_name!r} has dtype {tensor.dtype}, expected "
+                f"{'a floating-point' if view.is_floating_point() else 'an integer'} dtype "
+                f"(the model holds it as {view.dtype})"
+            )
         view.copy_(tensor.float() + target.offset if target.offset else tensor)
         written[target.name] = written.get(target.name, 0) + view.numel()
     filled = {name for name, count in written.items() if count >= params[name].numel()}

@@ -28,7 +28,7 @@ ENCODERS = ("BertModel", "BertForSequenceClassification", "BertForMaskedLM")
 def _read(path: Path) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # ValueError: not UTF-8, not JSON
         raise ValueError(f"cannot read {path}: {exc}") from exc
 
 
@@ -41,7 +41,11 @@ def resolve_runner(requested: str, model_dir: Path | None) -> Runner:
         raise ValueError(f"runner must be 'auto', 'generate' or 'pooling', got {requested!r}")
     if model_dir is None or not (model_dir / "config.json").is_file():
         return "generate"
-    arch = (_read(model_dir / "config.json").get("architectures") or [""])[0]
+    config = _read(model_dir / "config.json")
+    if not isinstance(config, dict):
+        raise ValueError(f"{model_dir / 'config.json'} must hold a JSON object")
+    archs = config.get("architectures")
+    arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else ""
     if arch in ENCODERS or arch in DECODER_BODIES or arch.endswith("ForSequenceClassification"):
         return "pooling"
     if (model_dir / "modules.json").is_file():

@@ -108,6 +108,14 @@ def test_architecture_from_model_type_when_unlisted() -> None:
         ({"eos_token_id": "x"}, "eos_token_id"),
         ({"vocab_size": 0}, "vocab_size"),
         ({"hidden_size": 66}, "head_dim"),
+        ({"num_attention_heads": 0}, "num_attention_heads must be a positive integer, got 0"),
+        ({"num_key_value_heads": "2"}, "num_key_value_heads must be an integer"),
+        ({"rms_norm_eps": "x"}, "rms_norm_eps must be a number, got 'x'"),
+        ({"rope_theta": "abc"}, "rope_theta must be a number"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 0}}, "factor must be > 0"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": "x"}}, "factor must be a number"),
+        ({"sliding_window": 0}, "sliding_window must be >= 1, got 0"),
+        ({"partial_rotary_factor": "half"}, "partial_rotary_factor must be a number"),
     ],
 )
 def test_bad_configs_raise_naming_the_field(overrides: dict[str, Any], match: str) -> None:

@@ -194,6 +194,17 @@ def _error_cases(tmp_path: Path) -> dict[str, tuple[ModelConfig, str]]:
     del state["model.layers.1.mlp.up_proj.weight"]
     save_file(state, str(missing_weight / "model.safetensors"))
     too_long = write_config(tmp_path / "too_long")
+    int_weight = write_config(tmp_path / "int_weight")
+    state = random_state()
+    state["model.norm.weight"] = torch.ones(32, dtype=torch.int32)
+    save_file(state, str(int_weight / "model.safetensors"))
+    bad_index = write_config(tmp_path / "bad_index")
+    (bad_index / "model.safetensors.index.json").write_text('{"weight_map": {"a": 5}}')
+    dir_weights = write_config(tmp_path / "dir_weights")
+    (dir_weights / "model.safetensors").mkdir()
+    bad_sampling = write_config(tmp_path / "bad_sampling")
+    save_file(random_state(), str(bad_sampling / "model.safetensors"))
+    (bad_sampling / "generation_config.json").write_text('{"temperature": -1}')
     two = tmp_path / "two"
     two.mkdir()
     (two / "a.gguf").write_bytes(b"")
@@ -209,6 +220,13 @@ def _error_cases(tmp_path: Path) -> dict[str, tuple[ModelConfig, str]]:
         "missing weight": (ModelConfig(model=str(missing_weight)), "up_proj"),
         "too long": (ModelConfig(model=str(too_long), max_model_len=4096), "max_model_len"),
         "two ggufs": (ModelConfig(model=str(two)), "several .gguf"),
+        "int weight": (ModelConfig(model=str(int_weight)), "'model.norm.weight' has dtype"),
+        "bad index": (ModelConfig(model=str(bad_index)), "no weight_map of tensor names"),
+        "dir weights": (ModelConfig(model=str(dir_weights)), "no \\*.safetensors weights"),
+        "bad sampling": (
+            ModelConfig(model=str(bad_sampling)),
+            "generation_config.json: temperature must be >= 0",
+        ),
     }
 
 
@@ -225,6 +243,10 @@ def _error_cases(tmp_path: Path) -> dict[str, tuple[ModelConfig, str]]:
         "missing weight",
         "too long",
         "two ggufs",
+        "int weight",
+        "bad index",
+        "dir weights",
+        "bad sampling",
     ],
 )
 def test_load_errors_are_value_errors(case: str, tmp_path: Path) -> None:

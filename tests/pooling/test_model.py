@@ -68,6 +68,15 @@ def test_generation_checkpoints_keep_the_generate_runner(tmp_path: Path) -> None
         resolve_runner("embed", tmp_path)
 
 
+@pytest.mark.parametrize(
+    ("text", "match"), [("[1, 2]", "must hold a JSON object"), ("\udcff", "cannot read")]
+)
+def test_unreadable_config_is_a_value_error(tmp_path: Path, text: str, match: str) -> None:
+    (tmp_path / "config.json").write_bytes(text.encode("utf-8", "surrogateescape"))
+    with pytest.raises(ValueError, match=match):
+        resolve_runner("auto", tmp_path)
+
+
 def test_decoder_reranker_equals_transformers(qwen3_reranker_dir: Path) -> None:
     from transformers import Qwen3ForSequenceClassification
 
