@@ -11,6 +11,7 @@ import contextlib
 import importlib.util
 import json
 import logging
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -170,6 +171,12 @@ def _safetensors_files(root: Path) -> list[Path]:
         ):
             raise ValueError(f"{index} has no weight_map of tensor names to file names")
         files = [root / name for name in sorted(set(weight_map.values()))]
+        # A checkpoint reads its own files only; by name, not resolved: the hub cache's
+        # shards are symlinks into its blobs folder.
+        inside = Path(os.path.normpath(root))
+        outside = [f.name for f in files if not Path(os.path.normpath(f)).is_relative_to(inside)]
+        if outside:
+            raise ValueError(f"{index} names shards outside {root}: {outside}")
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise ValueError(f"{root} is missing shards listed in its index: {missing}")

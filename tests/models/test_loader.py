@@ -200,6 +200,10 @@ def _error_cases(tmp_path: Path) -> dict[str, tuple[ModelConfig, str]]:
     save_file(state, str(int_weight / "model.safetensors"))
     bad_index = write_config(tmp_path / "bad_index")
     (bad_index / "model.safetensors.index.json").write_text('{"weight_map": {"a": 5}}')
+    escaping_index = write_config(tmp_path / "escaping_index")
+    (escaping_index / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"a": "../int_weight/model.safetensors"}}'
+    )
     dir_weights = write_config(tmp_path / "dir_weights")
     (dir_weights / "model.safetensors").mkdir()
     bad_sampling = write_config(tmp_path / "bad_sampling")
@@ -223,6 +227,7 @@ def _error_cases(tmp_path: Path) -> dict[str, tuple[ModelConfig, str]]:
         "int weight": (ModelConfig(model=str(int_weight)), "'model.norm.weight' has dtype"),
         "bad index": (ModelConfig(model=str(bad_index)), "no weight_map of tensor names"),
         "dir weights": (ModelConfig(model=str(dir_weights)), "no \\*.safetensors weights"),
+        "escaping index": (ModelConfig(model=str(escaping_index)), "shards outside"),
         "bad sampling": (
             ModelConfig(model=str(bad_sampling)),
             "generation_config.json: temperature must be >= 0",
