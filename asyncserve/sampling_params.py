@@ -9,6 +9,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+# A request's bad_words: more would slow every step of every request beside it.
+MAX_BAD_WORDS = 1024
+
 
 class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0  # every output carries the whole text so far
@@ -270,6 +273,12 @@ class SamplingParams:
                 and all(isinstance(w, str) and w.strip() for w in self.bad_words),
                 "bad_words",
                 "must be a list of non-empty strings",
+            )
+            # Each step scans every bad word's spellings for every row, in Python.
+            _check(
+                len(self.bad_words) <= MAX_BAD_WORDS,
+                "bad_words",
+                f"at most {MAX_BAD_WORDS} words, got {len(self.bad_words)}",
             )
         if self.logit_bias is not None:
             self.logit_bias = _clamped_bias(self.logit_bias)

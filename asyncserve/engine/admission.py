@@ -19,10 +19,13 @@ def bad_words_token_ids(tokenizer: Tokenizer, words: list[str]) -> list[list[int
     """Each bad word's token ids at the start of the text and after a space (where the
     tokenizer spells it with its own tokens), as vLLM rules them out."""
     out: list[list[int]] = []
+    seen: set[tuple[int, ...]] = set()  # a list lookup per word made many words quadratic
     for word in words:
         for text in (word.lstrip(), " " + word.lstrip()):
             ids = tokenizer.encode(text, add_special_tokens=False)
-            if ids and ids not in out:
+            key = tuple(ids)
+            if ids and key not in seen:
+                seen.add(key)
                 out.append(ids)
     return out
 

@@ -19,9 +19,10 @@ MAX_N = 128
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
-    include_usage: bool = False
+    # Nullable, as in vLLM and OpenAI's SDK types: null means false.
+    include_usage: bool | None = False
     # vLLM: a usage object on every chunk, not only the last.
-    continuous_usage_stats: bool = False
+    continuous_usage_stats: bool | None = False
 
 
 class StructuredOutputsRequest(msgspec.Struct, kw_only=True):

@@ -242,7 +242,7 @@ class ServerState:
             return True, True
         if options is None or not options.include_usage:
             return False, False
-        return True, options.continuous_usage_stats
+        return True, bool(options.continuous_usage_stats)
 
     def vocab_size(self) -> int:
         return int(getattr(self.engine.tokenizer, "vocab_size", 0) or 0) or 2**31 - 1

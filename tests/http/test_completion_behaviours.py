@@ -159,3 +159,19 @@ def test_usage_only_with_include_usage(oai: Any, route: str) -> None:
     for chunk in body:
         assert 0 <= chunk.usage.completion_tokens <= 5
         assert chunk.usage.total_tokens == chunk.usage.prompt_tokens + chunk.usage.completion_tokens
+
+
+def test_null_stream_options_mean_false(client: httpx.Client) -> None:
+    # vLLM's StreamOptions fields are nullable; a null was a 400 here.
+    def usages(options: dict[str, Any]) -> list[Any]:
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "stream": True,
+                "stream_options": options}  # fmt: skip
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        events = [e.removeprefix("data: ") for e in r.text.split("\n\n") if e]
+        assert events[-1] == "[DONE]"
+        return [json.loads(e).get("usage") for e in events[:-1]]
+
+    assert all(u is None for u in usages({"include_usage": None}))
+    *body, final = usages({"include_usage": True, "continuous_usage_stats": None})
+    assert all(u is None for u in body) and final["completion_tokens"] == 3
