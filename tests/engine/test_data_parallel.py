@@ -103,7 +103,11 @@ def test_serve_refuses_bad_sizes_in_one_line(capsys: pytest.CaptureFixture[str])
     n = torch.cuda.device_count() + 2  # at least 2: one replica is no data parallelism
     assert main(["serve", "--device", "cuda", "-dp", str(n), "--port", "0"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and f"({n} x 1 = {n}) exceeds the" in err, err
+    # Without CUDA at all, the device is what is wrong; with it, the sizes.
+    want = f"({n} x 1 = {n}) exceeds the" if torch.cuda.is_available() else "no CUDA device"
+    assert err.count("\n") == 0 and want in err, err
+    with pytest.raises(ValueError, match=rf"\({n} x 1 = {n}\) exceeds the"):
+        replica_devices(n, 1, torch.device("cuda"))
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", "-dp", "0"])
     assert exit_info.value.code == 2
