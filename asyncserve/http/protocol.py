@@ -19,8 +19,9 @@ MAX_N = 128
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
-    # Nullable, as in vLLM and OpenAI's SDK types: null means false.
-    include_usage: bool | None = False
+    # As vLLM: a given stream_options object asks for usage unless include_usage says
+    # otherwise. Nullable, as in vLLM and OpenAI's SDK types: an explicit null means false.
+    include_usage: bool | None = True
     # vLLM: a usage object on every chunk, not only the last.
     continuous_usage_stats: bool | None = False
 

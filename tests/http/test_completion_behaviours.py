@@ -1,5 +1,6 @@
 """vLLM's completion behaviours through the OpenAI SDK: each choice's finish_reason once,
-prompt_logprobs only without streaming, return_token_ids, and usage only with include_usage."""
+prompt_logprobs only without streaming, return_token_ids, and usage only with stream_options
+(include_usage defaulting to true)."""
 
 from __future__ import annotations
 
@@ -175,3 +176,24 @@ def test_null_stream_options_mean_false(client: httpx.Client) -> None:
     assert all(u is None for u in usages({"include_usage": None}))
     *body, final = usages({"include_usage": True, "continuous_usage_stats": None})
     assert all(u is None for u in body) and final["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+@pytest.mark.parametrize("options", [{}, {"continuous_usage_stats": False}, {"unknown": 1}])
+def test_given_stream_options_default_to_usage(
+    client: httpx.Client, route: str, options: dict[str, Any]
+) -> None:
+    # vLLM's StreamOptions.include_usage defaults to True: only an absent or null
+    # stream_options (or an explicit false or null include_usage) leaves usage out.
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 3, "temperature": 0, "stream": True,
+                            "stream_options": options}  # fmt: skip
+    if route == "chat":
+        r = client.post("/v1/chat/completions", json={"messages": MESSAGES, **body})
+    else:
+        r = client.post("/v1/completions", json={"prompt": PROMPT, **body})
+    assert r.status_code == 200, r.text
+    events = [e.removeprefix("data: ") for e in r.text.split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    *chunks, final = [json.loads(e) for e in events[:-1]]
+    assert all(c.get("usage") is None for c in chunks)
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 3

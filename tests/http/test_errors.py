@@ -71,6 +71,8 @@ BAD_BODIES: list[tuple[str, dict[str, Any], str | None]] = [
     ("/v1/completions", {"prompt": "x", "model": 3}, "model"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": "yes"}, "stream_options"),
+    ("/v1/chat/completions", {"messages": CHAT, "stream": True, "stream_options": [1]}, "stream_options"),
     ("/v1/completions", {}, "prompt"),
     ("/v1/completions", {"prompt": 12}, "prompt"),
     ("/v1/completions", {"prompt": []}, "prompt"),
