@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from tqdm import tqdm
 from asyncserve.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from asyncserve.config import DEFAULT_DECODE_LATENCY_TARGET_MS, EngineConfig, Environment
 from asyncserve.config.sections import offline_batch_limits
+from asyncserve.config.typecheck import check_value
 from asyncserve.engine.async_engine import AsyncEngine
 from asyncserve.engine.dp_client import DataParallelClient
 from asyncserve.engine.dp_group import DataParallelGroup
@@ -51,7 +53,7 @@ class LLM:
 
     def __init__(
         self,
-        model: str | None = None,
+        model: str | os.PathLike[str] | None = None,
         *,
         tokenizer: str | None = None,
         dtype: str = "auto",
@@ -98,9 +100,10 @@ class LLM:
         _MASTER_PORT set) this process is one rank: it joins the ranks' group and runs one
         engine on its own prompts."""
         # Most logprobs (and prompt_logprobs) a SamplingParams may ask for; -1: no cap (vLLM's).
+        check_value("max_logprobs", max_logprobs, int)
         self.max_logprobs = max_logprobs
         # Unset, the batch limits are offline's: larger than serving's on a GPU.
-        on_gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+        on_gpu = str(device).startswith("cuda") or (device == "auto" and torch.cuda.is_available())
         max_num_seqs, max_num_batched_tokens = offline_batch_limits(
             max_num_seqs, max_num_batched_tokens, on_gpu
         )

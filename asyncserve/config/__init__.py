@@ -6,6 +6,7 @@ multimodal.py   MultiModalConfig (media URL hosts, items per prompt, fetch timeo
 engine.py       EngineConfig (from_engine_args: vLLM's engine argument names)
 environment.py  Environment (ASYNCSERVE_* variables), DataParallelRank
 server.py       ServerConfig
+typecheck.py    declared field and argument types checked at run time (one-line ValueErrors)
 """
 
 from asyncserve.config.engine import EngineConfig

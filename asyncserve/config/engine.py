@@ -22,6 +22,7 @@ from asyncserve.config.sections import (
     ParallelConfig,
     SchedulerConfig,
 )
+from asyncserve.config.typecheck import check_fields, typed_arguments
 from asyncserve.spec_decode.config import SpeculativeConfig
 
 
@@ -43,6 +44,7 @@ class EngineConfig:
     stream_interval: int = 1
 
     def __post_init__(self) -> None:
+        check_fields(self)
         size = self.max_cudagraph_capture_size
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"max_cudagraph_capture_size must be a positive integer, got {size!r}")
@@ -60,11 +62,12 @@ class EngineConfig:
             )
 
     @classmethod
+    @typed_arguments
     def from_engine_args(
         cls,
-        model: str | None = None,
+        model: str | os.PathLike[str] | None = None,
         *,
-        tokenizer: str | None = None,
+        tokenizer: str | os.PathLike[str] | None = None,
         dtype: str = "auto",
         load_format: str = "auto",
         max_model_len: int | None = None,
@@ -106,11 +109,11 @@ class EngineConfig:
         limit_mm_per_prompt: str | dict[str, Any] | None = None,
     ) -> EngineConfig:
         """The engine's configuration from vLLM's engine argument names (LLM(...) and the
-        serve flags both come here)."""
+        serve flags both come here). An argument of the wrong type is a ValueError naming it."""
         return cls(
             model=ModelConfig(
-                model=model,
-                tokenizer=tokenizer,
+                model=None if model is None else os.fspath(model),
+                tokenizer=None if tokenizer is None else os.fspath(tokenizer),
                 dtype=dtype,
                 load_format=load_format,  # type: ignore[arg-type]
                 max_model_len=max_model_len,

@@ -6,6 +6,8 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
+from asyncserve.config.typecheck import check_fields
+
 KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 KV_CONNECTORS = ("TCPConnector", "P2pNcclConnector", "PyNcclConnector")
 # Connectors whose payload travels over a torch.distributed group (disagg/kv_group.py).
@@ -38,6 +40,7 @@ class KVTransferConfig:
     kv_producer_urls: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if self.kv_connector not in KV_CONNECTORS:
             raise ValueError(
                 f"kv_connector must be one of {list(KV_CONNECTORS)}, got {self.kv_connector!r}"
@@ -131,6 +134,7 @@ class ObservabilityConfig:
     served_model_name: str | None = None
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if self.otlp_traces_protocol not in ("grpc", "http/protobuf"):
             raise ValueError(
                 "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL must be 'grpc' or 'http/protobuf', "
@@ -157,6 +161,7 @@ class LoRAConfig:
     max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if self.max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
         if self.max_lora_rank < 1:

@@ -8,6 +8,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from asyncserve.config.typecheck import check_fields
+
 if TYPE_CHECKING:
     from asyncserve.multimodal.policy import MediaPolicy
 
@@ -89,6 +91,7 @@ class MultiModalConfig:
         object.__setattr__(
             self, "limit_mm_per_prompt", parse_limit_mm_per_prompt(self.limit_mm_per_prompt)
         )
+        check_fields(self)
         if not self.media_fetch_timeout_s > 0:
             raise ValueError(
                 "media fetch timeout (ASYNCSERVE_IMAGE_FETCH_TIMEOUT) must be > 0, got "

@@ -6,6 +6,8 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from asyncserve.config.typecheck import check_fields
+
 SchedulingPolicy = Literal["fcfs", "priority"]
 LoadFormat = Literal["auto", "dummy"]
 
@@ -33,6 +35,7 @@ class ModelConfig:
     quantization: str | None = None
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if self.dtype not in ("auto", "float32", "float", "bfloat16", "float16", "half"):
             raise ValueError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
@@ -63,6 +66,7 @@ class CacheConfig:
     cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if self.cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
             raise ValueError(
                 f"kv_cache_dtype must be auto, fp8 or fp8_e4m3, got {self.cache_dtype!r}"
@@ -121,6 +125,7 @@ class SchedulerConfig:
     decode_latency_target_ms: float = DEFAULT_DECODE_LATENCY_TARGET_MS
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if not self.decode_latency_target_ms >= 0:
             raise ValueError(
                 f"decode_latency_target_ms must be >= 0, got {self.decode_latency_target_ms}"
@@ -164,6 +169,7 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.data_parallel_size < 1:
