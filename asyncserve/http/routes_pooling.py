@@ -36,6 +36,7 @@ from asyncserve.http.protocol_pooling import (
     ScoreResponse,
 )
 from asyncserve.http.serving import ServerState
+from asyncserve.http.sse import cancel_on_disconnect
 from asyncserve.pooling.engine import PoolingEngine
 
 
@@ -63,11 +64,12 @@ def _encode_vector(vec: torch.Tensor, fmt: str) -> list[float] | str:
     return vec.tolist()
 
 
-async def _run(field: str, coro: Any, fields: Sequence[str] = ()) -> Any:
+async def _run(request: Request, field: str, coro: Any, fields: Sequence[str] = ()) -> Any:
     """The engine's ValueErrors as 400s; `fields`: the request's fields an error may name
-    first (a score's text_1, a rerank's query), else `field`."""
+    first (a score's text_1, a rerank's query), else `field`. A client going away cancels the
+    work, and so does the shutdown deadline (a JSON 503, as on the completion routes)."""
     try:
-        return await coro
+        return await cancel_on_disconnect(coro, request.receive, request.scope)
     except ValueError as exc:
         raise from_value_error(exc, field, {f: f for f in fields}) from exc
 
@@ -104,6 +106,7 @@ def routes(state: ServerState) -> list[Route]:
             except ValueError as exc:
                 raise APIError(str(exc), 400, "dimensions") from exc
         vectors, ids = await _run(
+            request,
             "input",
             engine.embed_inputs(
                 _items(body.input), body.add_special_tokens, body.truncate_prompt_tokens
@@ -140,6 +143,7 @@ def routes(state: ServerState) -> list[Route]:
         if not seconds:
             raise APIError("text_2 must not be empty", 400, "text_2")
         scores, tokens = await _run(
+            request,
             "text_2",
             engine.score(firsts, seconds, body.truncate_prompt_tokens),
             ("text_1", "text_2"),
@@ -159,6 +163,7 @@ def routes(state: ServerState) -> list[Route]:
         if body.top_n is not None and body.top_n < 0:
             raise APIError(f"top_n must be >= 0, got {body.top_n}", 400, "top_n")
         scores, tokens = await _run(
+            request,
             "documents",
             engine.score(
                 [body.query] * len(body.documents),

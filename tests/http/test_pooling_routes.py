@@ -1,6 +1,7 @@
 """The pooling routes: /v1/embeddings through the OpenAI SDK against a real server on a
 sentence-transformers BERT; /pooling, /score, /rerank, Matryoshka `dimensions` and the errors
-in-process (httpx.ASGITransport) around real pooling engines."""
+in-process (httpx.ASGITransport) around real pooling engines, and the JSON 503 of a request
+cut at the shutdown deadline."""
 
 from __future__ import annotations
 
@@ -144,3 +145,38 @@ def test_pooling_and_matryoshka_dimensions(qwen3_body_dir: Path) -> None:  # noq
 def test_pooling_routes_on_a_generating_server(client: httpx.Client) -> None:
     out = client.post("/v1/embeddings", json={"model": MODEL, "input": "hello"})
     assert out.status_code == 400 and "--runner pooling" in out.json()["error"]["message"]
+
+
+def test_requests_cut_at_the_shutdown_deadline_answer_503(
+    st_bert_dir: Path,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # As the completion routes: a JSON 503 saying why, not uvicorn's plain-text 500.
+    engine = PoolingEngine.from_config(EngineConfig(model=ModelConfig(model=str(st_bert_dir))))
+    app = build_app(engine, ServerConfig(served_model_names=("m",)))
+    monkeypatch.setattr(engine, "_take_batch", list)  # every request stays queued
+    calls = [
+        ("/v1/embeddings", {"input": "a"}),
+        ("/pooling", {"input": "a"}),
+        ("/score", {"text_1": "a", "text_2": "b"}),
+        ("/rerank", {"query": "a", "documents": ["b"]}),
+    ]
+
+    async def main() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=app)
+        async with (
+            httpx.AsyncClient(transport=transport, base_url="http://app") as client,
+            app.router.lifespan_context(app),
+        ):
+            posts = [asyncio.create_task(client.post(p, json=b)) for p, b in calls]
+            while engine.num_waiting < 6:  # each request's texts are queued
+                await asyncio.sleep(0.01)
+            app.state.asyncserve.shutdown_deadline.set()
+            replies = await asyncio.wait_for(asyncio.gather(*posts), 30)
+            assert engine.num_waiting == 0
+            return replies
+
+    for reply in asyncio.run(main()):
+        assert reply.status_code == 503, reply.text
+        error = reply.json()["error"]
+        assert error["type"] == "ServiceUnavailableError" and "shutting down" in error["message"]
