@@ -122,8 +122,15 @@ def open_gguf(path: str | Path) -> GGUFFile:
     try:
         reader = _Reader(str(path))
         metadata = {name: field.contents() for name, field in reader.fields.items()}
-    except (ValueError, OSError, IndexError, KeyError, TypeError) as e:
+    except OSError as e:
         raise ValueError(f"cannot read GGUF file {path}: {e}") from e
+    except (ValueError, IndexError, KeyError, TypeError, OverflowError) as e:
+        # What the reader's arrays say of a short or garbled file (a reshape that does not
+        # fit, an offset past the end): the file is the problem, not the caller.
+        detail = " ".join(str(e).split())
+        raise ValueError(
+            f"cannot read GGUF file {path}: the file is truncated or corrupt ({detail})"
+        ) from e
     return GGUFFile(path=str(path), reader=reader, metadata=metadata)
 
 

@@ -219,3 +219,21 @@ def test_tiny_gguf_loads_and_matches_hf(arch: str, tmp_path: Path) -> None:
     assert tok.encode("the") == [0, TOKENS.index("t"), TOKENS.index("he")]
     assert tok.encode(" t</s>", add_special_tokens=False) == [TOKENS.index("Ġt"), 1]
     assert loaded.generation_config["eos_token_id"] == [1]
+
+
+def test_truncated_gguf_is_a_one_line_value_error(tmp_path: Path) -> None:
+    hf, cfg = _tiny_hf("llama")
+    state = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    path = tmp_path / "whole.gguf"
+    write_tiny_gguf(path, "llama", state, heads=4, kv_heads=2, head_dim=16, rope_theta=1e4,
+                    eps=1e-5)  # fmt: skip
+    whole = path.read_bytes()
+    # Cut in the header, the metadata, the tensor infos, the tensor data, and one byte short.
+    for size in (0, 10, 24, 100, 6000, len(whole) // 2, len(whole) - 1):
+        cut = tmp_path / f"cut{size}.gguf"
+        cut.write_bytes(whole[:size])
+        with pytest.raises(ValueError) as caught:
+            load_model(ModelConfig(model=str(cut), dtype="float32"), torch.device("cpu"))
+        message = str(caught.value)
+        assert str(cut) in message and "truncated or corrupt" in message, message
+        assert "\n" not in message, message
