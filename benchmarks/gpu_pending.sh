@@ -198,6 +198,38 @@ case $1 in
     ASYNCSERVE_TEST_TINY_LLAVA=/tmp/tinyllava TAIL=4 step graph_tests 150 python3 -m pytest -q -p no:cacheprovider -rfs tests/worker/test_prefill_graphs.py tests/worker/test_cuda_graphs_gpu.py tests/multimodal/test_encoder_graphs_gpu.py
     TAIL=1 step lone_641 100 python3 benchmarks/lone_prefill.py --input-len 641
     TAIL=1 step lone_64 100 python3 benchmarks/lone_prefill.py --input-len 64 ;;
+  coldpar)  # carry .whl: W5 with start-up kernels compiled on threads against one at a time,
+    # each first on a fresh Triton cache, then again on the cache it filled (18); greedy
+    # tokens after each (dense and MoE) and the graph tests, through the compile pass
+    for round in 1 2; do
+      for state in cold warm; do
+        ASYNCSERVE_COMPILE_THREADS=1 TRITON_CACHE_DIR=/tmp/tc-s$round TAIL=1 step w5_one_${round}_$state 100 python3 benchmarks/cold_start.py --model $L3 --port 8701 --repeat 1 -- --max-model-len 2048
+        TRITON_CACHE_DIR=/tmp/tc-t$round TAIL=1 step w5_threads_${round}_$state 100 python3 benchmarks/cold_start.py --model $L3 --port 8702 --repeat 1 -- --max-model-len 2048
+      done
+    done
+    grep -h "compiled .* kernel variants\|compiled after start-up" $OUT/w5_threads_1_*.log | cut -c1-160
+    for model in $L3 benchmarks/configs/powermoe-3b; do
+      n=$(basename $model)
+      ASYNCSERVE_COMPILE_THREADS=1 TRITON_CACHE_DIR=/tmp/tc-c1-$n TAIL=1 step check_one_$n 120 python3 benchmarks/compile_threads_check.py --model $model
+      TRITON_CACHE_DIR=/tmp/tc-c2-$n TAIL=1 step check_threads_$n 120 python3 benchmarks/compile_threads_check.py --model $model
+      grep -h "compiled .* kernel variants\|compiled after start-up" $OUT/check_threads_$n.log | cut -c1-160
+    done
+    TRITON_CACHE_DIR=/tmp/tc-tests TAIL=4 step graph_tests 150 python3 -m pytest -q -p no:cacheprovider -rfs tests/worker/test_prefill_graphs.py tests/worker/test_cuda_graphs_gpu.py tests/worker/test_verify_graphs.py tests/kernels/test_parallel_compiles.py ;;
+  coldtp)  # carry .whl; 2 GPUs: the start-up compile pass under tensor parallelism (18)
+    for model in $L3 benchmarks/configs/powermoe-3b; do
+      n=$(basename $model)
+      ASYNCSERVE_COMPILE_THREADS=1 TRITON_CACHE_DIR=/tmp/tc-p1-$n TAIL=1 step tp_one_$n 150 python3 benchmarks/compile_threads_check.py --model $model --tensor-parallel-size 2
+      TRITON_CACHE_DIR=/tmp/tc-p2-$n TAIL=1 step tp_threads_$n 150 python3 benchmarks/compile_threads_check.py --model $model --tensor-parallel-size 2
+      grep -h "compiled .* kernel variants\|compiled after start-up" $OUT/tp_threads_$n.log | cut -c1-160
+    done ;;
+  coldspy)  # carry .whl .spy: W5 on fresh caches, then where a cold start's time goes (18)
+    for round in ${ROUNDS:-1 2}; do
+      TRITON_CACHE_DIR=/tmp/tc-u$round TAIL=3 step w5_threads_$round 100 python3 benchmarks/cold_start.py --model $L3 --port 8702 --repeat 1 -- --max-model-len 2048
+      grep -h "compiled .* kernel variants\|compiled after start-up\|captured\|GPU memory\|loading" $OUT/w5_threads_$round.log | cut -c1-160
+    done
+    python3 -m pip install -q --no-index --no-deps --target /tmp/spy .spy/py_spy-*.whl
+    TRITON_CACHE_DIR=/tmp/tc-spy TAIL=2 step w5_spy 60 /tmp/spy/bin/py-spy record -d 22 -r 200 --idle --threads -f raw -o $OUT/w5_spy.txt -- \
+      python3 -m asyncserve serve --model $L3 --load-format dummy --max-model-len 2048 --port 8703 ;;
   check)  # carry .whl
     deal j_kernel_checks j_w4_cold_warm ;;
   pairs)  # carry .peer/p1

@@ -35,6 +35,7 @@ import triton.language as tl
 
 from asyncserve.kernels.moe_align import align_by_expert
 from asyncserve.kernels.moe_config import MoEConfig, choose_config, device_name, dtype_name
+from asyncserve.kernels.parallel_compiles import compiling_only
 
 
 @triton.jit
@@ -107,6 +108,9 @@ def moe_route(
         RENORMALIZE=renormalize,
         num_warps=1,
     )
+    if compiling_only():  # not launched: torch operations index with these ids
+        ids.zero_()
+        weights.fill_(1.0 / top_k)
     return weights, ids
 
 

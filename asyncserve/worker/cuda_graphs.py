@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from asyncserve.kernels.parallel_compiles import compile_for
 from asyncserve.models.attention import AttentionMetadata
 from asyncserve.models.base import CausalLM
 from asyncserve.worker.input_batch import HostStaging, StepInputs
@@ -130,12 +131,23 @@ class DecodeGraphs:
         )
         return self.input_ids[:rows], self.positions[:rows], meta
 
-    def _capture(self, size: int) -> None:
-        start = time.perf_counter()
+    def _padding_inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         # Padding values while capturing: nothing is written to the KV cache.
         self.slot_mapping[: size * self.query_len].fill_(-1)
         self.seq_lens[:size].fill_(self.query_len)
-        self.forward(*self.inputs(size))  # compiles the kernels outside the capture
+        return self.inputs(size)
+
+    def run_each_size(self) -> None:
+        """One eager forward of each size not yet captured, on padding inputs: under
+        compile_for (parallel_compiles.py), it compiles their kernels on threads."""
+        with torch.inference_mode():
+            for size in self.sizes:
+                if size not in self.graphs:
+                    self.forward(*self._padding_inputs(size))
+
+    def _capture(self, size: int) -> None:
+        start = time.perf_counter()
+        self.forward(*self._padding_inputs(size))  # compiles the kernels outside the capture
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
@@ -154,9 +166,13 @@ class DecodeGraphs:
         if size not in self.graphs:
             self._capture(size)
 
-    def capture_all(self, what: str = "decode") -> None:
-        """Every size, largest first (the smaller graphs reuse the largest one's pool)."""
+    def capture_all(self, what: str = "decode", compile_first: bool = True) -> None:
+        """Every size, largest first (the smaller graphs reuse the largest one's pool);
+        `compile_first`: their kernels compiled on threads before (the target's decode
+        graphs' were, with the profile step's: worker/kv_pool.py)."""
         start = time.perf_counter()
+        if compile_first:
+            compile_for(self.device, f"{what} graphs", self.run_each_size)
         for size in reversed(self.sizes):
             if size not in self.graphs:
                 self._capture(size)

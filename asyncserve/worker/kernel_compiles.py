@@ -15,6 +15,8 @@ import threading
 import time
 from typing import Any
 
+from asyncserve.kernels.parallel_compiles import START_UP
+
 logger = logging.getLogger(__name__)
 
 
@@ -50,6 +52,7 @@ class CompileWatch:
     def arm(self) -> None:
         """Start-up is over: compiles from now on are logged and counted."""
         self.armed = self.install()
+        START_UP.finish()
 
     def disarm(self) -> None:
         """An engine is starting in this process: its compiles are expected."""

@@ -11,11 +11,14 @@ import logging
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from asyncserve.config import EngineConfig
+from asyncserve.kernels.parallel_compiles import START_UP, compile_for
 from asyncserve.models.arch_config import ArchConfig
 from asyncserve.models.attention import AttentionMetadata
 from asyncserve.models.moe import kernel_warm_up_sizes
+from asyncserve.worker.cuda_graphs import DecodeGraphs, logits_forward
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +97,7 @@ def _free_gpu_bytes_after_profile(
     max_model_len: int,
 ) -> int:
     """Run the largest step once, then give the KV pool what the utilization target leaves."""
+    _compile_start_up_kernels(model, arch, config, dtype, device, max_model_len)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     _profile_run(model, arch, config, dtype, device, max_model_len)
@@ -124,6 +128,41 @@ def _free_gpu_bytes_after_profile(
         budget / 2**30,
     )
     return max(budget, 0)
+
+
+def _compile_start_up_kernels(
+    model: Any,
+    arch: ArchConfig,
+    config: EngineConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int,
+) -> None:
+    """Compile the profile step's kernels and the decode graphs' on threads, together
+    (kernels/parallel_compiles.py): the graphs' own pass, once the pool is there, then finds
+    theirs compiled. A cache of two blocks stands in for the pool: the kernels specialize on
+    its strides, not on its number of blocks."""
+
+    # Ranks of a group must agree on the pass (its forwards hold collectives): they skip no
+    # pass, whatever each finds in its own cache.
+    signature = None
+    if device.type == "cuda" and not (dist.is_initialized() and dist.get_world_size() > 1):
+        gpu = torch.cuda.get_device_properties(device)
+        signature = (
+            f"{config!r} {arch!r} {dtype} {max_model_len} {gpu.name} {gpu.major}.{gpu.minor}"
+        )
+    START_UP.begin(signature)
+
+    def forwards() -> None:
+        _profile_run(model, arch, config, dtype, device, max_model_len)
+        if config.enable_cuda_graphs:
+            block_size = config.cache.block_size
+            caches = allocate_kv_caches(arch, 2, block_size, dtype, device)
+            rows = min(config.scheduler.max_num_seqs, config.max_cudagraph_capture_size)
+            forward = logits_forward(model, caches, model.local_logits)
+            DecodeGraphs(forward, rows, max_model_len, block_size, device).run_each_size()
+
+    compile_for(device, "the start-up steps", forwards)
 
 
 def profile_batch(

@@ -1,0 +1,212 @@
+"""Start-up kernel compiles on a pool of threads instead of one after another.
+
+With an empty Triton cache (a fresh machine, a new Triton or model shape) the start-up
+warm-up compiles every kernel variant its forwards meet, in turn, each as its first launch
+waits for it: seconds of one busy core while the others idle. Inside `compiles_in_parallel`
+a forward launches no Triton kernel; each variant it meets goes to a thread pool (Triton's
+AsyncCompileMode), and leaving the block waits for all of them. Triton's compiler spends
+most of its time outside the GIL (its MLIR passes and ptxas), so the threads overlap. The
+real warm-up that follows finds every kernel compiled and runs as on a warm cache.
+
+Such a forward still runs its torch operations and collectives (so tensor-parallel ranks
+stay in step), on whatever the skipped kernels left in their outputs: values are garbage,
+shapes are right. A kernel whose output becomes an index for a torch operation (the MoE
+router's expert ids) fills it with valid values when `compiling_only()` says so.
+
+On a warm cache that pass costs more than the cache hits it replaces (its forwards, and
+threads contending for the GIL over hits): a start-up that finishes leaves a marker in
+Triton's cache, named by what decides the kernels (engine and model configuration, GPU,
+versions, the kernels' sources); a start with the same marker there skips the pass.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_THREADS = 16
+_local = threading.local()
+_patch_lock = threading.Lock()
+_patch_users = 0
+_original_run: Callable[..., Any] | None = None
+
+
+def compile_threads() -> int:
+    """ASYNCSERVE_COMPILE_THREADS: threads compiling kernels at start-up (0 or 1: one at a
+    time, in the forwards that meet them). Default: the CPU count, at most 16."""
+    text = os.environ.get("ASYNCSERVE_COMPILE_THREADS")
+    if not text:
+        return min(os.cpu_count() or 1, DEFAULT_MAX_THREADS)
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"ASYNCSERVE_COMPILE_THREADS must be an integer, got {text!r}") from None
+    if value < 0:
+        raise ValueError(f"ASYNCSERVE_COMPILE_THREADS must be >= 0, got {value}")
+    return value
+
+
+class StartUpMarker:
+    """Whether this process's start-up can skip the compile pass: an earlier start of the
+    same signature finished with this Triton cache (so its kernels are on disk)."""
+
+    def __init__(self) -> None:
+        self.path: Path | None = None
+        self.cached = False
+
+    def begin(self, signature: str | None) -> bool:
+        """A start-up of `signature` begins (None: one that never skips the pass); True when
+        its kernels are cached already."""
+        if signature is None:
+            self.path, self.cached = None, False
+            return False
+        self.path = _triton_cache_dir() / "asyncserve-start-ups" / _digest(signature)
+        self.cached = self.path.exists()
+        return self.cached
+
+    def finish(self) -> None:
+        """The start-up compiled all it needed: later starts of its signature skip the pass."""
+        path, self.path, self.cached = self.path, None, False
+        if path is None:
+            return
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.touch()
+        except OSError as error:  # a read-only cache: later starts run the pass again
+            logger.debug("cannot write the start-up marker %s: %r", path, error)
+
+
+def _triton_cache_dir() -> Path:
+    try:
+        from triton import knobs
+
+        return Path(knobs.cache.dir)
+    except (ImportError, AttributeError):
+        default = Path.home() / ".triton" / "cache"
+        return Path(os.environ.get("TRITON_CACHE_DIR") or default)
+
+
+def _digest(signature: str) -> str:
+    import triton
+
+    digest = hashlib.sha256(signature.encode())
+    digest.update(f"triton {triton.__version__} torch {torch.__version__}".encode())
+    for source in sorted(Path(__file__).parent.glob("*.py")):  # the kernels' sources
+        digest.update(source.read_bytes())
+    return digest.hexdigest()[:32]
+
+
+# One start-up at a time per process (the runner's, up to WATCH.arm in kernel_compiles.py).
+START_UP = StartUpMarker()
+
+
+def compiling_only() -> bool:
+    """True inside compiles_in_parallel on this thread: Triton launches are skipped."""
+    return bool(getattr(_local, "active", False))
+
+
+def _async_compile_mode() -> Any:
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:  # a Triton without it: kernels compile as the forwards meet them
+        return None
+    return AsyncCompileMode
+
+
+def _patch_jit_run() -> None:
+    """Make JITFunction.run a warm-up (compile, no launch) on threads that are compiling."""
+    global _patch_users, _original_run
+    from triton.runtime.jit import JITFunction
+
+    with _patch_lock:
+        _patch_users += 1
+        if _patch_users > 1:
+            return
+        original = JITFunction.run
+        _original_run = original
+
+        def run(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
+            return original(self, *args, grid=grid, warmup=warmup or compiling_only(), **kwargs)
+
+        JITFunction.run = run  # type: ignore[method-assign]
+
+
+def _unpatch_jit_run() -> None:
+    global _patch_users, _original_run
+    from triton.runtime.jit import JITFunction
+
+    with _patch_lock:
+        _patch_users -= 1
+        if _patch_users == 0 and _original_run is not None:
+            JITFunction.run = _original_run  # type: ignore[method-assign]
+            _original_run = None
+
+
+def parallel_compiles_available(device: torch.device) -> bool:
+    return (
+        device.type == "cuda"
+        and compile_threads() > 1
+        and os.environ.get("TRITON_INTERPRET") != "1"
+        and _async_compile_mode() is not None
+    )
+
+
+@contextmanager
+def compiles_in_parallel(device: torch.device, what: str) -> Iterator[bool]:
+    """Inside: Triton launches on this thread compile on a thread pool instead of running.
+    Yields whether that is so (False: a CPU device, ASYNCSERVE_COMPILE_THREADS <= 1, a
+    Triton without AsyncCompileMode, or kernels cached by an earlier start (StartUpMarker);
+    the block then runs for real and should be skipped).
+    A compile that fails here is left to the real forward after, which raises it."""
+    if compiling_only():  # inside another such block: its pool compiles these too
+        yield True
+        return
+    if START_UP.cached or not parallel_compiles_available(device):
+        yield False
+        return
+    mode_cls = _async_compile_mode()
+    threads = compile_threads()
+    start = time.perf_counter()
+    _patch_jit_run()
+    try:
+        with ThreadPoolExecutor(threads, thread_name_prefix="kernel-compile") as pool:
+            mode = mode_cls(pool, ignore_errors=True)
+            with mode:
+                pending = mode.future_kernels
+                _local.active = True
+                try:
+                    yield True
+                finally:
+                    _local.active = False
+                    count = len(pending)
+    finally:
+        _unpatch_jit_run()
+    logger.info(
+        "compiled %d kernel variants for %s on %d threads in %.1f s",
+        count, what, threads, time.perf_counter() - start,
+    )  # fmt: skip
+
+
+def compile_for(device: torch.device, what: str, forwards: Callable[[], object]) -> None:
+    """Run `forwards` once with launches skipped, compiling on threads what they meet.
+    An error in that run (its inputs are garbage) is logged and left to the real run."""
+    with compiles_in_parallel(device, what) as active:
+        if not active:
+            return
+        try:
+            forwards()
+        except Exception as error:  # the real forward after meets it again, and raises
+            logger.debug("compiling-only pass for %s stopped: %r", what, error)
+    torch.cuda.synchronize(device)
