@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 
@@ -135,10 +136,19 @@ def routes(state: ServerState) -> list[Route]:
     async def version(request: Request) -> Response:
         return _json({"version": __version__})
 
-    schema = msgspec.json.encode(openapi_schema(__version__, state.config.api_key is not None))
+    schema: list[bytes] = []
+    schema_lock = asyncio.Lock()
+
+    def build_schema() -> bytes:
+        return msgspec.json.encode(openapi_schema(__version__, state.config.api_key is not None))
 
     async def openapi(request: Request) -> Response:
-        return Response(schema, media_type="application/json")
+        # Built on first use, on a worker thread: it takes about half a second, which a
+        # start-up (and the event loop's streams) should not wait for.
+        async with schema_lock:
+            if not schema:
+                schema.append(await asyncio.to_thread(build_schema))
+        return Response(schema[0], media_type="application/json")
 
     async def legacy_generate(request: Request) -> Response:
         return await generate(state, request)
