@@ -215,6 +215,14 @@ case $1 in
       grep -h "compiled .* kernel variants\|compiled after start-up" $OUT/check_threads_$n.log | cut -c1-160
     done
     TRITON_CACHE_DIR=/tmp/tc-tests TAIL=4 step graph_tests 150 python3 -m pytest -q -p no:cacheprovider -rfs tests/worker/test_prefill_graphs.py tests/worker/test_cuda_graphs_gpu.py tests/worker/test_verify_graphs.py tests/kernels/test_parallel_compiles.py ;;
+  coldpar2)  # carry .whl: W5 pairs as coldpar (threads first in the second round); graph tests
+    w5() { TRITON_CACHE_DIR=/tmp/tc-$1 TAIL=1 step w5_$2 100 python3 benchmarks/cold_start.py --model $L3 --port 8701 --repeat 1 -- --max-model-len 2048; }
+    ASYNCSERVE_COMPILE_THREADS=1 w5 s1 one_1_cold; w5 t1 threads_1_cold
+    ASYNCSERVE_COMPILE_THREADS=1 w5 s1 one_1_warm; w5 t1 threads_1_warm
+    w5 t2 threads_2_cold; ASYNCSERVE_COMPILE_THREADS=1 w5 s2 one_2_cold
+    w5 t2 threads_2_warm; ASYNCSERVE_COMPILE_THREADS=1 w5 s2 one_2_warm
+    grep -h "compiled .* kernel variants\|compiled after start-up\|GPU memory\|captured\|loaded" $OUT/w5_threads_*_cold.log | cut -c1-150
+    TRITON_CACHE_DIR=/tmp/tc-tests TAIL=2 step graph_tests 150 python3 -m pytest -q -p no:cacheprovider -rfs tests/worker/test_prefill_graphs.py tests/worker/test_cuda_graphs_gpu.py tests/kernels/test_parallel_compiles.py ;;
   coldtp)  # carry .whl; 2 GPUs: the start-up compile pass under tensor parallelism (18)
     for model in $L3 benchmarks/configs/powermoe-3b; do
       n=$(basename $model)

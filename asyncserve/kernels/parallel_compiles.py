@@ -27,7 +27,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -154,6 +154,40 @@ def _unpatch_jit_run() -> None:
             _original_run = None
 
 
+def _device_index(device: torch.device) -> int | None:
+    """The CUDA device the kernels load onto (the caller's current one for a bare "cuda");
+    None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+class _CompileAndLoad(Executor):
+    """Runs each compile on the pool, then loads the kernel there too, onto `device_index`
+    (a thread's current device is its own): its first launch would otherwise build its
+    launcher (on an empty cache a C compile of its own, for Triton versions with a launcher
+    per signature) and load it, one kernel after another."""
+
+    def __init__(self, pool: ThreadPoolExecutor, device_index: int | None) -> None:
+        self.pool = pool
+        self.device_index = device_index
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        def compile_and_load() -> Any:
+            kernel = fn(*args, **kwargs)
+            load = getattr(kernel, "_init_handles", None)
+            if load is not None:
+                if self.device_index is not None:
+                    torch.cuda.set_device(self.device_index)
+                try:
+                    load()
+                except Exception as error:  # its first launch tries again, and raises
+                    logger.debug("loading %s after its compile: %r", kernel, error)
+            return kernel
+
+        return self.pool.submit(compile_and_load)
+
+
 def parallel_compiles_available(device: torch.device) -> bool:
     return (
         device.type == "cuda"
@@ -182,7 +216,7 @@ def compiles_in_parallel(device: torch.device, what: str) -> Iterator[bool]:
     _patch_jit_run()
     try:
         with ThreadPoolExecutor(threads, thread_name_prefix="kernel-compile") as pool:
-            mode = mode_cls(pool, ignore_errors=True)
+            mode = mode_cls(_CompileAndLoad(pool, _device_index(device)), ignore_errors=True)
             with mode:
                 pending = mode.future_kernels
                 _local.active = True

@@ -34,6 +34,8 @@ SCRIPT = textwrap.dedent(
     from asyncserve.kernels import parallel_compiles
     from asyncserve.kernels.parallel_compiles import compiles_in_parallel, compiling_only
 
+    loaded_on = set()
+
     class Hopper:  # what Triton asks of the device before a launch; nothing launches
         def get_current_target(self):
             return GPUTarget("cuda", 90, 32)
@@ -41,6 +43,9 @@ SCRIPT = textwrap.dedent(
             return 0
         def get_current_stream(self, device):
             return 0
+        def launcher_cls(self, src, metadata):  # a compiled kernel's loading starts here
+            loaded_on.add(threading.current_thread().name)
+            raise RuntimeError("no GPU to load onto")
 
     driver.set_active(Hopper())
     parallel_compiles.parallel_compiles_available = lambda device: True
@@ -78,6 +83,7 @@ SCRIPT = textwrap.dedent(
         assert type(kernel).__name__ == "CompiledKernel", type(kernel)
         assert kernel.asm["cubin"] and ".target sm_90" in kernel.asm["ptx"]
     assert compile_threads and all(n.startswith("kernel-compile") for n in compile_threads)
+    assert loaded_on and all(n.startswith("kernel-compile") for n in loaded_on), loaded_on
     print("ok", len(kernels))
     """
 )
