@@ -93,10 +93,27 @@ def param_from_path(path: str) -> str | None:
     return path or None
 
 
-def from_validation_error(exc: msgspec.ValidationError | msgspec.DecodeError) -> APIError:
-    """A 400 naming the field msgspec rejected."""
+# A \uD800-\uDBFF escape not followed by a \uDC00-\uDFFF one, or one of those not preceded
+# by the first kind: JSON text for a str that is not valid Unicode.
+_LONE_SURROGATE = re.compile(
+    rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+    rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+)
+
+
+def from_validation_error(
+    exc: msgspec.ValidationError | msgspec.DecodeError, body: bytes = b""
+) -> APIError:
+    """A 400 naming the field msgspec rejected; `body`, the request's, explains a lone
+    surrogate escape (msgspec's own message for one can read "Input data was truncated")."""
     text = str(exc)
     if not isinstance(exc, msgspec.ValidationError):
+        lone = _LONE_SURROGATE.search(body)
+        if lone is not None:
+            text = (
+                f"the escape {lone.group().decode()} at byte {lone.start()} is a lone UTF-16 "
+                "surrogate, not valid Unicode (a surrogate escape must be half of a pair)"
+            )
         return APIError(f"Invalid JSON in the request body: {text}", 400)
     match = _AT_PATH.search(text)
     path = match.group("path") if match else ""

@@ -141,7 +141,7 @@ class ServerState:
                     raise
                 return _decode_nulls_as_defaults(body, body_type)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            raise from_validation_error(exc) from exc
+            raise from_validation_error(exc, body) from exc
         except UnicodeDecodeError as exc:
             raise APIError(f"the request body is not valid UTF-8: {exc}", 400) from exc
         except RecursionError:

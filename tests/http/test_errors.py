@@ -185,6 +185,23 @@ def test_malformed_json_is_a_400(client: httpx.Client, path: str, raw: bytes) ->
     assert_error(response, 400, ANY)
 
 
+@pytest.mark.parametrize(
+    ("raw", "escape"),
+    [
+        (b'{"prompt": "a\\ud800b", "max_tokens": 1}', "\\ud800"),
+        (b'{"prompt": "\\ud83d\\ude00 \\uDC00", "max_tokens": 1}', "\\uDC00"),
+    ],
+)
+def test_lone_surrogate_escape_is_named(client: httpx.Client, raw: bytes, escape: str) -> None:
+    # Not msgspec's "Input data was truncated": the escape, where it is, and why.
+    response = client.post("/v1/completions", content=raw)
+    error = assert_error(response, 400, None)
+    assert f"the escape {escape} at byte {raw.index(escape.encode())}" in error["message"]
+    assert "lone UTF-16 surrogate" in error["message"], error
+    ok = client.post("/v1/completions", content=b'{"prompt": "a\\ud83d\\ude00b", "max_tokens": 1}')
+    assert ok.status_code == 200, ok.text  # a surrogate pair is valid
+
+
 def test_body_over_the_limit_is_a_413(client: httpx.Client) -> None:
     big = b'{"prompt": "' + b"a" * (17 * 1024 * 1024) + b'"}'
     assert_error(client.post("/v1/completions", content=big), 413, None)
