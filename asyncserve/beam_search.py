@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import numbers
 from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -52,6 +53,13 @@ class BeamSearchParams:
             )
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens}")
+        for name in ("temperature", "length_penalty"):
+            value = getattr(self, name)
+            # A NaN score would leave the beams' order, and so the result, arbitrary.
+            if not isinstance(value, numbers.Real) or isinstance(value, bool):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value}")
         if self.temperature < 0.0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
 

@@ -26,6 +26,7 @@ from asyncserve.llm_prompts import (
     ImageWork,
     as_prompt_list,
     chat_prompts,
+    loras_per_prompt,
     params_per_prompt,
     priorities_per_prompt,
     split_prompt,
@@ -290,17 +291,8 @@ class LLM:
                 # A bad schema, regex or grammar is the caller's error: raise before any work.
                 self.engine.structured.validate(params.structured_outputs)
         priorities = priorities_per_prompt(priority, len(prompt_list))
-        loras: list[LoRARequest | None]
-        if lora_request is None or isinstance(lora_request, LoRARequest):
-            loras = [lora_request] * len(prompt_list)
-        else:
-            loras = list(lora_request)
-            if len(loras) != len(prompt_list):
-                raise ValueError(f"lora_request: got {len(loras)} for {len(prompt_list)} prompts")
         # A bad adapter is the caller's error: raise before any work.
-        for i, lora in enumerate(loras):
-            if lora is not None and not isinstance(lora, LoRARequest):
-                raise ValueError(f"lora_request[{i}] must be a LoRARequest or None")
+        loras = loras_per_prompt(lora_request, len(prompt_list))
         for lora in {id(r): r for r in loras if r is not None}.values():
             self._lora_engine().add_lora(lora)
         # Images are processed on threads while the engine runs the prompts ready before
@@ -355,6 +347,8 @@ class LLM:
         Each sequence's tokens and text include the prompt; sequences are sorted best first.
         """
         self._check_generates()
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         token_prompts: list[list[int]] = []
         for prompt in as_prompt_list(prompts):
             text, ids = split_prompt(prompt)

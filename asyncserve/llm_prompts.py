@@ -13,6 +13,7 @@ from typing import Any
 from asyncserve.engine.async_engine import AsyncEngine
 from asyncserve.engine.dp_client import DataParallelClient
 from asyncserve.engine.request_checks import check_priority
+from asyncserve.lora.request import LoRARequest
 from asyncserve.multimodal.inputs import MultiModalInputs
 from asyncserve.sampling_params import SamplingParams
 
@@ -75,6 +76,26 @@ def priorities_per_prompt(priority: Sequence[int] | None, num_prompts: int) -> l
     for value in priorities:
         check_priority(value)
     return priorities
+
+
+def loras_per_prompt(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
+) -> list[LoRARequest | None]:
+    """One adapter (or None) per prompt: `lora_request` for every prompt, or one each."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    if not isinstance(lora_request, Sequence) or isinstance(lora_request, str | bytes):
+        raise ValueError(
+            "lora_request must be a LoRARequest, a list of them or None, got "
+            + type(lora_request).__name__
+        )
+    loras = list(lora_request)
+    if len(loras) != num_prompts:
+        raise ValueError(f"lora_request: got {len(loras)} for {num_prompts} prompts")
+    for i, lora in enumerate(loras):
+        if lora is not None and not isinstance(lora, LoRARequest):
+            raise ValueError(f"lora_request[{i}] must be a LoRARequest or None")
+    return loras
 
 
 def _is_token_id(value: Any) -> bool:
@@ -174,6 +195,9 @@ def chat_prompts(
         raise ValueError(
             "chat_template_kwargs must be a dict, got " + type(chat_template_kwargs).__name__
         )
+    for key in chat_template_kwargs or {}:
+        if not isinstance(key, str):  # they become the template's variables, named by keys
+            raise ValueError(f"chat_template_kwargs keys must be strings, got {key!r}")
     for reserved in ("messages", "bos_token", "eos_token"):
         if reserved in (chat_template_kwargs or {}):
             raise ValueError(f"chat_template_kwargs must not set {reserved!r}")

@@ -106,7 +106,19 @@ class Tokenizer:
         # encode_batch, not encode: only it lets go of the GIL while the tokenizer runs, and a
         # long prompt holding it for milliseconds per call stalls the step thread's every
         # torch op behind it (decode steps 100x slower while a batch of prompts tokenizes).
-        (encoding,) = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)
+        try:
+            (encoding,) = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)
+        except TypeError:
+            # The tokenizer refuses a str that is not valid Unicode (a lone surrogate, as
+            # "\ud800" makes in Python) with a TypeError: the caller's error, named.
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(
+                    f"text is not valid Unicode: lone surrogate {text[exc.start]!r} at "
+                    f"character {exc.start}"
+                ) from None
+            raise
         ids: list[int] = encoding.ids
         return ids
 

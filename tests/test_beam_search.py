@@ -68,11 +68,22 @@ def test_score_counts_prompt_and_output_but_not_the_final_eos() -> None:
         ({"beam_width": 11, "max_tokens": 4}, "beam_width"),
         ({"beam_width": 2, "max_tokens": 0}, "max_tokens"),
         ({"beam_width": 2, "max_tokens": 4, "temperature": -1.0}, "temperature"),
+        ({"beam_width": 2, "max_tokens": 4, "temperature": "1"}, "temperature"),
+        ({"beam_width": 2, "max_tokens": 4, "length_penalty": float("nan")}, "length_penalty"),
+        ({"beam_width": 2, "max_tokens": 4, "length_penalty": float("inf")}, "length_penalty"),
+        ({"beam_width": 2, "max_tokens": 4, "length_penalty": None}, "length_penalty"),
     ],
 )
 def test_invalid_params_name_the_field(kwargs: dict[str, Any], field: str) -> None:
     with pytest.raises(ValueError, match=field):
         BeamSearchParams(**kwargs)
+
+
+@pytest.mark.parametrize("params", [5, None, {"beam_width": 2, "max_tokens": 4}])
+def test_beam_search_takes_only_beam_search_params(llm: LLM, params: Any) -> None:
+    with pytest.raises(ValueError, match="params must be a BeamSearchParams"):
+        llm.beam_search(["Hi"], params)
+    assert llm.engine.num_running == 0 and llm.engine.num_waiting == 0
 
 
 @pytest.mark.parametrize(("k", "length_penalty"), [(2, 1.0), (4, 0.5)])

@@ -137,6 +137,18 @@ def test_too_long_prompt_fails_alone(llm: LLM) -> None:
     assert_pool_whole(llm)
 
 
+def test_lone_surrogate_fails_its_prompt_alone(llm: LLM) -> None:
+    # "\ud800" is a str Python holds but no tokenizer takes: that prompt's error, not a
+    # TypeError out of the whole call; likewise in bad_words, tokenized for the request.
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    outputs = llm.generate(["Hi", "a\ud800b"], params, use_tqdm=False)
+    assert outputs[0].error is None and outputs[0].outputs[0].token_ids
+    assert outputs[1].error is not None and "lone surrogate" in outputs[1].error
+    bad = SamplingParams(max_tokens=2, bad_words=["\udc00"])
+    assert "lone surrogate" in (llm.generate("Hi", bad, use_tqdm=False)[0].error or "")
+    assert_pool_whole(llm)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
@@ -197,6 +209,8 @@ def test_malformed_prompts_raise_before_any_work(llm: LLM, prompts: object, matc
         ({"sampling_params": {"max_tokens": 2}}, "sampling_params must be a SamplingParams"),
         ({"priority": ["high"]}, "priority must be an integer"),
         ({"priority": 5}, "priority must be a list"),
+        ({"lora_request": 5}, "lora_request must be a LoRARequest, a list of them or None"),
+        ({"lora_request": [5]}, r"lora_request\[0\] must be a LoRARequest"),
     ],
 )
 def test_bad_params_or_priorities_raise_before_any_work(
@@ -213,6 +227,9 @@ def test_bad_params_or_priorities_raise_before_any_work(
 def test_chat_template_kwargs_must_be_a_dict(llm: LLM) -> None:
     with pytest.raises(ValueError, match="chat_template_kwargs must be a dict"):
         llm.chat([{"role": "user", "content": "Hi"}], chat_template_kwargs=5)  # type: ignore[arg-type]
+    # Its keys name the template's variables: not a TypeError from the template call.
+    with pytest.raises(ValueError, match="chat_template_kwargs keys must be strings, got 1"):
+        llm.chat([{"role": "user", "content": "Hi"}], chat_template_kwargs={1: True})  # type: ignore[dict-item]
 
 
 def test_logit_bias_forces_and_forbids(llm: LLM) -> None:
@@ -226,6 +243,21 @@ def test_logit_bias_forces_and_forbids(llm: LLM) -> None:
     assert first not in llm.generate("The sky is", banned, use_tqdm=False)[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="logit_bias.*out-of-vocab"):
         llm.generate("Hi", SamplingParams(logit_bias={10**9: 1.0}), use_tqdm=False)
+
+
+def test_top_k_past_the_vocabulary_means_no_top_k(llm: LLM) -> None:
+    # As vLLM: a top_k of the vocabulary's size or more keeps every token. One past int64
+    # once failed the worker's step, and with it the engine and every request on it.
+    vocab = llm.engine.loaded.arch.vocab_size
+    plain = SamplingParams(temperature=1.0, max_tokens=4, seed=3)
+    expected = llm.generate("The sky is", plain, use_tqdm=False)[0].outputs[0].token_ids
+    for top_k in (vocab, 2**70):
+        params = SamplingParams(temperature=1.0, max_tokens=4, seed=3, top_k=top_k)
+        out = llm.generate("The sky is", params, use_tqdm=False)[0]
+        assert out.error is None and out.outputs[0].token_ids == expected
+        assert params.top_k == top_k  # the caller's params are left as they are
+    assert llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].text
+    assert_pool_whole(llm)
 
 
 def test_truncate_prompt_tokens_over_max_model_len(llm: LLM) -> None:

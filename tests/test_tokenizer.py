@@ -130,6 +130,15 @@ def test_byte_level_is_lossless_and_keeps_specials() -> None:
         Tokenizer.byte_level(257, 256, [0])
 
 
+@pytest.mark.parametrize("text", ["a\ud800b", "\udc00", "ok \ud83d"])
+def test_lone_surrogates_are_a_value_error(ours: Tokenizer, text: str) -> None:
+    with pytest.raises(ValueError, match="lone surrogate .* at character"):
+        ours.encode(text)
+    with pytest.raises(ValueError, match="lone surrogate"):
+        Tokenizer.byte_level(512, 256, [0]).encode(text)
+    assert ours.encode("a\U0001f600b")  # a character past the BMP (a JSON surrogate pair)
+
+
 def test_convert_ids_out_of_range(ours: Tokenizer) -> None:
     with pytest.raises(ValueError, match="out of range"):
         ours.convert_ids_to_tokens([10**6])

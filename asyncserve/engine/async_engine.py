@@ -28,6 +28,7 @@ from asyncserve.engine.request_checks import (
     check_request,
     check_token_params,
     resolve_logprobs,
+    resolve_top_k,
     truncate_prompt,
 )
 from asyncserve.engine.setup import eos_token_ids, load_for_engine, make_tracer, resolve_device
@@ -347,7 +348,8 @@ class AsyncEngine:
             prompt_ids = self.truncate_prompt(prompt_ids, params)
             self.multimodal.check_text_prompt(prompt_ids)
         self.validate_request(prompt_ids, params, strict_max_tokens=False)
-        params = resolve_logprobs(params, self.loaded.arch.vocab_size)  # -1: every token
+        vocab_size = self.loaded.arch.vocab_size  # logprobs -1: every token; top_k >= it: none
+        params = resolve_top_k(resolve_logprobs(params, vocab_size), vocab_size)
         if lora_request is not None:
             if (broken := self.lora_error(lora_request.lora_int_id)) is not None:
                 raise ValueError(f"lora_request: {broken}")

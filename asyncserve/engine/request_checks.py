@@ -98,6 +98,17 @@ def resolve_logprobs(params: SamplingParams, vocab_size: int) -> SamplingParams:
     return params
 
 
+def resolve_top_k(params: SamplingParams, vocab_size: int) -> SamplingParams:
+    """params with a top_k of the vocabulary's size or more made 0 (no top-k), as vLLM
+    treats it: keeping that many tokens keeps them all, and the worker's int64 column
+    could not hold an arbitrarily large one. A copy; params itself when top_k is smaller."""
+    if params.top_k < vocab_size:
+        return params
+    params = copy.copy(params)
+    params.top_k = 0
+    return params
+
+
 def check_priority(priority: object) -> None:
     """The priority queue compares priorities when a request joins it: anything but an
     integer would fail there, with the request already half queued."""
