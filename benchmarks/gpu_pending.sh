@@ -223,6 +223,10 @@ case $1 in
     w5 t2 threads_2_warm; ASYNCSERVE_COMPILE_THREADS=1 w5 s2 one_2_warm
     grep -h "compiled .* kernel variants\|compiled after start-up\|GPU memory\|captured\|loaded" $OUT/w5_threads_*_cold.log | cut -c1-150
     TRITON_CACHE_DIR=/tmp/tc-tests TAIL=2 step graph_tests 150 python3 -m pytest -q -p no:cacheprovider -rfs tests/worker/test_prefill_graphs.py tests/worker/test_cuda_graphs_gpu.py tests/kernels/test_parallel_compiles.py ;;
+  moeh200)  # carry .whl: the fused MoE's tile tables tuned on the H200 (it reads the H100's
+    # today) for Qwen3-30B-A3B and PowerMoE-3B (13); copy $OUT/moe_configs/* into
+    # asyncserve/kernels/moe_configs/, then rerun the Qwen3-30B-A3B W2 / W4 pairs
+    TAIL=6 step tune_moe 500 python3 benchmarks/tune_moe.py --models qwen3-30b-a3b powermoe-3b --out $OUT --quick ;;
   coldtp)  # carry .whl; 2 GPUs: the start-up compile pass under tensor parallelism (18)
     for model in $L3 benchmarks/configs/powermoe-3b; do
       n=$(basename $model)
