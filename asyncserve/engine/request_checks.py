@@ -34,7 +34,9 @@ def check_request(
     if params.structured_outputs is not None:
         # Compiles the grammar (cached): a bad schema, regex or grammar names its field.
         structured.validate(params.structured_outputs)
-    if strict_max_tokens and params.max_tokens is not None:
+    if not strict_max_tokens:
+        return
+    if params.max_tokens is not None:
         total = n_prompt + params.max_tokens
         if total > max_model_len:
             raise ValueError(
@@ -42,6 +44,14 @@ def check_request(
                 f"tokens, but {total} were requested ({n_prompt} in the prompt, "
                 f"{params.max_tokens} in the completion)"
             )
+    elif n_prompt + params.min_tokens > max_model_len:
+        # No max_tokens: the room max_model_len leaves is the limit, and min_tokens must
+        # fit in it as it must fit under a given max_tokens.
+        raise ValueError(
+            f"min_tokens must be <= max_tokens ({max_model_len - n_prompt}: what "
+            f"max_model_len {max_model_len} leaves after the {n_prompt}-token prompt), "
+            f"got {params.min_tokens}"
+        )
 
 
 def check_token_params(params: SamplingParams, vocab_size: int) -> None:

@@ -48,6 +48,9 @@ BAD_BODIES: list[tuple[str, dict[str, Any], str | None]] = [
     ("/v1/completions", {"prompt": "x", "max_tokens": 10**30}, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 4000}, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "min_tokens": 20, "max_tokens": 5}, "min_tokens"),
+    # No max_tokens: min_tokens must fit in what max_model_len leaves after the prompt.
+    ("/v1/completions", {"prompt": [100] * 2040, "max_tokens": None, "min_tokens": 20}, "min_tokens"),
+    ("/v1/chat/completions", {"messages": CHAT, "min_tokens": 2100}, "min_tokens"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
     ("/v1/completions", {"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
     ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
