@@ -23,7 +23,6 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from asyncserve.kernels.parallel_compiles import compile_for
 from asyncserve.worker.cuda_graphs import DecodeGraphs, hidden_forward
 from asyncserve.worker.input_batch import StepInputs
 
@@ -67,12 +66,6 @@ def capture_prefill_graphs(runner: ModelRunner, max_model_len: int) -> list[Deco
         for rows in PREFILL_GRAPH_ROWS
         if rows <= budget
     ]
-
-    def forwards() -> None:
-        for graphs_of_rows in graphs:
-            graphs_of_rows.run_each_size()
-
-    compile_for(runner.device, "prefill graphs", forwards)
     for graphs_of_rows in reversed(graphs):  # the largest first: the others reuse its memory
         graphs_of_rows.capture(1)
     if graphs:
