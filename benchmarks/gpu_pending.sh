@@ -20,6 +20,7 @@
 # Usage: bash benchmarks/gpu_pending.sh prep|stage|side|smol|moe|tp2|check|pairs|disagg|w1b_diag|syncs
 source "$(dirname "$0")/gpu_lanes.sh"
 QWEN=benchmarks/configs/qwen3-0.6b
+QWEN3MOE=benchmarks/configs/qwen3-30b-a3b
 
 # deal GROUP...: each GROUP a quoted list of jobs for one GPU; group i goes to GPU i mod the GPU
 # count (on fewer GPUs than groups, a GPU runs several groups one after another).
@@ -86,7 +87,7 @@ j_spec_pair() {  # asyncserve first: it also writes the models and prompts vLLM 
   TAIL=30 step spec_vllm 330 env $VENV python3 benchmarks/spec_decode.py --engine vllm
 }
 # Qwen3-30B-A3B: W4 is the issue's 256-prompt throughput workload.
-j_qwen3moe() { pair qwen3moe 250 300 --workloads w2,w4 --model benchmarks/configs/qwen3-30b-a3b; }
+j_qwen3moe() { pair qwen3moe 250 300 --workloads w2,w4 --model $QWEN3MOE; }
 # The attention kernel against vLLM's FlashAttention 3 on W4- and W1b-shaped batches (18).
 j_attn_fa3() { TAIL=40 step attn_fa3 200 env $VENV python3 benchmarks/attention_vs_fa3.py; }
 j_tp1() { pair tp1 150 200 --workloads w2 --model $L3; }
@@ -223,10 +224,31 @@ case $1 in
     w5 t2 threads_2_warm; ASYNCSERVE_COMPILE_THREADS=1 w5 s2 one_2_warm
     grep -h "compiled .* kernel variants\|compiled after start-up\|GPU memory\|captured\|loaded" $OUT/w5_threads_*_cold.log | cut -c1-150
     TRITON_CACHE_DIR=/tmp/tc-tests TAIL=2 step graph_tests 150 python3 -m pytest -q -p no:cacheprovider -rfs tests/worker/test_prefill_graphs.py tests/worker/test_cuda_graphs_gpu.py tests/kernels/test_parallel_compiles.py ;;
-  moeh200)  # carry .whl: the fused MoE's tile tables tuned on the H200 (it reads the H100's
-    # today) for Qwen3-30B-A3B and PowerMoE-3B (13); copy $OUT/moe_configs/* into
-    # asyncserve/kernels/moe_configs/, then rerun the Qwen3-30B-A3B W2 / W4 pairs
-    TAIL=6 step tune_moe 500 python3 benchmarks/tune_moe.py --models qwen3-30b-a3b powermoe-3b --out $OUT --quick ;;
+  moetune)  # carry .whl: the fused MoE's tiles tuned on this GPU for Qwen3-30B-A3B (13; the
+    # H200 read the H100's table); kept in /tmp/moe_cfg for the calls after, which copy it into
+    # asyncserve/kernels/moe_configs/ (and so should this checkout, from $OUT/moe_configs)
+    TAIL=6 step tune_moe 540 python3 benchmarks/tune_moe.py --models qwen3-30b-a3b --out $OUT --quick
+    rm -rf /tmp/moe_cfg && cp -r $OUT/moe_configs /tmp/moe_cfg ;;
+  moestage)  # carry .peer/p0 after moetune: vLLM staged; asyncserve's W4 kernels on Qwen3-30B-A3B
+    bash .peer/p0/stage.sh | tail -1
+    cp /tmp/moe_cfg/* asyncserve/kernels/moe_configs/
+    TAIL=2 step qwen3moe_as_kernels 400 python3 $SBS --engine asyncserve --workloads w4 --model $QWEN3MOE --kernel-summary $OUT/qwen3moe_as_kernels.tsv ;;
+  moeinstall)  # carry .peer/p1 after moestage
+    bash .peer/p1/install.sh | tail -1 ;;
+  moepair)  # carry .peer/moe after moeinstall: vLLM's MoE kernels added; the Qwen3-30B-A3B pairs
+    xz -dc .peer/moe/moe.so.xz > /tmp/site_v/vllm/_moe_C_stable_libtorch.abi3.so
+    sha256sum /tmp/site_v/vllm/_moe_C_stable_libtorch.abi3.so | cut -c1-64 | diff - .peer/moe/so.sha256 && echo "vLLM MoE kernels added"
+    cp /tmp/moe_cfg/* asyncserve/kernels/moe_configs/
+    j_qwen3moe ;;
+  install)  # carry .peer/p1 after stage
+    bash .peer/p1/install.sh | tail -1 ;;
+  moealign)  # carry .peer/moe .whl after install: the chunked expert sort on the GPU (its tests
+    # and the fused MoE's), then the Qwen3-30B-A3B pairs (13)
+    xz -dc .peer/moe/moe.so.xz > /tmp/site_v/vllm/_moe_C_stable_libtorch.abi3.so
+    TAIL=3 step moe_tests 150 python3 -m pytest -q -p no:cacheprovider -rfs tests/kernels/test_moe_align.py tests/kernels/test_moe.py
+    j_qwen3moe ;;
+  moevllm)  # after moepair: vLLM's W4 kernels on Qwen3-30B-A3B
+    TAIL=2 step qwen3moe_vllm_kernels 400 env $VENV VLLM_ENABLE_V1_MULTIPROCESSING=0 python3 $SBS --engine vllm --workloads w4 --model $QWEN3MOE --kernel-summary $OUT/qwen3moe_vllm_kernels.tsv ;;
   coldtp)  # carry .whl; 2 GPUs: the start-up compile pass under tensor parallelism (18)
     for model in $L3 benchmarks/configs/powermoe-3b; do
       n=$(basename $model)

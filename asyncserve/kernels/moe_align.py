@@ -10,7 +10,11 @@ Two implementations, the same results:
   SMALL_MAX_PAIRS pairs (decode batches). With so few pairs every count is a comparison
   matrix reduced in registers: a pair's rank within its expert is how many earlier pairs
   share its expert, its expert's start how many tiles the smaller experts fill.
-Both place an expert's pairs in their original order (stable), so their outputs are equal.
+- Past that, three launches over chunks of CHUNK pairs (`_align_count_kernel`,
+  `_align_offsets_kernel`, `_align_place_kernel`): pairs per (chunk, expert), then one
+  program's prefix sums over chunks and experts, then each chunk placing its pairs at its
+  expert's start + the earlier chunks' pairs of that expert + its rank within the chunk.
+All place an expert's pairs in their original order (stable), so their outputs are equal.
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ SMALL_MAX_EXPERTS = 255
 # Tiles and sorted rows handled per loop step (the [tiles, experts] comparison's rows).
 _TILE_CHUNK = 64
 _FILL_CHUNK = 1024
+# Pairs per program of the chunked path; chunk rows per step of its prefix sums.
+CHUNK = 64
+_PREFIX_ELEMENTS = 8192
 
 
 def max_sorted_len(num_pairs: int, num_local_experts: int, block_m: int) -> int:
@@ -127,21 +134,143 @@ def _align_small_kernel(
     tl.store(num_sorted_ptr, tl.sum(padded, axis=0))
 
 
+@triton.jit(do_not_specialize=["num_pairs", "max_len", "fill_per_chunk"])
+def _align_count_kernel(
+    ids_ptr,  # [P] int32 global expert ids
+    map_ptr,  # [E_global] int32 local index or -1 (HAS_MAP)
+    counts_ptr,  # [chunks, E] int32, zeroed: pairs per (chunk, local expert)
+    sorted_ptr,  # [max_len] int32 out: every row set to the padding sentinel here
+    num_pairs,
+    num_experts,
+    max_len,
+    fill_per_chunk,
+    HAS_MAP: tl.constexpr,
+    CHUNK: tl.constexpr,
+    FILL_CHUNK: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    f_begin = chunk * fill_per_chunk
+    for f0 in range(0, fill_per_chunk, FILL_CHUNK):
+        offs = f_begin + f0 + tl.arange(0, FILL_CHUNK)
+        keep = (offs < f_begin + fill_per_chunk) & (offs < max_len)
+        tl.store(sorted_ptr + offs, tl.zeros([FILL_CHUNK], tl.int32) + num_pairs, keep)
+    pair = chunk * CHUNK + tl.arange(0, CHUNK)
+    valid = pair < num_pairs
+    expert = tl.load(ids_ptr + pair, mask=valid, other=0)
+    if HAS_MAP:
+        expert = tl.load(map_ptr + expert, mask=valid, other=-1)
+    local = valid & (expert >= 0) & (expert < num_experts)
+    # Integer sums: the atomics' order does not change the counts.
+    tl.atomic_add(counts_ptr + chunk * num_experts + expert, 1, mask=local)
+
+
+@triton.jit(do_not_specialize=["num_chunks", "max_len"])
+def _align_offsets_kernel(
+    counts_ptr,  # [chunks, E] int32 in: counts; out: the earlier chunks' pairs per expert
+    starts_ptr,  # [E] int32 out: each expert's first row
+    tiles_ptr,  # [max_len / BLOCK_M] int32 out
+    num_sorted_ptr,  # [1] int32 out
+    num_chunks,
+    num_experts,
+    max_len,
+    BLOCK_M: tl.constexpr,
+    E_PAD: tl.constexpr,
+    ROWS: tl.constexpr,
+    TILE_CHUNK: tl.constexpr,
+):
+    bucket = tl.arange(0, E_PAD)
+    local = bucket < num_experts
+    totals = tl.zeros([E_PAD], tl.int32)
+    for c0 in range(0, num_chunks, ROWS):
+        row = c0 + tl.arange(0, ROWS)
+        at = counts_ptr + row[:, None] * num_experts + bucket[None, :]
+        keep = (row[:, None] < num_chunks) & local[None, :]
+        counts = tl.load(at, mask=keep, other=0)
+        tl.store(at, tl.cumsum(counts, axis=0) - counts + totals[None, :], mask=keep)
+        totals += tl.sum(counts, axis=0)
+    padded = tl.where(local, (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+    padded_end = tl.cumsum(padded, axis=0)
+    tl.store(starts_ptr + bucket, padded_end - padded, mask=local)
+    for t0 in range(0, max_len // BLOCK_M, TILE_CHUNK):
+        tile = t0 + tl.arange(0, TILE_CHUNK)
+        ended = (padded_end[None, :] <= (tile * BLOCK_M)[:, None]) & local[None, :]
+        owner = tl.sum(ended.to(tl.int32), axis=1)
+        owner = tl.where(owner < num_experts, owner, -1)
+        tl.store(tiles_ptr + tile, owner, mask=tile < max_len // BLOCK_M)
+    tl.store(num_sorted_ptr, tl.sum(padded, axis=0))
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _align_place_kernel(
+    ids_ptr,
+    map_ptr,
+    prefix_ptr,  # [chunks, E] int32: the earlier chunks' pairs per expert
+    starts_ptr,  # [E] int32
+    sorted_ptr,  # [max_len] int32 out
+    num_pairs,
+    num_experts,
+    HAS_MAP: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    lane = tl.arange(0, CHUNK)
+    pair = chunk * CHUNK + lane
+    valid = pair < num_pairs
+    expert = tl.load(ids_ptr + pair, mask=valid, other=0)
+    if HAS_MAP:
+        expert = tl.load(map_ptr + expert, mask=valid, other=-1)
+    local = valid & (expert >= 0) & (expert < num_experts)
+    earlier = lane[None, :] < lane[:, None]  # [i, j]: pair j comes before pair i
+    same = (expert[:, None] == expert[None, :]) & local[None, :]
+    rank = tl.sum((same & earlier).to(tl.int32), axis=1)
+    safe = tl.where(local, expert, 0)
+    start = tl.load(starts_ptr + safe, mask=local, other=0)
+    before = tl.load(prefix_ptr + chunk * num_experts + safe, mask=local, other=0)
+    tl.store(sorted_ptr + start + before + rank, pair, mask=local)
+
+
+def _align_chunked(
+    ids: torch.Tensor,
+    expert_map: torch.Tensor | None,
+    block_m: int,
+    num_local_experts: int,
+    outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> None:
+    sorted_ids, tile_experts, num_sorted = outputs
+    num_pairs, max_len = ids.numel(), sorted_ids.numel()
+    num_chunks = triton.cdiv(num_pairs, CHUNK)
+    counts = torch.zeros(num_chunks, num_local_experts, dtype=torch.int32, device=ids.device)
+    starts = torch.empty(num_local_experts, dtype=torch.int32, device=ids.device)
+    mapping = expert_map.to(torch.int32) if expert_map is not None else ids
+    has_map = expert_map is not None
+    _align_count_kernel[(num_chunks,)](
+        ids, mapping, counts, sorted_ids, num_pairs, num_local_experts, max_len,
+        triton.cdiv(max_len, num_chunks),
+        HAS_MAP=has_map, CHUNK=CHUNK, FILL_CHUNK=_FILL_CHUNK, num_warps=4,
+    )  # fmt: skip
+    e_pad = max(16, triton.next_power_of_2(num_local_experts))
+    _align_offsets_kernel[(1,)](
+        counts, starts, tile_experts, num_sorted, num_chunks, num_local_experts, max_len,
+        BLOCK_M=block_m, E_PAD=e_pad, ROWS=max(2, _PREFIX_ELEMENTS // e_pad),
+        TILE_CHUNK=_TILE_CHUNK, num_warps=8,
+    )  # fmt: skip
+    _align_place_kernel[(num_chunks,)](
+        ids, mapping, counts, starts, sorted_ids, num_pairs, num_local_experts,
+        HAS_MAP=has_map, CHUNK=CHUNK, num_warps=4,
+    )  # fmt: skip
+
+
 def align_by_expert(
     topk_ids: torch.Tensor, block_m: int, num_local_experts: int, expert_map: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sorted_ids, tile_experts, num_sorted): the flat (token, slot) ids grouped by local
     expert, each group padded to a multiple of block_m with the sentinel T * k; the expert of
     each block_m tile (-1 past the end); and the padded length, as a device tensor [1].
-    One kernel for up to SMALL_MAX_PAIRS pairs on the GPU (or under the interpreter), the
-    torch operations otherwise."""
+    On the GPU (or under the interpreter) one kernel for up to SMALL_MAX_PAIRS pairs, three
+    past that; the torch operations elsewhere."""
     num_pairs = topk_ids.numel()
     on_triton = topk_ids.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-    if (
-        not on_triton
-        or not 0 < num_pairs <= SMALL_MAX_PAIRS
-        or num_local_experts > SMALL_MAX_EXPERTS
-    ):
+    if not on_triton or num_pairs == 0:
         return align_by_expert_torch(topk_ids, block_m, num_local_experts, expert_map)
     device = topk_ids.device
     max_len = max_sorted_len(num_pairs, num_local_experts, block_m)
@@ -149,6 +278,10 @@ def align_by_expert(
     tile_experts = torch.empty(max_len // block_m, dtype=torch.int32, device=device)
     num_sorted = torch.empty(1, dtype=torch.int32, device=device)
     ids = topk_ids.reshape(-1).to(torch.int32)
+    if num_pairs > SMALL_MAX_PAIRS or num_local_experts > SMALL_MAX_EXPERTS:
+        _align_chunked(ids, expert_map, block_m, num_local_experts,
+                       (sorted_ids, tile_experts, num_sorted))  # fmt: skip
+        return sorted_ids, tile_experts, num_sorted
     expert_map_i32 = expert_map.to(torch.int32) if expert_map is not None else ids
     _align_small_kernel[(1,)](
         ids,
