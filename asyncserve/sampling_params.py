@@ -176,10 +176,12 @@ class SamplingParams:
             )
         _check(_is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n}")
         if self.best_of is not None:
+            # Nothing picks the best n of best_of: a larger best_of would be ignored.
             _check(
-                isinstance(self.best_of, int) and self.best_of >= self.n,
+                _is_int(self.best_of) and self.best_of == self.n,
                 "best_of",
-                f"must be an integer >= n ({self.n}), got {self.best_of}",
+                f"must equal n ({self.n}) when given: best_of > n is not supported, "
+                f"got {self.best_of!r}",
             )
         _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")

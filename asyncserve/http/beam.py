@@ -22,6 +22,7 @@ from asyncserve.http.protocol import (
     CompletionResponseChoice,
     GenerateRequest,
 )
+from asyncserve.http.sampling import constraint_field, structured_outputs
 from asyncserve.http.serving import PromptInput, ServerState, usage
 from asyncserve.http.sse import cancel_on_disconnect
 from asyncserve.outputs import RequestOutput
@@ -34,12 +35,9 @@ def beam_params(
     if body.stream:
         raise APIError("use_beam_search does not support stream", 400, "stream")
     if isinstance(body, CompletionRequest):
-        if body.logprobs is not None:
-            raise APIError("use_beam_search does not support logprobs", 400, "logprobs")
-        if body.structured_outputs is not None or body.response_format is not None:
-            raise APIError(
-                "use_beam_search does not support structured outputs", 400, "structured_outputs"
-            )
+        _check_unsupported(body)
+    elif body.stop:
+        raise APIError("use_beam_search does not support stop", 400, "stop")
     width_param = "best_of" if body.best_of is not None else "n"
     width = body.best_of if body.best_of is not None else body.n
     if width < body.n:
@@ -55,6 +53,30 @@ def beam_params(
     except ValueError as exc:
         raise from_value_error(exc, "use_beam_search", {"beam_width": width_param}) from exc
     return params, body.n
+
+
+# Fields the search does not apply: refused, not silently ignored.
+_UNSUPPORTED = (
+    "logprobs",
+    "prompt_logprobs",
+    "stop",
+    "stop_token_ids",
+    "bad_words",
+    "allowed_token_ids",
+    "logit_bias",
+)
+
+
+def _check_unsupported(body: CompletionRequest) -> None:
+    for name in _UNSUPPORTED:
+        value = getattr(body, name)
+        if value is not None and value != [] and value != {}:
+            raise APIError(f"use_beam_search does not support {name}", 400, name)
+    if body.min_tokens > 0:
+        raise APIError("use_beam_search does not support min_tokens", 400, "min_tokens")
+    if structured_outputs(body) is not None:
+        param = constraint_field(body)
+        raise APIError("use_beam_search does not support structured outputs", 400, param)
 
 
 async def run_beam_search(

@@ -27,7 +27,7 @@ from asyncserve.http.protocol import (
     PerRequestMetrics,
     UsageInfo,
 )
-from asyncserve.http.sampling import chat_params, check_stream_fields
+from asyncserve.http.sampling import chat_params, check_stream_fields, constraint_field
 from asyncserve.http.serving import PromptInput, ServerState, engine_error, usage
 from asyncserve.http.sse import (
     DONE,
@@ -178,10 +178,9 @@ def prepare_chat_prompt(
     mm = images.process(prompt.token_ids)
     if mm is not None:
         prompt = PromptInput(prompt.text, mm.prompt_token_ids, mm)
-    max_tokens_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-    if constraint is None:
-        given = body.response_format is not None
-        constraint = "response_format" if given else "structured_outputs"
+    given = body.max_completion_tokens is not None
+    max_tokens_param = "max_completion_tokens" if given else "max_tokens"
+    constraint = constraint or constraint_field(body)
     state.validate(prompt, params, "messages", max_tokens_param, constraint)
     return prompt
 

@@ -45,6 +45,8 @@ def _check(body: BatchChatCompletionRequest) -> None:
         ("tool_choice", body.tool_choice not in (None, "none")),
         ("use_beam_search", body.use_beam_search),
         ("n", body.n != 1),
+        # One response-level prompt_logprobs cannot hold several conversations'.
+        ("prompt_logprobs", body.prompt_logprobs is not None),
     ):
         if bad:
             raise APIError(f"{name} is not supported by /v1/chat/completions/batch", 400, name)

@@ -25,7 +25,7 @@ from asyncserve.http.protocol import (
     PerRequestMetrics,
     UsageInfo,
 )
-from asyncserve.http.sampling import check_stream_fields, completion_params
+from asyncserve.http.sampling import check_stream_fields, completion_params, constraint_field
 from asyncserve.http.serving import (
     PromptInput,
     ServerState,
@@ -176,7 +176,7 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     def prepare() -> list[PromptInput]:  # in the preprocessing pool: off the event loop
         prompts = [state.prepare(p, body.add_special_tokens, params) for p in raw_prompts]
         for prompt in prompts:
-            state.validate(prompt, params, "prompt")
+            state.validate(prompt, params, "prompt", structured_param=constraint_field(body))
         return prompts
 
     prompts = await state.preprocessor.run(prepare)

@@ -149,6 +149,11 @@ def from_value_error(
         param = first
     else:
         param = default_param
+    for name, sent in renames.items():
+        if name in _KNOWN_FIELDS and name != sent:
+            # The field as the client sent it ("max_completion_tokens must be >= 1"); a
+            # dotted name such as "structured_outputs.json" is a path, and stays.
+            message = re.sub(rf"(?<![\w.]){name}(?![\w.])", sent, message)
     return APIError(message + constraint_tag(message), 400, param)
 
 

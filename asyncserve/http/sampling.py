@@ -136,6 +136,14 @@ def _guided(body: SamplingFields) -> StructuredOutputsParams | None:
         raise APIError(str(exc), 400, given[0]) from exc
 
 
+def constraint_field(body: SamplingFields) -> str:
+    """The request field the output constraint came from, for the 400s about it."""
+    given = [name for name in _GUIDED_FIELDS if getattr(body, name) is not None]
+    if given:
+        return given[0]
+    return "response_format" if body.response_format is not None else "structured_outputs"
+
+
 def structured_outputs(body: SamplingFields) -> StructuredOutputsParams | None:
     """The request's output constraint: vLLM's structured_outputs (or its older guided_*
     fields) or OpenAI's response_format."""
@@ -251,6 +259,10 @@ def completion_params(
     # echo with max_tokens 0 returns only the prompt (completions.py drops the one token
     # the engine generates), as vLLM does for scoring prompts.
     echo_only = body.echo and body.max_tokens == 0
+    if echo_only and body.min_tokens > 0:  # checked here: the engine is asked for 1 token
+        raise APIError(
+            f"min_tokens must be <= max_tokens (0), got {body.min_tokens}", 400, "min_tokens"
+        )
     fields["max_tokens"] = 1 if echo_only else body.max_tokens
     fields["logprobs"] = body.logprobs
     fields["detokenize"] = body.detokenize

@@ -115,11 +115,14 @@ BAD_BODIES: list[tuple[str, dict[str, Any], str | None]] = [
     ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}, "tool_choice"),
     ("/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {"chat_template": "x"}}, "chat_template_kwargs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 3000}]}, "messages"),
+    # Not silently dropped from the batch route's response.
+    ("/v1/chat/completions/batch", {"messages": [CHAT], "prompt_logprobs": 1}, "prompt_logprobs"),
     ("/generate", {"prompt": "x", "n": "two"}, "n"),
     ("/generate", {"prompt": "x", "temperature": -0.5}, "temperature"),
     ("/generate", {"prompt": "x", "max_tokens": 99999}, "max_tokens"),
     ("/generate", {"max_tokens": 3}, "prompt"),
     ("/generate", {"prompt": "x", "best_of": 3}, "best_of"),
+    ("/generate", {"prompt": "x", "use_beam_search": True, "stop": "x"}, "stop"),
     # A schema pattern is held to the regex size limit (it used to stall the first masks).
     (
         "/v1/chat/completions",
@@ -151,6 +154,31 @@ def test_non_finite_numbers_are_a_400(client: httpx.Client, value: bytes) -> Non
         assert response.status_code == 200, response.text
     else:
         assert_error(response, 400, "temperature")
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"max_completion_tokens": 0},
+        {"max_completion_tokens": -1},
+        {"max_completion_tokens": 5000},
+        {"max_completion_tokens": 2, "min_tokens": 5},
+        {"max_tokens": 3, "max_completion_tokens": 0},
+    ],
+)
+def test_max_completion_tokens_errors_name_it(client: httpx.Client, extra: dict[str, Any]) -> None:
+    # The message names the field the client sent, not SamplingParams' max_tokens.
+    response = client.post("/v1/chat/completions", json={"messages": CHAT, **extra})
+    param = "min_tokens" if "min_tokens" in extra else "max_completion_tokens"
+    error = assert_error(response, 400, param)
+    assert "max_completion_tokens" in error["message"], error
+    assert re.search(r"(?<![\w.])max_tokens", error["message"]) is None, error
+
+
+def test_echo_only_min_tokens_names_the_max_tokens_sent(client: httpx.Client) -> None:
+    body = {"prompt": "hi", "echo": True, "max_tokens": 0, "min_tokens": 2}
+    error = assert_error(client.post("/v1/completions", json=body), 400, "min_tokens")
+    assert "max_tokens (0)" in error["message"], error
 
 
 def test_prompt_over_max_model_len_gives_both_lengths(client: httpx.Client) -> None:

@@ -133,10 +133,41 @@ def test_chat_response_format(client: httpx.Client) -> None:
             "structured_outputs.json: invalid schema",
         ),
         ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format", "xml"),
+        # The field the constraint came from, on either route.
+        (
+            "/v1/completions",
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "x"}}}},
+            "response_format",
+            "invalid schema",
+        ),
+        ("/v1/completions", {"guided_json": "{bad"}, "guided_json", "invalid schema"),
+        ("/v1/chat/completions", {"guided_regex": "a(b"}, "guided_regex", "invalid regex"),
+        ("/v1/completions", {"guided_grammar": "start: x"}, "guided_grammar", "invalid grammar"),
         ("/v1/completions", {"use_beam_search": True, "stream": True}, "stream", "stream"),
         ("/v1/completions", {"use_beam_search": True, "n": 3, "best_of": 2}, "best_of", "best_of"),
         ("/v1/completions", {"use_beam_search": True, "best_of": 11}, "best_of", "beam_width"),
         ("/v1/chat/completions", {"use_beam_search": True}, "use_beam_search", "completions"),
+        # Fields beam search would silently ignore are refused.
+        (
+            "/v1/completions",
+            {"use_beam_search": True, "guided_choice": ["a"]},
+            "guided_choice",
+            "structured outputs",
+        ),
+        ("/v1/completions", {"use_beam_search": True, "stop": [" "]}, "stop", "stop"),
+        (
+            "/v1/completions",
+            {"use_beam_search": True, "prompt_logprobs": 1},
+            "prompt_logprobs",
+            "prompt_logprobs",
+        ),
+        (
+            "/v1/completions",
+            {"use_beam_search": True, "logit_bias": {"1": 5}},
+            "logit_bias",
+            "logit_bias",
+        ),
+        ("/v1/completions", {"use_beam_search": True, "min_tokens": 2}, "min_tokens", "min_tokens"),
     ],
 )
 def test_bad_constraints_and_beam_requests_are_400(

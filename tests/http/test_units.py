@@ -45,23 +45,29 @@ def test_nested_missing_field() -> None:
 
 
 @pytest.mark.parametrize(
-    ("message", "default", "renames", "param"),
+    ("message", "default", "renames", "param", "said"),
     [
-        ("top_p must be in (0, 1], got 2", None, None, "top_p"),
+        ("top_p must be in (0, 1], got 2", None, None, "top_p", "top_p must"),
         ("logprobs must be an integer in [0, 20], got 30", None, {"logprobs": "top_logprobs"},
-         "top_logprobs"),
+         "top_logprobs", "top_logprobs must"),
         ("max_tokens: too many", "prompt", {"max_tokens": "max_completion_tokens"},
-         "max_completion_tokens"),
-        ("prompt has 3000 tokens", "messages", {"prompt": "messages"}, "messages"),
-        ("something else broke", "prompt", None, "prompt"),
+         "max_completion_tokens", "max_completion_tokens: too many"),
+        # A renamed field is named as the client sent it, in the message too.
+        ("min_tokens must be <= max_tokens (2), got 5", None,
+         {"max_tokens": "max_completion_tokens"}, "min_tokens",
+         "min_tokens must be <= max_completion_tokens (2), got 5"),
+        ("structured_outputs.json: bad", None, {"structured_outputs": "guided_json"},
+         "guided_json", "structured_outputs.json: bad"),
+        ("prompt has 3000 tokens", "messages", {"prompt": "messages"}, "messages", "prompt has"),
+        ("something else broke", "prompt", None, "prompt", "something else broke"),
     ],
 )  # fmt: skip
 def test_value_errors_map_to_fields(
-    message: str, default: str | None, renames: dict[str, str] | None, param: str
+    message: str, default: str | None, renames: dict[str, str] | None, param: str, said: str
 ) -> None:
     error = from_value_error(ValueError(message), default, renames)
     assert (error.status, error.param) == (400, param)
-    assert error.message.startswith(message)
+    assert error.message.startswith(said), error.message
 
 
 @pytest.mark.parametrize(
