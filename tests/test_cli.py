@@ -264,7 +264,7 @@ def test_generate_streams_a_completion() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "asyncserve", "generate", "The capital of France is",
          "--max-tokens", "8", "--temperature", "0", "--kv-cache-memory", "16M",
-         "--max-model-len", "512"],
+         "--max-model-len", "256"],
         capture_output=True,
         text=True,
         cwd=REPO,

@@ -38,6 +38,7 @@ from asyncserve.config import CacheConfig, SchedulerConfig
 from asyncserve.core.block_pool import BlockPool
 from asyncserve.core.kv_cache_manager import KVCacheManager
 from asyncserve.core.micro_batches import MicroBatches
+from asyncserve.core.pool_capacity import blocks_needed
 from asyncserve.core.request import Request, RequestStatus, count_decodes
 from asyncserve.core.step import StepPlan, StepResult
 from asyncserve.core.step_budget import StepBudget
@@ -405,12 +406,10 @@ class Scheduler:
     # --------------------------------------------------------------------------- helpers
 
     def _never_fits(self, num_tokens: int) -> bool:
-        if self.sliding_window is not None:
-            # Held at most: the window behind a step's first query, the step's tokens and
-            # the partial blocks at both ends.
-            held = self.sliding_window + self.max_num_batched_tokens + 2 * self.block_size
-            num_tokens = min(num_tokens, held)
-        return -(-num_tokens // self.block_size) > self.num_blocks
+        needed = blocks_needed(
+            num_tokens, self.block_size, self.sliding_window, self.max_num_batched_tokens
+        )
+        return needed > self.num_blocks
 
     def _preempt(self, request: Request) -> None:
         """Recompute-preemption: drop the request's K/V and put it back in line."""

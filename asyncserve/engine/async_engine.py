@@ -13,6 +13,7 @@ import torch
 
 from asyncserve.config import EngineConfig
 from asyncserve.core.grammar import StructuredOutputManager
+from asyncserve.core.pool_capacity import fit_max_model_len
 from asyncserve.core.scheduler import Scheduler
 from asyncserve.disagg.engine_hooks import (
     check_kv_transfer_params,
@@ -86,6 +87,11 @@ class AsyncEngine:
         num_blocks = self.executor.determine_num_blocks(self.max_model_len)
         self.executor.allocate_kv_cache(num_blocks, self.max_model_len)
         self.num_blocks = num_blocks
+        self.max_model_len = fit_max_model_len(
+            self.max_model_len, config.model.max_model_len is not None, num_blocks,
+            config.cache.block_size, loaded.arch.kv_sliding_window,
+            config.scheduler.max_num_batched_tokens,
+        )  # fmt: skip
         spec = config.speculative
         self.scheduler = Scheduler(
             config.scheduler,

@@ -45,7 +45,8 @@ def _run(
 ) -> list[list[tuple]]:
     llm = LLM(
         device="cpu",
-        max_model_len=512,
+        # A small pool holds one request of at most its blocks' tokens.
+        max_model_len=512 if num_blocks is None else 16 * num_blocks,
         kv_cache_memory=64 << 20,
         num_gpu_blocks_override=num_blocks,
         async_scheduling=async_scheduling,

@@ -20,7 +20,6 @@ ENGINE_ARGS = {
     "dtype": "float32",
     "block_size": 4,
     "max_num_batched_tokens": 16,
-    "max_model_len": 128,
     "enable_prefix_caching": False,
 }
 PROMPTS = [list(range(10 + 7 * i, 40 + 7 * i)) for i in range(6)]  # 30 tokens each
@@ -37,7 +36,9 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _run(checkpoint: Path, num_blocks: int) -> tuple[list[RequestOutput], int]:
-    llm = LLM(str(checkpoint), num_gpu_blocks_override=num_blocks, **ENGINE_ARGS)  # type: ignore[arg-type]
+    # max_model_len: what the pool holds for one request (a larger one is refused).
+    llm = LLM(str(checkpoint), num_gpu_blocks_override=num_blocks,
+              max_model_len=min(128, 4 * num_blocks), **ENGINE_ARGS)  # type: ignore[arg-type]  # fmt: skip
     try:
         outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
         return outputs, llm.engine.scheduler.num_preemptions_total

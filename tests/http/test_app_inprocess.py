@@ -21,7 +21,7 @@ def test_health_follows_the_engine_loop() -> None:
 
     engine = AsyncEngine.from_config(
         EngineConfig(
-            model=ModelConfig(max_model_len=512), cache=CacheConfig(kv_cache_memory=16 << 20)
+            model=ModelConfig(max_model_len=256), cache=CacheConfig(kv_cache_memory=16 << 20)
         )
     )
     app = build_app(engine, ServerConfig(shutdown_timeout=5))

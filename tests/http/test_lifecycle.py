@@ -72,7 +72,7 @@ def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TLSServer]:
     directory = tmp_path_factory.mktemp("tls")
     key, cert = make_self_signed(directory)
     args = [
-        "--max-model-len", "2048",
+        "--max-model-len", "1024",
         "--kv-cache-memory", "64M",
         "--max-num-seqs", "1",
         "--max-waiting-requests", "1",
@@ -110,7 +110,7 @@ def _wait_for(client: httpx.Client, running: int, waiting: int, timeout: float =
 
 
 def test_full_queue_gets_503_with_retry_after(tls_server: TLSServer) -> None:
-    long = {"prompt": "Tell me a story.", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    long = {"prompt": "Tell me a story.", "max_tokens": 1000, "ignore_eos": True, "stream": True}
     with (
         tls_server.client() as client,
         tls_server.client() as a,

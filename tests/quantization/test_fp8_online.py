@@ -14,15 +14,13 @@ from asyncserve.outputs import RequestOutput
 from asyncserve.quantization.fp8 import quantize_fp8_per_channel
 from tests.quantization.conftest import greedy_agreement
 
-# Measured: 227 of 256 positions (88.7%) on SmolLM2-135M in fp32. benchmarks/fp8_agreement.py
-# takes it apart: weights alone 234 (91.4%), activations alone 246 (96.1%); vLLM's scheme
-# (one scale per fused weight, per-token activations) 234 with the same weight error (2.6%
-# relative); and the same per-channel scheme with every scale raised by up to 10% at random
-# (as accurate, rounded elsewhere) 226..240 over ten draws (mean 235), per tensor 227..240.
-# So this measure moves by several points between equally accurate roundings (the model has
-# many near-tied top tokens), and 227 is one such draw, not a scheme defect. The bound
-# leaves room for float summation order.
-MIN_AGREEMENT = 0.85
+# Measured: 235 of 256 positions (91.8%) on SmolLM2-135M in fp32, with 1 and 2 threads (227
+# when this test was written, on an older tree). benchmarks/fp8_agreement.py takes it apart:
+# weights alone 234, activations alone 244, and scales raised by up to 10% at random (as
+# accurate, rounded elsewhere) 228..240 over eight draws: the measure moves by several
+# points between equally accurate roundings (the model has many near-tied top tokens).
+# The bound: 90% of positions.
+MIN_AGREEMENT = 0.90
 
 
 @pytest.fixture(scope="module")

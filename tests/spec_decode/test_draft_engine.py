@@ -43,7 +43,7 @@ def _run(draft: str, *runs: SamplingParams) -> list[tuple[list[list[int]], float
     """Each run's token ids and acceptance rate, on one engine with `draft`."""
     llm = LLM(
         device="cpu",
-        max_model_len=256,
+        max_model_len=160,  # 16 MiB hold 176 tokens of target and draft K/V
         kv_cache_memory=16 << 20,
         speculative_config={"model": draft, "num_speculative_tokens": 3},
     )

@@ -127,7 +127,7 @@ def test_prefix_hits_and_preemption_keep_the_output(gguf_path: object, smollm2_l
     requests are preempted and recomputed (with prefix hits) mid-speculation."""
     llm = LLM(
         device="cpu",
-        max_model_len=512,
+        max_model_len=192,  # what the 12 blocks hold
         num_gpu_blocks_override=12,
         max_num_seqs=4,
         speculative_config=NGRAM,
