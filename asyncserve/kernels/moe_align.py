@@ -80,6 +80,22 @@ def align_by_expert_torch(
     return sorted_ids[:max_len], tile_experts.to(torch.int32), padded_end[-1:].to(torch.int32)
 
 
+@triton.jit
+def _store_tiles(
+    tiles_ptr, num_sorted_ptr, padded, padded_end, local, num_experts, max_len,
+    BLOCK_M: tl.constexpr, TILE_CHUNK: tl.constexpr,
+):  # fmt: skip
+    """Each tile's expert (how many local experts end at or before the tile's first row, -1
+    past the last) and the padded length, from the experts' padded run lengths."""
+    for t0 in range(0, max_len // BLOCK_M, TILE_CHUNK):
+        tile = t0 + tl.arange(0, TILE_CHUNK)
+        ended = (padded_end[None, :] <= (tile * BLOCK_M)[:, None]) & local[None, :]
+        owner = tl.sum(ended.to(tl.int32), axis=1)
+        owner = tl.where(owner < num_experts, owner, -1)
+        tl.store(tiles_ptr + tile, owner, mask=tile < max_len // BLOCK_M)
+    tl.store(num_sorted_ptr, tl.sum(padded, axis=0))
+
+
 @triton.jit(do_not_specialize=["num_pairs", "max_len"])  # both change every step
 def _align_small_kernel(
     ids_ptr,  # [P] int32 global expert ids
@@ -124,14 +140,17 @@ def _align_small_kernel(
     # The padding stores above must land before the pairs' stores to the same rows.
     tl.debug_barrier()
     tl.store(sorted_ptr + start + rank, pair, mask=valid & (expert < num_experts))
-    # Each tile's expert: how many local experts end at or before the tile's first row.
-    for t0 in range(0, max_len // BLOCK_M, TILE_CHUNK):
-        tile = t0 + tl.arange(0, TILE_CHUNK)
-        ended = (padded_end[None, :] <= (tile * BLOCK_M)[:, None]) & local[None, :]
-        owner = tl.sum(ended.to(tl.int32), axis=1)
-        owner = tl.where(owner < num_experts, owner, -1)
-        tl.store(tiles_ptr + tile, owner, mask=tile < max_len // BLOCK_M)
-    tl.store(num_sorted_ptr, tl.sum(padded, axis=0))
+    _store_tiles(tiles_ptr, num_sorted_ptr, padded, padded_end, local, num_experts, max_len,
+                 BLOCK_M, TILE_CHUNK)  # fmt: skip
+
+
+@triton.jit
+def _local_experts(ids_ptr, map_ptr, pair, valid, num_experts, HAS_MAP: tl.constexpr):
+    """Each pair's local expert (through the expert-parallel map) and whether it is one."""
+    expert = tl.load(ids_ptr + pair, mask=valid, other=0)
+    if HAS_MAP:
+        expert = tl.load(map_ptr + expert, mask=valid, other=-1)
+    return expert, valid & (expert >= 0) & (expert < num_experts)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "max_len", "fill_per_chunk"])
@@ -156,10 +175,7 @@ def _align_count_kernel(
         tl.store(sorted_ptr + offs, tl.zeros([FILL_CHUNK], tl.int32) + num_pairs, keep)
     pair = chunk * CHUNK + tl.arange(0, CHUNK)
     valid = pair < num_pairs
-    expert = tl.load(ids_ptr + pair, mask=valid, other=0)
-    if HAS_MAP:
-        expert = tl.load(map_ptr + expert, mask=valid, other=-1)
-    local = valid & (expert >= 0) & (expert < num_experts)
+    expert, local = _local_experts(ids_ptr, map_ptr, pair, valid, num_experts, HAS_MAP)
     # Integer sums: the atomics' order does not change the counts.
     tl.atomic_add(counts_ptr + chunk * num_experts + expert, 1, mask=local)
 
@@ -191,13 +207,8 @@ def _align_offsets_kernel(
     padded = tl.where(local, (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
     padded_end = tl.cumsum(padded, axis=0)
     tl.store(starts_ptr + bucket, padded_end - padded, mask=local)
-    for t0 in range(0, max_len // BLOCK_M, TILE_CHUNK):
-        tile = t0 + tl.arange(0, TILE_CHUNK)
-        ended = (padded_end[None, :] <= (tile * BLOCK_M)[:, None]) & local[None, :]
-        owner = tl.sum(ended.to(tl.int32), axis=1)
-        owner = tl.where(owner < num_experts, owner, -1)
-        tl.store(tiles_ptr + tile, owner, mask=tile < max_len // BLOCK_M)
-    tl.store(num_sorted_ptr, tl.sum(padded, axis=0))
+    _store_tiles(tiles_ptr, num_sorted_ptr, padded, padded_end, local, num_experts, max_len,
+                 BLOCK_M, TILE_CHUNK)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -216,10 +227,7 @@ def _align_place_kernel(
     lane = tl.arange(0, CHUNK)
     pair = chunk * CHUNK + lane
     valid = pair < num_pairs
-    expert = tl.load(ids_ptr + pair, mask=valid, other=0)
-    if HAS_MAP:
-        expert = tl.load(map_ptr + expert, mask=valid, other=-1)
-    local = valid & (expert >= 0) & (expert < num_experts)
+    expert, local = _local_experts(ids_ptr, map_ptr, pair, valid, num_experts, HAS_MAP)
     earlier = lane[None, :] < lane[:, None]  # [i, j]: pair j comes before pair i
     same = (expert[:, None] == expert[None, :]) & local[None, :]
     rank = tl.sum((same & earlier).to(tl.int32), axis=1)
