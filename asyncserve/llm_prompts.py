@@ -182,6 +182,17 @@ def _has_images(prompt: PromptType) -> bool:
     return isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None
 
 
+def _check_tools(tools: Any) -> None:
+    """`tools` as the HTTP route takes them: a list of tool objects (dicts)."""
+    if tools is None:
+        return
+    if not isinstance(tools, list):
+        raise ValueError(f"tools must be a list of objects, got {type(tools).__name__}")
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            raise ValueError(f"tools[{i}] must be an object (a dict), got {type(tool).__name__}")
+
+
 def chat_prompts(
     engine: AsyncEngine | DataParallelClient,
     messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
@@ -201,6 +212,7 @@ def chat_prompts(
     for reserved in ("messages", "bos_token", "eos_token"):
         if reserved in (chat_template_kwargs or {}):
             raise ValueError(f"chat_template_kwargs must not set {reserved!r}")
+    _check_tools(tools)
     # As in vLLM, chat_template_kwargs override the arguments (add_generation_prompt, tools).
     template_kwargs = {
         "add_generation_prompt": add_generation_prompt,
@@ -212,6 +224,12 @@ def chat_prompts(
         conversations = [messages]  # type: ignore[list-item]
     else:
         conversations = messages  # type: ignore[assignment]
+    if not isinstance(conversations, list | tuple) or not conversations:
+        raise ValueError("messages must contain at least one message")
+    # As the HTTP route: an empty conversation is the caller's error, not an empty prompt.
+    for i, conversation in enumerate(conversations):
+        if not isinstance(conversation, list | tuple) or not conversation:
+            raise ValueError(f"messages[{i}] must contain at least one message")
     tokenizer = engine.tokenizer
     prompts: list[PromptType] = []
     front_end = getattr(engine, "multimodal", None)

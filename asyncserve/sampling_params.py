@@ -214,7 +214,7 @@ class SamplingParams:
         _check(
             all(isinstance(s, str) and s for s in self.stop),
             "stop",
-            "must be a list of non-empty strings",
+            "must be a non-empty string or a list of non-empty strings",
         )
         _check(
             isinstance(self.detokenize, bool),
@@ -286,7 +286,7 @@ class SamplingParams:
             self.logit_bias = _clamped_bias(self.logit_bias)
         if self.truncate_prompt_tokens is not None:
             _check(
-                isinstance(self.truncate_prompt_tokens, int)
+                _is_int(self.truncate_prompt_tokens)
                 and (self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1),
                 "truncate_prompt_tokens",
                 f"must be -1 or an integer >= 1, got {self.truncate_prompt_tokens}",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
@@ -170,6 +171,7 @@ def test_lone_surrogate_fails_its_prompt_alone(llm: LLM) -> None:
         ({"top_p": None}, "top_p"),
         ({"n": True}, "n"),
         ({"stop": 5}, "stop"),
+        ({"truncate_prompt_tokens": True}, "truncate_prompt_tokens"),
         ({"stop_token_ids": [True]}, "stop_token_ids"),
         ({"stop_token_ids": 7}, "stop_token_ids"),
         ({"structured_outputs": {"regex": "[0-9]+"}}, "structured_outputs"),
@@ -233,6 +235,29 @@ def test_chat_template_kwargs_must_be_a_dict(llm: LLM) -> None:
     # Its keys name the template's variables: not a TypeError from the template call.
     with pytest.raises(ValueError, match="chat_template_kwargs keys must be strings, got 1"):
         llm.chat([{"role": "user", "content": "Hi"}], chat_template_kwargs={1: True})  # type: ignore[dict-item]
+
+
+def test_empty_stop_string_is_named_as_sent() -> None:
+    with pytest.raises(ValueError, match="stop must be a non-empty string or a list"):
+        SamplingParams(stop="")
+
+
+@pytest.mark.parametrize(
+    ("messages", "kwargs", "match"),
+    [
+        ([[]], {}, r"messages\[0\] must contain at least one message"),
+        ([[{"role": "user", "content": "Hi"}], []], {}, r"messages\[1\] must contain"),
+        ([], {}, "messages must contain at least one message"),
+        ([{"role": "user", "content": "Hi"}], {"tools": [5]}, r"tools\[0\] must be an object"),
+        ([{"role": "user", "content": "Hi"}], {"tools": 5}, "tools must be a list"),
+    ],
+)
+def test_bad_chat_input_raises_before_any_work(
+    llm: LLM, messages: Any, kwargs: dict[str, Any], match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        llm.chat(messages, use_tqdm=False, **kwargs)
+    assert llm.engine.num_running == 0 and llm.engine.num_waiting == 0
 
 
 def test_logit_bias_forces_and_forbids(llm: LLM) -> None:

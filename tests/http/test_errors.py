@@ -145,6 +145,13 @@ def test_bad_field_is_a_400_naming_it(
     assert error["type"] == "BadRequestError"
 
 
+@pytest.mark.parametrize("stop", ["", [""]])
+def test_empty_stop_message_fits_what_was_sent(client: httpx.Client, stop: Any) -> None:
+    body = {"prompt": "x", "stop": stop}
+    error = assert_error(client.post("/v1/completions", json=body), 400, "stop")
+    assert "non-empty string or a list of non-empty strings" in error["message"], error
+
+
 @pytest.mark.parametrize("value", [b"1e999", b"-1e999", b"1e308"])
 def test_non_finite_numbers_are_a_400(client: httpx.Client, value: bytes) -> None:
     raw = b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": '
