@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 
+from asyncserve.config import EngineConfig
+
 logger = logging.getLogger(__name__)
 
 
@@ -23,22 +25,19 @@ def blocks_needed(
 
 
 def fit_max_model_len(
-    max_model_len: int,
-    asked: bool,
-    num_blocks: int,
-    block_size: int,
-    sliding_window: int | None,
-    max_num_batched_tokens: int,
+    max_model_len: int, config: EngineConfig, num_blocks: int, sliding_window: int | None
 ) -> int:
     """max_model_len, or the most tokens the pool holds for one request when it holds fewer
-    and max_model_len was the model's own; a ValueError when it was `asked`."""
+    and max_model_len was the model's own; a ValueError when the config asked for it."""
+    block_size = config.cache.block_size
+    max_num_batched_tokens = config.scheduler.max_num_batched_tokens
     if (
         blocks_needed(max_model_len, block_size, sliding_window, max_num_batched_tokens)
         <= num_blocks
     ):
         return max_model_len
     capacity = num_blocks * block_size
-    if asked:
+    if config.model.max_model_len is not None:
         raise ValueError(
             f"max_model_len {max_model_len} is more than the KV cache holds for one request "
             f"({capacity} tokens in {num_blocks} blocks of {block_size}); raise "

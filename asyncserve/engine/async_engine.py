@@ -72,10 +72,8 @@ class AsyncEngine:
             self.device = next(loaded.model.parameters()).device
         else:
             self.device = resolve_device(config.model.device)
-        self.max_model_len = min(
-            config.model.max_model_len or loaded.arch.max_position_embeddings,
-            loaded.arch.max_position_embeddings,
-        )
+        model_len = loaded.arch.max_position_embeddings
+        self.max_model_len = min(config.model.max_model_len or model_len, model_len)
         # Adapter targets, read before the runner wraps the projections.
         self.lora_shapes = module_shapes(loaded.model) if config.lora.enable_lora else {}
         # Validated adapters by lora_int_id (the runner loads their weights on first use).
@@ -88,10 +86,8 @@ class AsyncEngine:
         self.executor.allocate_kv_cache(num_blocks, self.max_model_len)
         self.num_blocks = num_blocks
         self.max_model_len = fit_max_model_len(
-            self.max_model_len, config.model.max_model_len is not None, num_blocks,
-            config.cache.block_size, loaded.arch.kv_sliding_window,
-            config.scheduler.max_num_batched_tokens,
-        )  # fmt: skip
+            self.max_model_len, config, num_blocks, loaded.arch.kv_sliding_window
+        )
         spec = config.speculative
         self.scheduler = Scheduler(
             config.scheduler,

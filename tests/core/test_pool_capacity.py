@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from asyncserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from asyncserve.core.pool_capacity import blocks_needed, fit_max_model_len
 from asyncserve.llm import LLM
 from asyncserve.sampling_params import SamplingParams
@@ -20,21 +21,30 @@ def test_blocks_needed_full_and_sliding_attention() -> None:
     assert blocks_needed(40, 16, 128, 64) == 3
 
 
+def _config(asked: int | None) -> EngineConfig:
+    """Blocks of 16 tokens, steps of 64; max_model_len as the user gave it (None: unset)."""
+    return EngineConfig(
+        model=ModelConfig(max_model_len=asked),
+        cache=CacheConfig(block_size=16),
+        scheduler=SchedulerConfig(max_num_batched_tokens=64),
+    )
+
+
 def test_fit_keeps_a_length_the_pool_holds() -> None:
-    assert fit_max_model_len(256, True, 16, 16, None, 64) == 256
+    assert fit_max_model_len(256, _config(256), 16, None) == 256
 
 
 def test_fit_refuses_an_asked_length_naming_what_fits() -> None:
     with pytest.raises(ValueError, match=r"max_model_len 257 .* <= 256"):
-        fit_max_model_len(257, True, 16, 16, None, 64)
+        fit_max_model_len(257, _config(257), 16, None)
 
 
 def test_fit_lowers_the_models_own_length(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING):
-        assert fit_max_model_len(8192, False, 16, 16, None, 64) == 256
+        assert fit_max_model_len(8192, _config(None), 16, None) == 256
     assert "max_model_len is 256" in caplog.text
     # Sliding windows hold a bounded span: any length fits a pool that holds it.
-    assert fit_max_model_len(8192, True, 16, 16, 128, 64) == 8192
+    assert fit_max_model_len(8192, _config(8192), 16, 128) == 8192
 
 
 def test_engine_start(gguf_path: Path) -> None:
