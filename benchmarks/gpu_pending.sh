@@ -264,6 +264,14 @@ case $1 in
     python3 -m pip install -q --no-index --no-deps --target /tmp/spy .spy/py_spy-*.whl
     TRITON_CACHE_DIR=/tmp/tc-spy TAIL=2 step w5_spy 60 /tmp/spy/bin/py-spy record -d 22 -r 200 --idle --threads -f raw -o $OUT/w5_spy.txt -- \
       python3 -m asyncserve serve --model $L3 --load-format dummy --max-model-len 2048 --port 8703 ;;
+  int4)  # carry .whl: the int4 GEMV without int-to-float conversions on the GPU (tests, against
+    # its predecessor with a tile sweep, one token and four), then W2 W4A16 alone with its
+    # kernels summed (14)
+    j_int4
+    TAIL=2 step w4a16_as_kernels 200 python3 $SBS --engine asyncserve --workloads w2 --model benchmarks/configs/llama3-8b-w4a16 --kernel-summary $OUT/w4a16_as_kernels.tsv ;;
+  w4a16)  # carry .peer/p1 after stage: the W4A16 batch-1 pair (14)
+    bash .peer/p1/install.sh | tail -1
+    j_w4a16_pair ;;
   check)  # carry .whl
     deal j_kernel_checks j_w4_cold_warm ;;
   pairs)  # carry .peer/p1

@@ -79,6 +79,25 @@ def test_gemv_steps_and_splits(
         _check(out, reference.int4_matmul(x, qweight, scales, zeros, None, group))
 
 
+@pytest.mark.parametrize("g_idx", [False, True])
+def test_gemv_nibble_extremes_exact(device: torch.device, g_idx: bool) -> None:
+    """Words of all 0s, all 15s and mixed, scale 1 and zero 0: every nibble position made a
+    float exactly (the 2^23 mantissa trick), on the whole-group path and the per-column one;
+    x of powers of two so the fp32 sums are exact too."""
+    n, k, group = 16, 64, 32
+    values = torch.zeros(n, k, dtype=torch.long)
+    values[1] = 15
+    values[2, ::2] = 15
+    values[3:] = torch.arange(k) % 16
+    qweight = reference.pack_int4(values).to(device)
+    scales = torch.ones(n, k // group, device=device)
+    zeros = torch.zeros(n, k // group, device=device)
+    index = (torch.arange(k) // group).int().to(device) if g_idx else None
+    x = (2.0 ** (torch.arange(k) % 8 - 4)).reshape(1, k).to(device)
+    out = int4_gemv(x, qweight, scales, zeros, index, group, GemvConfig(16, 32, 1))
+    assert torch.equal(out.cpu(), (x.cpu() @ values.float().t()))
+
+
 def test_gemv_per_column_groups(device: torch.device) -> None:
     """A g_idx (a row-parallel rank's act-order slice, split over K) and a group size that
     is not a power of two read a scale and zero per column."""
