@@ -269,6 +269,12 @@ case $1 in
     # kernels summed (14)
     j_int4
     TAIL=2 step w4a16_as_kernels 200 python3 $SBS --engine asyncserve --workloads w2 --model benchmarks/configs/llama3-8b-w4a16 --kernel-summary $OUT/w4a16_as_kernels.tsv ;;
+  int4gemm)  # carry .whl: the whole-group int4 GEMM on the GPU (tests; against the per-column
+    # GEMM and bf16 with a tile sweep), then W2 W4A16 alone with its kernels summed (14)
+    TAIL=4 step int4_tests 200 python3 -m pytest -q -p no:cacheprovider -rfs tests/kernels/test_int4_gemm.py tests/kernels/test_int4_gemv.py tests/quantization -k "int4 or gptq or awq or w4a16 or gemm"
+    TAIL=30 step int4_gemm 300 python3 benchmarks/int4_gemm_bench.py --sweep
+    grep best $OUT/int4_gemm.log
+    TAIL=2 step w4a16_as_kernels 200 python3 $SBS --engine asyncserve --workloads w2 --model benchmarks/configs/llama3-8b-w4a16 --kernel-summary $OUT/w4a16_as_kernels.tsv ;;
   w4a16)  # carry .peer/p1 after stage: the W4A16 batch-1 pair (14)
     bash .peer/p1/install.sh | tail -1
     j_w4a16_pair ;;

@@ -1,5 +1,5 @@
 """The int4 GEMV (W4A16 decode) on Llama-3-8B's linear shapes, group 128, against the previous
-GEMV (a copy below: int-to-float conversions) and the bf16 torch.matmul.
+GEMV (a copy below) and the bf16 torch.matmul.
 
 For each shape: device time per call (a CUDA graph of 20 calls replayed; CUDA events, median
 of --reps replays after a warm-up), with the weights rotated over copies larger than L2 so each
@@ -28,8 +28,8 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncserve.kernels import quant_reference as reference  # noqa: E402
+from asyncserve.kernels.int4_gemm import _dequant_tile  # noqa: E402
 from asyncserve.kernels.int4_gemv import GemvConfig, gemv_config, int4_gemv  # noqa: E402
-from asyncserve.kernels.split_k import gemv_program, sm_count, split_layout, sum_splits  # noqa: E402
 from benchmarks.graph_timing import time_ms  # noqa: E402
 
 CUDA = torch.device("cuda")
@@ -39,39 +39,28 @@ GROUP = 128
 ROTATE_BYTES = 256 << 20  # weight copies per shape: at least this many bytes (L2 is 50 MiB)
 
 
-# --- The previous GEMV, kept here for comparison: the same kernel (whole groups, K even) with
-# each nibble made a float by the int-to-float conversion instruction.
+# --- The previous GEMV, kept here for comparison: one program per 32 outputs and token,
+# all of K in steps of 256, a scale and a zero loaded per weight element (the dequant-GEMM's
+# tile, without g_idx).
 @triton.jit
 def _old_gemv_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, m, n, k, k_split, stride_xm, stride_qn, stride_sn,
-    stride_om, stride_osplit, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, n, k, stride_xm, stride_qn, stride_sn, stride_om,
+    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    row, offs_n, mask_n, rows, pid_k, k_start, k_end = gemv_program(m, n, k, k_split, BLOCK_N)
-    WORDS: tl.constexpr = BLOCK_K // 8
-    NSUB: tl.constexpr = BLOCK_K // GROUP
-    offs_w = tl.arange(0, WORDS)
-    qw_rows = qw_ptr + rows[:, None] * stride_qn
-    x_row = x_ptr + row * stride_xm
-    acc = tl.zeros([BLOCK_N, NSUB], dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        cols = k0 + offs_w * 8
-        wu = tl.load(qw_rows + (k0 // 8 + offs_w)[None, :]).to(tl.uint32, bitcast=True)
-        qx = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
-        xs = tl.zeros([WORDS], dtype=tl.float32)
-        for i in tl.static_range(8):
-            xi = tl.load(x_row + cols + i).to(tl.float32)
-            q_at = (wu & (0xF << (4 * i))).to(tl.float32)
-            qx += q_at * (xi * (1.0 / (1 << (4 * i))))[None, :]
-            xs += xi
-        qg = tl.sum(tl.reshape(qx, [BLOCK_N, NSUB, WORDS // NSUB]), axis=2)
-        xg = tl.sum(tl.reshape(xs, [NSUB, WORDS // NSUB]), axis=1)[None, :]
-        starts = k0 + tl.arange(0, NSUB) * GROUP
-        s_off = rows[:, None] * stride_sn + (starts // GROUP)[None, :]
-        scale = tl.load(s_ptr + s_off).to(tl.float32)
-        zero = tl.load(z_ptr + s_off).to(tl.float32)
-        acc += scale * (qg - zero * xg)
-    out = out_ptr + pid_k * stride_osplit + row * stride_om + offs_n
-    tl.store(out, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=mask_n)
+    pid_n = tl.program_id(0)
+    row = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < n
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + row * stride_xm + ks, mask=ks < k, other=0.0).to(tl.float32)
+        w = _dequant_tile(
+            qw_ptr, s_ptr, z_ptr, s_ptr, offs_n, mask_n, k0, k, stride_qn, stride_sn, GROUP,
+            False, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+        acc += tl.sum(w * x[None, :], axis=1)
+    tl.store(out_ptr + row * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
 def old_gemv(
@@ -80,17 +69,10 @@ def old_gemv(
     m, k = x.shape
     n = qweight.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    config = gemv_config(n, k, GROUP, False, sm_count(x.device))
-    k_split, split_k, even_k = split_layout(k, config.block_k, config.split_k)
-    assert even_k and config.block_k % GROUP == 0
-    partial = out if split_k == 1 else torch.empty((split_k, m, n), device=x.device)
-    _old_gemv_kernel[(m * triton.cdiv(n, config.block_n), split_k)](
-        x, qweight, scales, zeros, partial, m, n, k, k_split, x.stride(0), qweight.stride(0),
-        scales.stride(0), n, m * n, GROUP=GROUP, BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, num_warps=config.num_warps,
+    _old_gemv_kernel[(triton.cdiv(n, 32), m)](
+        x, qweight, scales, zeros, out, n, k, x.stride(0), qweight.stride(0), scales.stride(0),
+        out.stride(0), GROUP=GROUP, BLOCK_N=32, BLOCK_K=256,
     )  # fmt: skip
-    if split_k > 1:
-        sum_splits(partial, out)
     return out
 
 

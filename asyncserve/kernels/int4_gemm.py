@@ -1,16 +1,22 @@
 """Triton 4-bit weight-only matmuls (W4A16): x [M, K] @ W^T with W in the int4 layout of
 kernels/quant_reference.py (qweight int32 [N, K / 8], scales / zeros [N, groups], optional g_idx).
 
-Two kernels: a dequant-GEMM for prefill, here (tiles of W dequantized in registers and fed
-to tl.dot), and for small batches (decode) the split-K GEMV of kernels/int4_gemv.py, whose
-time is the packed bytes read (one scale and zero per row and group, per element only an
-unpack and a multiply-add). int4_matmul picks one by the number of tokens.
+Three kernels; int4_matmul picks one by the number of tokens and the group layout:
+- For small batches (decode), the split-K GEMV of kernels/int4_gemv.py, whose time is the
+  packed bytes read.
+- For more tokens with whole groups along K (no g_idx, a power-of-two group size: nearly
+  every checkpoint), `_int4_group_gemm_kernel`: a K step lies inside one group, so the dot
+  takes the raw nibbles (0-15, exact in bf16) and the group's scale and zero apply to the
+  step's [M, N] sums, `scale * (x @ q - zero * sum x)`; per weight element only an unpack.
+- Otherwise (act order, odd group sizes) `_int4_gemm_kernel`: each tile dequantized per
+  element in fp32, a scale and zero looked up per column.
 References: quant_reference.int4_matmul.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -22,7 +28,26 @@ from asyncserve.kernels.split_k import GEMV_MAX_TOKENS
 # The interpreter (CPU tests) mis-converts a computed fp32 tile to bf16 before a dot; there
 # the tiles are multiplied in fp32 instead (x widened), which the reference also does.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-__all__ = ["GEMV_MAX_TOKENS", "int4_matmul"]
+__all__ = ["GEMV_MAX_TOKENS", "GroupGemmConfig", "group_gemm_config", "int4_matmul"]
+
+
+@dataclass(frozen=True)
+class GroupGemmConfig:
+    """Launch shape of the whole-group GEMM: tile sizes, warps, pipeline stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def group_gemm_config(m: int, group_size: int) -> GroupGemmConfig:
+    """The tile for M tokens: M rounded up to a power of two (16 to 64) so one row of tiles
+    covers a short prompt and each weight tile is unpacked once; K steps of a whole group
+    up to 128 columns (a step never spans two groups)."""
+    block_m = min(64, max(16, triton.next_power_of_2(m)))
+    return GroupGemmConfig(block_m, 128, min(128, group_size), 4, 3)
 
 
 @triton.jit
@@ -128,6 +153,65 @@ def _int4_gemm_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
+@triton.jit(do_not_specialize=["m"])  # m (tokens) changes every step
+def _int4_group_gemm_kernel(
+    x_ptr,
+    qw_ptr,
+    s_ptr,
+    z_ptr,
+    out_ptr,
+    m,
+    n,
+    k,
+    stride_xm,
+    stride_qn,
+    stride_sn,
+    stride_om,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+):
+    """out tile = sum over K steps of scale * (x @ q^T - zero * sum x): BLOCK_K divides GROUP,
+    so a step's columns share one scale and zero per output row."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < m
+    rows = tl.minimum(offs_n, n - 1)  # rows past N re-read row N - 1; only the store is masked
+    offs_w = tl.arange(0, BLOCK_K // 8)
+    shifts = tl.arange(0, 8) * 4
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + ks[None, :]
+        w_ptrs = qw_ptr + rows[:, None] * stride_qn + (k0 // 8 + offs_w)[None, :]
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
+            words = tl.load(w_ptrs)
+        else:
+            x = tl.load(x_ptrs, mask=mask_m[:, None] & (ks < k)[None, :], other=0.0)
+            words = tl.load(w_ptrs, mask=((k0 + offs_w * 8) < k)[None, :], other=0)
+        # Nibble i of word j is column 8j + i: a row-major reshape.
+        q = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 0xF, [BLOCK_N, BLOCK_K])
+        if IEEE_DOT:
+            xf = x.to(tl.float32)
+            part = tl.dot(xf, tl.trans(q.to(tl.float32)), input_precision="ieee")
+        else:
+            xf = x.to(tl.float32)
+            part = tl.dot(x, tl.trans(q.to(x.dtype)))
+        group = rows * stride_sn + k0 // GROUP
+        scale = tl.load(s_ptr + group).to(tl.float32)
+        zero = tl.load(z_ptr + group).to(tl.float32)
+        x_sum = tl.sum(xf, axis=1)
+        acc += part * scale[None, :] - x_sum[:, None] * (zero * scale)[None, :]
+    out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & (offs_n < n)[None, :])
+
+
 def int4_matmul(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -135,8 +219,10 @@ def int4_matmul(
     zeros: torch.Tensor,
     g_idx: torch.Tensor | None,
     group_size: int,
+    config: GroupGemmConfig | None = None,
 ) -> torch.Tensor:
-    """x [M, K] @ dequant(W)^T -> [M, N] in x's dtype; the GEMV for M <= GEMV_MAX_TOKENS."""
+    """x [M, K] @ dequant(W)^T -> [M, N] in x's dtype; the GEMV for M <= GEMV_MAX_TOKENS;
+    `config` overrides group_gemm_config's tile for the whole-group GEMM."""
     m, k = x.shape
     n = qweight.shape[0]
     if qweight.shape[1] * 8 != k or x.stride(1) != 1:
@@ -146,6 +232,9 @@ def int4_matmul(
     if m <= GEMV_MAX_TOKENS:
         return int4_gemv(x, qweight, scales, zeros, g_idx, group_size)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if g_idx is None and group_size & (group_size - 1) == 0 and group_size >= 16:
+        _group_gemm(x, qweight, scales, zeros, group_size, out, config)
+        return out
     gidx = g_idx if g_idx is not None else scales  # unused when HAS_GIDX is False
     common = (qweight, scales, zeros, gidx, out)
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
@@ -167,3 +256,45 @@ def int4_matmul(
         IEEE_DOT=x.dtype == torch.float32 or _INTERPRET,
     )
     return out
+
+
+def _group_gemm(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    out: torch.Tensor,
+    config: GroupGemmConfig | None,
+) -> None:
+    m, k = x.shape
+    n = qweight.shape[0]
+    if config is None:
+        config = group_gemm_config(m, group_size)
+    if group_size % config.block_k:
+        raise ValueError(
+            f"int4 GEMM block_k {config.block_k} does not divide groups of {group_size}"
+        )
+    grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n))
+    _int4_group_gemm_kernel[grid](
+        x,
+        qweight,
+        scales,
+        zeros,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        qweight.stride(0),
+        scales.stride(0),
+        out.stride(0),
+        GROUP=group_size,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        EVEN_K=k % config.block_k == 0,
+        IEEE_DOT=x.dtype == torch.float32 or _INTERPRET,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )

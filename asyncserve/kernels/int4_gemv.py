@@ -6,9 +6,6 @@ to stream them:
 - Per element only unpack + multiply-add: the scale and zero are read once per (output row,
   group) as vectors, and a group adds `scale * (sum q * x - zero * sum x)`, which equals
   sum (q - zero) * scale * x.
-- No int-to-float conversion instruction: it runs at 1/8 of the FP rate on Hopper (16 a clock
-  per SM), which capped the GEMV near 2 TB/s. A nibble OR-ed into the mantissa of the float
-  2^23 reads as 2^23 + q, exactly; one subtraction at full rate leaves q (`_small_to_float`).
 - Split-K: programs take a slice of K each (grid: tokens x output blocks, splits), so even a
   4096 x 4096 layer runs several programs per SM; the splits' fp32 partial sums go to a
   [splits, M, N] buffer that a second small kernel adds in a fixed order (deterministic;
@@ -68,12 +65,6 @@ def gemv_config(n: int, k: int, group_size: int, per_column: bool, sms: int) -> 
 
 
 @triton.jit
-def _small_to_float(bits):
-    """uint32 values below 2^23 as fp32, exactly: OR-ed into 2^23's mantissa, minus 2^23."""
-    return (bits | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-
-
-@triton.jit
 def _int4_gemv_kernel(
     x_ptr,
     qw_ptr,
@@ -118,7 +109,6 @@ def _int4_gemv_kernel(
         qx = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
         xs = tl.zeros([WORDS], dtype=tl.float32)
         wu = words.to(tl.uint32, bitcast=True)
-        wu_high = wu >> 20  # nibbles 5-7 brought below 2^23, at bits 0, 4 and 8
         for i in tl.static_range(8):
             # Nibble i of each word is column 8j + i (a strided load of x, from L1).
             if EVEN_K:
@@ -134,20 +124,14 @@ def _int4_gemv_kernel(
                 s_off = rows[:, None] * stride_sn + grp[None, :]
                 scale = tl.load(s_ptr + s_off).to(tl.float32)
                 zero = tl.load(z_ptr + s_off).to(tl.float32)
-                q = _small_to_float((wu >> (4 * i)) & 0xF)
+                q = ((wu >> (4 * i)) & 0xF).to(tl.float32)
                 qx += (q - zero) * scale * xi[None, :]
             else:
-                # q * 16^s is the nibble masked in place (s = i, or i - 5 in wu_high), made a
-                # float exactly; times x / 16^s (exact too, and once per column, not per
-                # element) it is q * x. Per element: one mask-and-or, a subtraction and a
-                # multiply-add.
-                if i < 5:
-                    q_at = _small_to_float(wu & (0xF << (4 * i)))
-                    x_at = xi * (1.0 / (1 << (4 * i)))
-                else:
-                    q_at = _small_to_float(wu_high & (0xF << (4 * (i - 5))))
-                    x_at = xi * (1.0 / (1 << (4 * (i - 5))))
-                qx += q_at * x_at[None, :]
+                # q * 16^i is the nibble masked in place, converted exactly; times x / 16^i
+                # (exact too, and once per column, not per element) it is q * x. Per element:
+                # a mask, a conversion and a multiply-add.
+                q_at = (wu & (0xF << (4 * i))).to(tl.float32)
+                qx += q_at * (xi * (1.0 / (1 << (4 * i))))[None, :]
                 xs += xi
         if PER_COLUMN:
             acc += tl.sum(qx, axis=1)[:, None]

@@ -1,5 +1,6 @@
-"""4-bit weight-only matmuls (Triton) equal their reference: the GEMV (one to four tokens)
-and the dequant-GEMM, with and without act-order g_idx, ragged N and K tails."""
+"""4-bit weight-only matmuls (Triton) equal their reference: the GEMV (one to four tokens),
+the whole-group GEMM (no g_idx) and the per-column dequant-GEMM (act-order g_idx), ragged M,
+N and K tails, explicit tiles."""
 
 from __future__ import annotations
 
@@ -10,7 +11,12 @@ from asyncserve.kernels import quant_reference as reference
 
 pytest.importorskip("triton", reason="triton is not installed")
 
-from asyncserve.kernels.int4_gemm import GEMV_MAX_TOKENS, int4_matmul  # noqa: E402
+from asyncserve.kernels.int4_gemm import (  # noqa: E402
+    GEMV_MAX_TOKENS,
+    GroupGemmConfig,
+    group_gemm_config,
+    int4_matmul,
+)
 
 
 def _weight(n: int, k: int, group: int, act_order: bool, device: torch.device):  # type: ignore[no-untyped-def]
@@ -64,6 +70,47 @@ def test_int4_matmul_matches_reference(
     assert out.dtype == dtype and out.shape == (m, n)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "group", "config"),
+    [
+        (70, 136, 256, 128, None),  # two M tiles of 64, a ragged N tile
+        (5, 40, 80, 32, None),  # K ends inside a group: the masked last step
+        (33, 64, 256, 128, GroupGemmConfig(16, 32, 64)),  # steps of half a group
+        (17, 48, 128, 64, GroupGemmConfig(32, 16, 64, num_warps=2, num_stages=2)),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_group_gemm_tiles(
+    device: torch.device,
+    m: int,
+    n: int,
+    k: int,
+    group: int,
+    config: GroupGemmConfig | None,
+    dtype: torch.dtype,
+) -> None:
+    g = torch.Generator().manual_seed(m + n + k)
+    values = torch.randint(0, 16, (n, k), generator=g)
+    groups = -(-k // group)
+    scales = (torch.rand(n, groups, generator=g) * 0.02 + 0.001).to(device, dtype)
+    zeros = torch.randint(0, 16, (n, groups), generator=g).to(device, dtype)
+    qweight = reference.pack_int4(values).to(device)
+    x = torch.randn(m, k, generator=g).to(device, dtype)
+    out = int4_matmul(x, qweight, scales, zeros, None, group, config)
+    ref = reference.int4_matmul(x, qweight, scales, zeros, None, group)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+
+
+def test_group_gemm_config_by_tokens() -> None:
+    """Short prompts take one row of tiles; a step never spans two groups."""
+    assert group_gemm_config(5, 128).block_m == 16
+    assert group_gemm_config(40, 128).block_m == 64
+    assert group_gemm_config(4096, 128).block_m == 64
+    assert group_gemm_config(128, 32).block_k == 32
+    assert group_gemm_config(128, 256).block_k == 128
 
 
 def test_int4_matmul_rejects_a_mismatched_weight(device: torch.device) -> None:
