@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 import triton
+import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -57,7 +58,11 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--no-per-column", action="store_true", help="skip the old kernel")
+    parser.add_argument("--variants", action="store_true", help="the layout experiments only")
     args = parser.parse_args()
+    if args.variants:
+        variants(args.m, args.reps)
+        return
     print(json.dumps({"device": torch.cuda.get_device_name(CUDA)}), flush=True)
     results = []
     for (n, k), m in itertools.product(SHAPES, args.m):
@@ -71,7 +76,7 @@ def main() -> None:
         assert err < 1e-2, f"{n} x {k} at {m} tokens differs from the reference: {err:.3g}"
         flops = 2 * m * n * k
         row = {"n": n, "k": k, "m": m, "rel_err": round(err, 5)}
-        row["config"] = dataclasses.asdict(group_gemm_config(m, GROUP))
+        row["config"] = dataclasses.asdict(group_gemm_config(m, n, GROUP))
         row["group_ms"] = time_ms(
             [lambda w=w, x=x: int4_matmul(x, *w, None, GROUP) for w in weights], args.reps
         )
@@ -119,6 +124,100 @@ def sweep(x: torch.Tensor, weights: list, n: int, k: int, m: int, reps: int) -> 
     if rows:
         print(json.dumps({"best": min(rows, key=lambda r: r["ms"])}), flush=True)
     return rows
+
+
+# --- Layout experiments: the whole-group GEMM with its nibbles unpacked without the reshape
+# (VARIANT 1: eight dots of K / 8 columns, nibble i of each word against x's columns 8j + i;
+# VARIANT 2: one dot over K permuted nibble-major, each word loaded once per nibble).
+@triton.jit
+def _variant_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, m, n, k, stride_xm, stride_qn, stride_sn, stride_om,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    VARIANT: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < m
+    rows = tl.minimum(offs_n, n - 1)
+    W: tl.constexpr = BLOCK_K // 8
+    offs_w = tl.arange(0, W)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        if VARIANT == 1:
+            words = tl.load(qw_ptr + rows[:, None] * stride_qn + (k0 // 8 + offs_w)[None, :])
+            part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            x_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for i in tl.static_range(8):
+                cols = k0 + offs_w * 8 + i
+                xi = tl.load(
+                    x_ptr + offs_m[:, None] * stride_xm + cols[None, :],
+                    mask=mask_m[:, None],
+                    other=0.0,
+                )
+                qi = ((words >> (4 * i)) & 0xF).to(xi.dtype)
+                part = tl.dot(xi, tl.trans(qi), part)
+                x_sum += tl.sum(xi.to(tl.float32), axis=1)
+        else:
+            c = tl.arange(0, BLOCK_K)
+            j = c % W
+            i = c // W
+            words = tl.load(qw_ptr + rows[:, None] * stride_qn + (k0 // 8 + j)[None, :])
+            q = (words >> (4 * i)[None, :]) & 0xF
+            x = tl.load(
+                x_ptr + offs_m[:, None] * stride_xm + (k0 + j * 8 + i)[None, :],
+                mask=mask_m[:, None],
+                other=0.0,
+            )
+            part = tl.dot(x, tl.trans(q.to(x.dtype)))
+            x_sum = tl.sum(x.to(tl.float32), axis=1)
+        group = rows * stride_sn + k0 // GROUP
+        scale = tl.load(s_ptr + group).to(tl.float32)
+        zero = tl.load(z_ptr + group).to(tl.float32)
+        acc += part * scale[None, :] - x_sum[:, None] * (zero * scale)[None, :]
+    out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & (offs_n < n)[None, :])
+
+
+def variant_gemm(x, qweight, s, z, variant: int, config: GroupGemmConfig):  # type: ignore[no-untyped-def]
+    m, k = x.shape
+    n = qweight.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n))
+    _variant_kernel[grid](
+        x, qweight, s, z, out, m, n, k, x.stride(0), qweight.stride(0), s.stride(0), out.stride(0),
+        GROUP=GROUP, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        VARIANT=variant, num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    return out
+
+
+def variants(ms: list[int], reps: int) -> None:
+    """Each variant against the reshape kernel, a few tiles each, on every shape."""
+    for (n, k), m in itertools.product(SHAPES, ms):
+        nbytes = n * k // 2 + 2 * n * (k // GROUP) * 2
+        weights = [make_weight(n, k, seed) for seed in range(max(2, -(-ROTATE_BYTES // nbytes)))]
+        x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)
+        ref = int4_matmul(x, *weights[0], None, GROUP).float()
+        bm = min(128, max(16, triton.next_power_of_2(m)))
+        for variant, (block_n, warps, stages) in itertools.product(
+            (0, 1, 2), ((64, 4, 3), (128, 4, 3), (64, 8, 4), (128, 8, 3))
+        ):
+            config = GroupGemmConfig(bm, block_n, 128, warps, stages)
+            if variant == 0:
+                fn = lambda w, c=config, x=x: int4_matmul(x, *w, None, GROUP, c)  # noqa: E731
+            else:
+                fn = lambda w, c=config, v=variant, x=x: variant_gemm(x, *w, v, c)  # noqa: E731
+            try:
+                err = float((fn(weights[0]).float() - ref).abs().max() / ref.abs().max())
+                ms_ = time_ms([lambda w=w, f=fn: f(w) for w in weights], reps)
+            except Exception as exc:  # noqa: BLE001
+                print(json.dumps({"variant": variant, "error": str(exc)[:100]}), flush=True)
+                continue
+            row = {"n": n, "k": k, "m": m, "variant": variant, "config": dataclasses.asdict(config)}
+            row.update(ms=round(ms_, 4), rel_err=round(err, 5))
+            print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

@@ -105,12 +105,15 @@ def test_group_gemm_tiles(
 
 
 def test_group_gemm_config_by_tokens() -> None:
-    """Short prompts take one row of tiles; a step never spans two groups."""
-    assert group_gemm_config(5, 128).block_m == 16
-    assert group_gemm_config(40, 128).block_m == 64
-    assert group_gemm_config(4096, 128).block_m == 64
-    assert group_gemm_config(128, 32).block_k == 32
-    assert group_gemm_config(128, 256).block_k == 128
+    """Short prompts take one row of tiles; long ones and wide layers taller tiles; a step
+    never spans two groups."""
+    assert group_gemm_config(5, 4096, 128).block_m == 16
+    assert group_gemm_config(40, 4096, 128).block_m == 64
+    assert group_gemm_config(128, 4096, 128).block_m == 64
+    assert group_gemm_config(128, 28672, 128).block_m == 128
+    assert group_gemm_config(4096, 4096, 128).block_m == 128
+    assert group_gemm_config(128, 4096, 32).block_k == 32
+    assert group_gemm_config(128, 4096, 256).block_k == 128
 
 
 def test_int4_matmul_rejects_a_mismatched_weight(device: torch.device) -> None:

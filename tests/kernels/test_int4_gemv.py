@@ -81,9 +81,9 @@ def test_gemv_steps_and_splits(
 
 @pytest.mark.parametrize("g_idx", [False, True])
 def test_gemv_nibble_extremes_exact(device: torch.device, g_idx: bool) -> None:
-    """Words of all 0s, all 15s and mixed, scale 1 and zero 0: every nibble position made a
-    float exactly (the 2^23 mantissa trick), on the whole-group path and the per-column one;
-    x of powers of two so the fp32 sums are exact too."""
+    """Words of all 0s, all 15s and mixed, scale 1 and zero 0: every nibble position read
+    exactly, on the whole-group path and the per-column one; x of powers of two so the fp32
+    sums are exact too."""
     n, k, group = 16, 64, 32
     values = torch.zeros(n, k, dtype=torch.long)
     values[1] = 15
