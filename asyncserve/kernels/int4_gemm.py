@@ -52,7 +52,10 @@ def group_gemm_config(m: int, n: int, group_size: int) -> GroupGemmConfig:
     block_m = min(64, max(16, triton.next_power_of_2(m)))
     if m > 128 or (m > 64 and n >= 16384):
         block_m = 128
-    return GroupGemmConfig(block_m, 64, min(128, group_size), 4, 3)
+    # A wide layer at a few tokens: 128 outputs a tile (gate_up at 16 tokens: 0.125 against
+    # 0.18 ms).
+    block_n = 128 if m <= 16 and n >= 16384 else 64
+    return GroupGemmConfig(block_m, block_n, min(128, group_size), 4, 3)
 
 
 @triton.jit

@@ -108,6 +108,8 @@ def test_group_gemm_config_by_tokens() -> None:
     """Short prompts take one row of tiles; long ones and wide layers taller tiles; a step
     never spans two groups."""
     assert group_gemm_config(5, 4096, 128).block_m == 16
+    assert group_gemm_config(5, 4096, 128).block_n == 64
+    assert group_gemm_config(5, 28672, 128).block_n == 128
     assert group_gemm_config(40, 4096, 128).block_m == 64
     assert group_gemm_config(128, 4096, 128).block_m == 64
     assert group_gemm_config(128, 28672, 128).block_m == 128
