@@ -21,11 +21,11 @@ from asyncserve.config.typecheck import check_value
 from asyncserve.engine.async_engine import AsyncEngine
 from asyncserve.engine.dp_client import DataParallelClient
 from asyncserve.engine.dp_group import DataParallelGroup
-from asyncserve.engine.request_checks import check_logprobs, check_token_params, check_truncation
 from asyncserve.llm_prompts import (
     ImageWork,
     as_prompt_list,
     chat_prompts,
+    check_params,
     loras_per_prompt,
     params_per_prompt,
     priorities_per_prompt,
@@ -281,15 +281,7 @@ class LLM:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params_list = params_per_prompt(sampling_params, len(prompt_list))
-        vocab_size = self.engine.loaded.arch.vocab_size
-        for params in params_list:
-            check_logprobs(params, self.max_logprobs, vocab_size)
-            check_token_params(params, vocab_size)
-            if params.truncate_prompt_tokens is not None:
-                check_truncation(params.truncate_prompt_tokens, self.engine.max_model_len)
-            if params.structured_outputs is not None:
-                # A bad schema, regex or grammar is the caller's error: raise before any work.
-                self.engine.structured.validate(params.structured_outputs)
+        check_params(self.engine, prompt_list, params_list, self.max_logprobs)
         priorities = priorities_per_prompt(priority, len(prompt_list))
         # A bad adapter is the caller's error: raise before any work.
         loras = loras_per_prompt(lora_request, len(prompt_list))

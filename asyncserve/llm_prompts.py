@@ -12,7 +12,14 @@ from typing import Any
 
 from asyncserve.engine.async_engine import AsyncEngine
 from asyncserve.engine.dp_client import DataParallelClient
-from asyncserve.engine.request_checks import check_priority
+from asyncserve.engine.request_checks import (
+    check_logprobs,
+    check_min_tokens,
+    check_priority,
+    check_token_params,
+    check_truncation,
+    truncate_prompt,
+)
 from asyncserve.lora.request import LoRARequest
 from asyncserve.multimodal.inputs import MultiModalInputs
 from asyncserve.sampling_params import SamplingParams
@@ -62,6 +69,38 @@ def params_per_prompt(
                 f"sampling_params[{i}] must be a SamplingParams, got {type(params).__name__}"
             )
     return params_list
+
+
+def check_params(
+    engine: AsyncEngine | DataParallelClient,
+    prompts: list[PromptType],
+    params_list: list[SamplingParams],
+    max_logprobs: int,
+) -> None:
+    """The checks of a generate() call's params that raise before any work: a bad one is
+    the caller's error, not one request's failed output."""
+    vocab_size = engine.loaded.arch.vocab_size
+    max_model_len = engine.max_model_len
+    checked: set[int] = set()  # one SamplingParams for every prompt is checked once
+    for prompt, params in zip(prompts, params_list, strict=True):
+        if id(params) not in checked:
+            checked.add(id(params))
+            check_logprobs(params, max_logprobs, vocab_size)
+            check_token_params(params, vocab_size)
+            if params.truncate_prompt_tokens is not None:
+                check_truncation(params.truncate_prompt_tokens, max_model_len)
+            if params.structured_outputs is not None:
+                # A bad schema, regex or grammar, or allowed_token_ids that leave it nothing.
+                engine.structured.validate(params.structured_outputs, params.allowed_token_ids)
+        if params.min_tokens and not _has_images(prompt):
+            # An image prompt's length is known once its images are processed: the
+            # engine's own check fails that request alone.
+            text, ids = split_prompt(prompt)
+            if ids is None:
+                ids = engine.tokenizer.encode(text or "", add_special_tokens=True)
+            ids = truncate_prompt(ids, params, max_model_len)
+            if len(ids) < max_model_len:  # a longer prompt fails as the engine words it
+                check_min_tokens(len(ids), params, max_model_len)
 
 
 def priorities_per_prompt(priority: Sequence[int] | None, num_prompts: int) -> list[int]:

@@ -1,7 +1,11 @@
 """Offline: allowed_token_ids, bad_words and truncate_prompt_tokens change the output as
-vLLM's do, and bad values raise ValueError naming the field."""
+vLLM's do, and bad values (min_tokens past max_model_len included) raise ValueError naming
+the field."""
 
 from __future__ import annotations
+
+import re
+from typing import Any
 
 import pytest
 
@@ -47,3 +51,32 @@ def test_truncate_prompt_tokens(smollm2_llm: LLM) -> None:
     assert out.outputs[0].token_ids == alone.outputs[0].token_ids
     with pytest.raises(ValueError, match="truncate_prompt_tokens"):
         SamplingParams(truncate_prompt_tokens=0)
+
+
+@pytest.mark.parametrize("max_tokens", [None, 100])
+def test_min_tokens_past_max_model_len_raise_before_anything_runs(
+    smollm2_llm: LLM, monkeypatch: pytest.MonkeyPatch, max_tokens: int | None
+) -> None:
+    # max_model_len is 512: a 500-token prompt leaves room for 12 output tokens, so
+    # min_tokens=20 could never be met (the output would be capped at 12).
+    queued: list[Any] = []
+    add_request = smollm2_llm.engine.add_request
+
+    def recording_add_request(*args: Any, **kwargs: Any) -> Any:
+        queued.append(args)
+        return add_request(*args, **kwargs)
+
+    monkeypatch.setattr(smollm2_llm.engine, "add_request", recording_add_request)
+    limit = "max_tokens (12: what" if max_tokens is None else "12 (what"
+    message = f"min_tokens must be <= {limit} max_model_len 512 leaves after the 500-token prompt"
+    params = SamplingParams(temperature=0.0, min_tokens=20, max_tokens=max_tokens)
+    # A text prompt is measured as the engine tokenizes it (" x" is one token, BOS none).
+    cases: list[list[Any]] = [[[100] * 500], ["Hi", {"prompt_token_ids": [100] * 500}]]
+    for prompts in [*cases, ["Hi", " x" * 500]]:
+        with pytest.raises(ValueError, match=re.escape(f"{message}), got 20")):
+            smollm2_llm.generate(prompts, params, use_tqdm=False)
+    assert queued == []
+    # Where min_tokens fit, the output is that long.
+    fits = SamplingParams(temperature=0.0, min_tokens=12, max_tokens=max_tokens)
+    out = smollm2_llm.generate([[100] * 500], fits, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 12 and out.finish_reason == "length"

@@ -30,7 +30,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -39,13 +39,13 @@ import tokenizers
 import torch
 from llguidance import LLExecutor, LLMatcher, LLParserLimits, LLTokenizer
 
+from asyncserve.core.grammar_allowed import check_allowed_start, rejection_message
 from asyncserve.core.grammar_limits import (
     MAX_SCHEMA_DEPTH,
+    check_recursion,
     check_regex,
     check_schema_patterns,
-    endless_chain,
     json_depth,
-    ref_cycle,
 )
 from asyncserve.core.request import Request, RequestStatus
 from asyncserve.core.step import GrammarBitmask, StepPlan
@@ -126,18 +126,7 @@ def compile_grammar(
     """
     if params.json is not None:
         schema = _json_schema(params.json)
-        cycle = ref_cycle(schema)
-        if cycle is not None:
-            raise ValueError(
-                "structured_outputs.json: invalid schema: the $ref cycle "
-                f"{' -> '.join(cycle)} applies to the same value forever (no value matches)"
-            )
-        chain = endless_chain(schema)
-        if chain is not None:
-            raise ValueError(
-                "structured_outputs.json: invalid schema: every value must hold another of "
-                f"the same schema ({' -> '.join(chain)}), so no finite value matches"
-            )
+        check_recursion(schema)
         check_schema_patterns(schema)
         try:
             grammar = LLMatcher.grammar_from_json_schema(
@@ -265,9 +254,12 @@ class StructuredOutputManager:
 
     # ---- requests ------------------------------------------------------------------------
 
-    def validate(self, params: StructuredOutputsParams) -> None:
-        """Compile the constraint (cached); ValueError naming the field when it is invalid."""
-        self._template(params)
+    def validate(
+        self, params: StructuredOutputsParams, allowed_token_ids: Collection[int] | None = None
+    ) -> None:
+        """Compile the constraint (cached); ValueError naming the field when it is invalid,
+        or naming allowed_token_ids when none of them can start the constrained output."""
+        check_allowed_start(self._template(params)[1], allowed_token_ids)
 
     def _template(self, params: StructuredOutputsParams) -> tuple[str, LLMatcher]:
         compiled = compile_grammar(params, self.whitespace_flexible)
@@ -326,17 +318,20 @@ class StructuredOutputManager:
             if request.is_finished:
                 del self._matchers[request_id]
                 continue
-            state.num_consumed += len(new_tokens)
-            if not state.matcher.consume_tokens(new_tokens):
+            consumed = state.matcher.try_consume_tokens(new_tokens)
+            state.num_consumed += consumed
+            if consumed < len(new_tokens):
                 del self._matchers[request_id]
                 # Copies share the template's lazily built lexer: one that failed inside it
                 # (a limit hit while computing a mask) would end the next copies at once
                 # with nothing generated. The next request with this grammar compiles anew.
                 with self._templates_lock:
                     self._templates.pop(state.grammar, None)
-                error = state.matcher.get_error().replace("<non-verbose/>", "").strip()
-                message = error or "token rejected by the grammar"
-                result.errored.append((request_id, f"structured output failed: {message}"))
+                allowed = request.sampling_params.allowed_token_ids
+                message = rejection_message(
+                    state.matcher, new_tokens[consumed], state.num_consumed, allowed
+                )
+                result.errored.append((request_id, message))
             elif state.matcher.is_stopped():
                 del self._matchers[request_id]
                 result.stopped.append(request_id)

@@ -104,6 +104,23 @@ def check_schema_patterns(schema: Any) -> None:
                 stack.append((value, f"{pointer}/{_escape(str(key))}"))
 
 
+def check_recursion(schema: Any, where: str = "structured_outputs.json") -> None:
+    """ValueError naming `where` when no finite value matches `schema` for its recursion:
+    a ref_cycle or an endless_chain (llguidance compiles both, then fails mid-output)."""
+    cycle = ref_cycle(schema)
+    if cycle is not None:
+        raise ValueError(
+            f"{where}: invalid schema: the $ref cycle {' -> '.join(cycle)} applies to the "
+            "same value forever (no value matches)"
+        )
+    chain = endless_chain(schema)
+    if chain is not None:
+        raise ValueError(
+            f"{where}: invalid schema: every value must hold another of the same schema "
+            f"({' -> '.join(chain)}), so no finite value matches"
+        )
+
+
 # Keywords whose values are data, not schemas: a {"$ref"} inside them is not a reference.
 _DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
 

@@ -32,11 +32,10 @@ def check_request(
         )
     check_token_params(params, vocab_size)
     if params.structured_outputs is not None:
-        # Compiles the grammar (cached): a bad schema, regex or grammar names its field.
-        structured.validate(params.structured_outputs)
-    if not strict_max_tokens:
-        return
-    if params.max_tokens is not None:
+        # Compiles the grammar (cached): a bad schema, regex or grammar names its field, and
+        # allowed_token_ids that leave the grammar no first token name themselves.
+        structured.validate(params.structured_outputs, params.allowed_token_ids)
+    if strict_max_tokens and params.max_tokens is not None:
         total = n_prompt + params.max_tokens
         if total > max_model_len:
             raise ValueError(
@@ -44,14 +43,24 @@ def check_request(
                 f"tokens, but {total} were requested ({n_prompt} in the prompt, "
                 f"{params.max_tokens} in the completion)"
             )
-    elif n_prompt + params.min_tokens > max_model_len:
-        # No max_tokens: the room max_model_len leaves is the limit, and min_tokens must
-        # fit in it as it must fit under a given max_tokens.
-        raise ValueError(
-            f"min_tokens must be <= max_tokens ({max_model_len - n_prompt}: what "
-            f"max_model_len {max_model_len} leaves after the {n_prompt}-token prompt), "
-            f"got {params.min_tokens}"
-        )
+    check_min_tokens(n_prompt, params, max_model_len)
+
+
+def check_min_tokens(n_prompt: int, params: SamplingParams, max_model_len: int) -> None:
+    """min_tokens must fit in the room max_model_len leaves after the prompt, whether or not
+    max_tokens is given: the output is capped there, short of min_tokens."""
+    room = max_model_len - n_prompt
+    if params.min_tokens <= room:
+        return
+    if params.max_tokens is None:
+        # No max_tokens: that room is the limit, as a given max_tokens would be.
+        limit = f"max_tokens ({room}: what"
+    else:
+        limit = f"{room} (what"
+    raise ValueError(
+        f"min_tokens must be <= {limit} max_model_len {max_model_len} leaves after the "
+        f"{n_prompt}-token prompt), got {params.min_tokens}"
+    )
 
 
 def check_token_params(params: SamplingParams, vocab_size: int) -> None:

@@ -16,6 +16,7 @@ import msgspec
 from starlette.requests import ClientDisconnect, Request
 
 from asyncserve.config import ServerConfig
+from asyncserve.core.grammar_allowed import NO_ALLOWED_TOKEN
 from asyncserve.engine.request_checks import check_truncation
 from asyncserve.http.engine_client import EngineClient
 from asyncserve.http.errors import APIError, from_validation_error, from_value_error
@@ -373,7 +374,9 @@ def engine_error(output: RequestOutput, engine: EngineClient) -> APIError:
         return APIError(message, 500, code="internal_error")
     if not engine.is_running:
         return APIError(f"the engine stopped: {message}", 503, headers={"Retry-After": "5"})
-    return APIError(message, 400, code="request_failed")
+    # A conflict found mid-output names the field, as the same conflict found up front does.
+    param = "allowed_token_ids" if message.startswith(NO_ALLOWED_TOKEN) else None
+    return APIError(message, 400, param, code="request_failed")
 
 
 def parse_prompts(prompt: str | list[Any]) -> list[str | list[int]]:

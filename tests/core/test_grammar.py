@@ -279,3 +279,31 @@ def test_submit_fills_only_constrained_rows_that_sample(manager: StructuredOutpu
     assert manager.submit(only_free, reqs.get) is None
     manager.remove(["decode", "prefill"])
     assert manager.submit(plan, reqs.get) is None
+
+
+def test_allowed_token_ids_against_the_grammar(
+    manager: StructuredOutputManager, tokenizer: Tokenizer
+) -> None:
+    choice = StructuredOutputsParams(choice=["Paris", "Rome"])
+    digits = tokenizer.encode("123", add_special_tokens=False)
+    par = tokenizer.encode("Par", add_special_tokens=False)
+    message = "allowed_token_ids: no allowed token can continue the constrained output"
+    with pytest.raises(ValueError, match=message):
+        manager.validate(choice, digits)
+    manager.validate(choice, par)  # "Par" can start "Paris"
+    manager.validate(choice, None)
+    # Past "Par" only "is" (or the like) continues: with "Par" alone allowed, every logit
+    # was masked and whatever was drawn is rejected with that reason, not a parse error.
+    reqs = {
+        rid: _request(rid, SamplingParams(structured_outputs=choice, allowed_token_ids=allowed),
+                      [1, 2, 3])
+        for rid, allowed in (("stuck", par), ("free", None))
+    }  # fmt: skip
+    for rid, req in reqs.items():
+        manager.add_request(rid, choice)
+        req.output_token_ids.extend(par + digits[:1])
+    result = manager.accept_tokens(reqs.values())
+    errors = dict(result.errored)
+    assert errors["stuck"].startswith(message) and "as output token 2" in errors["stuck"]
+    assert errors["free"].startswith("structured output failed: ")
+    assert manager.num_requests == 0

@@ -11,6 +11,7 @@ import pytest
 
 from asyncserve import RequestOutputKind, SamplingParams
 from asyncserve.core import grammar
+from asyncserve.engine.async_engine import AsyncEngine
 from asyncserve.llm import LLM
 from asyncserve.sampling_params import StructuredOutputsParams
 
@@ -333,4 +334,52 @@ def test_a_grammar_that_fails_inside_the_engine_fails_every_time(
     for _ in range(2):
         out = llm.generate(["Say:"], params, use_tqdm=False)[0].outputs[0]
         assert out.finish_reason == "error" and out.token_ids == []
+    assert_clean(llm)
+
+
+def test_allowed_token_ids_that_cannot_start_the_constraint_raise_before_anything_runs(
+    llm: LLM,
+) -> None:
+    tokenizer = llm.get_tokenizer()
+    words = tokenizer.encode(" hello", add_special_tokens=False)  # no digit, no "{", no choice
+    for constraint in (
+        StructuredOutputsParams(choice=["Paris", "Rome"]),
+        StructuredOutputsParams(regex="[0-9]+"),
+        StructuredOutputsParams(json_object=True),
+    ):
+        bad = SamplingParams(max_tokens=4, allowed_token_ids=words, structured_outputs=constraint)
+        message = "allowed_token_ids: no allowed token can continue the constrained output"
+        with pytest.raises(ValueError, match=message):
+            llm.generate(["Hello", "Hello"], [SamplingParams(max_tokens=4), bad], use_tqdm=False)
+        engine = llm.engine
+        assert isinstance(engine, AsyncEngine)
+        with pytest.raises(ValueError, match=message):
+            engine.add_request("Hello", bad, "allowed-conflict")
+        assert "allowed-conflict" not in engine.output_processor.parents
+    # Allowed tokens the constraint can start with run, and keep to both.
+    paris = tokenizer.encode("Paris", add_special_tokens=False)
+    choice = StructuredOutputsParams(choice=["Paris", "Rome"])
+    ok = SamplingParams(max_tokens=4, allowed_token_ids=paris + [2], structured_outputs=choice)
+    out = llm.generate(["The capital of France is"], ok, use_tqdm=False)[0].outputs[0]
+    assert out.text == "Paris" and out.finish_reason == "stop"
+    assert_clean(llm)
+
+
+def test_allowed_token_ids_that_run_out_mid_output_fail_that_request_alone(llm: LLM) -> None:
+    tokenizer = llm.get_tokenizer()
+    par = tokenizer.encode("Par", add_special_tokens=False)
+    assert len(par) == 1 and tokenizer.encode("Paris", add_special_tokens=False) != par
+    # "Par" may start "Paris", but "is" (or anything that completes it) is not allowed.
+    choice = StructuredOutputsParams(choice=["Paris", "Rome"])
+    stuck = SamplingParams(temperature=0.0, max_tokens=4, allowed_token_ids=par,
+                           structured_outputs=choice)  # fmt: skip
+    free = SamplingParams(temperature=0.0, max_tokens=6)
+    alone = llm.generate(["Hello"], free, use_tqdm=False)[0].outputs[0]
+    stuck_out, free_out = llm.generate(["Hello", "Hello"], [stuck, free], use_tqdm=False)
+    assert stuck_out.error is not None and stuck_out.error.startswith(
+        "allowed_token_ids: no allowed token can continue the constrained output"
+    ), stuck_out.error
+    assert "as output token 2" in stuck_out.error
+    assert stuck_out.outputs[0].finish_reason == "error"
+    assert free_out.error is None and free_out.outputs[0].token_ids == alone.token_ids
     assert_clean(llm)

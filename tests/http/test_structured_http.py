@@ -230,3 +230,57 @@ def test_beam_search_matches_offline(client: httpx.Client, smollm2_llm: LLM) -> 
     )
     assert response.status_code == 200, response.text
     assert response.json()["text"] == [prompts[0] + text for text in expected[:2]]
+
+
+NO_ALLOWED_TOKEN = "allowed_token_ids: no allowed token can continue the constrained output"
+
+
+def test_allowed_token_ids_the_constraint_cannot_start_with_are_400(
+    client: httpx.Client, tokenizer: Any
+) -> None:
+    words = tokenizer.encode(" hello", add_special_tokens=False)  # no digit, "{" or choice
+    fmt = {"type": "json_object"}
+    for path, extra, field in (
+        ("/v1/completions", {"prompt": "Hello", "guided_choice": ["Paris", "Rome"]},
+         "guided_choice"),
+        ("/v1/completions", {"prompt": "Hello", "guided_regex": "[0-9]+"}, "guided_regex"),
+        ("/v1/chat/completions", {"messages": CHAT, "response_format": fmt}, "response_format"),
+    ):  # fmt: skip
+        body = {"model": MODEL, "max_tokens": 8, "allowed_token_ids": words, **extra}
+        response = client.post(path, json=body)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "allowed_token_ids" and error["code"] == 400, error
+        assert error["message"].startswith(NO_ALLOWED_TOKEN), error
+        assert f"{field} allows none of the" in error["message"], error
+    # The server still answers.
+    complete(client, prompt="Hello", max_tokens=2)
+
+
+def test_allowed_token_ids_that_run_out_mid_output_end_that_request(
+    client: httpx.Client, tokenizer: Any
+) -> None:
+    # "Par" may start "Paris", but nothing allowed can complete it.
+    par = tokenizer.encode("Par", add_special_tokens=False)
+    body = {
+        "model": MODEL,
+        "prompt": "The capital of France is",
+        "max_tokens": 8,
+        "temperature": 0.0,
+        "allowed_token_ids": par,
+        "guided_choice": ["Paris", "Rome"],
+    }
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "allowed_token_ids", error
+    assert error["message"].startswith(NO_ALLOWED_TOKEN), error
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream:
+        assert stream.status_code == 200
+        events = [line[6:] for line in stream.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    errors = [json.loads(e)["error"] for e in events[:-1] if "error" in json.loads(e)]
+    assert len(errors) == 1 and errors[0]["param"] == "allowed_token_ids", events
+    # Other requests are unaffected.
+    out = complete(client, prompt="The capital of France is", max_tokens=4, temperature=0.0)
+    assert out["choices"][0]["finish_reason"] == "length"

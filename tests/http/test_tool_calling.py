@@ -12,11 +12,15 @@ from typing import Any
 import jsonschema
 import msgspec
 import pytest
+from llguidance import LLMatcher
 
+from asyncserve.core.grammar import build_ll_tokenizer, compile_grammar
 from asyncserve.http.chat_prompt import render_chat_prompt
 from asyncserve.http.protocol import ChatCompletionRequest
+from asyncserve.http.tools.forced import required_schema
 from asyncserve.http.tools.plan import plan_tools
 from asyncserve.http.tools.protocol import ChatTool
+from asyncserve.sampling_params import StructuredOutputsParams
 from tests.http.conftest import MODEL
 
 WEATHER_PARAMS = {
@@ -243,3 +247,100 @@ def test_plan_for_each_tool_choice() -> None:
     assert auto.mode == "auto" and type(auto.new_parser()).__name__ == "HermesToolParser"
     required = plan_tools(tools, "required", False, None, False)
     assert required.mode == "required" and not required.parallel
+
+
+# Each node's `child` is another node: a $ref to the schema's own root.
+SELF_REF = {"type": "object", "properties": {"child": {"$ref": "#"}}}
+LABELLED = {
+    "type": "object",
+    "properties": {"label": {"type": "string", "maxLength": 8}, "child": {"$ref": "#"}},
+    "additionalProperties": False,
+}
+PEERS = {  # a $ref into the tool's own properties
+    "type": "object",
+    "properties": {"a": {"type": "integer"}, "b": {"$ref": "#/properties/a"}},
+    "required": ["a"],
+    "additionalProperties": False,
+}
+
+
+def _function(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+def test_required_schema_keeps_each_tools_refs(tokenizer: Any) -> None:
+    """Inside the array of calls a tool's "#" still means its own parameters, and two
+    tools' $defs of the same name stay apart: for JSON Schema and for the grammar."""
+    node = {"type": "object", "properties": {"v": {"$ref": "#/$defs/v"}}, "required": ["v"]}
+    tools = [
+        _function("tree", LABELLED),
+        _function("peers", PEERS),
+        _function("ints", {**node, "$defs": {"v": {"type": "integer"}}}),
+        _function("strs", {**node, "$defs": {"v": {"type": "string"}}}),
+    ]
+    schema = required_schema(tools, parallel=True)
+    calls = [
+        {"name": "tree", "parameters": {"child": {"label": "a", "child": {}}}},
+        {"name": "peers", "parameters": {"a": 1, "b": 2}},
+        {"name": "ints", "parameters": {"v": 3}},
+        {"name": "strs", "parameters": {"v": "x"}},
+    ]
+    jsonschema.validate(calls, schema)
+    for bad in ({"name": "tree", "parameters": {"child": []}},
+                {"name": "ints", "parameters": {"v": "x"}}):  # fmt: skip
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate([bad], schema)
+    grammar = compile_grammar(StructuredOutputsParams(json=schema)).grammar
+    ll_tokenizer = build_ll_tokenizer(tokenizer.backend, tokenizer.vocab_size, [2])
+    for call in calls:
+        matcher = LLMatcher(ll_tokenizer, grammar, log_level=0)
+        text = json.dumps([call], separators=(",", ":"))
+        assert matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False)), text
+        assert matcher.is_accepting(), text
+    assert LABELLED["properties"]["child"] == {"$ref": "#"}
+
+
+@pytest.mark.parametrize(
+    ("parameters", "tool_choice"),
+    [
+        (SELF_REF, "required"),
+        (SELF_REF, {"type": "function", "function": {"name": "f"}}),
+        (PEERS, "required"),
+    ],
+    ids=["self-required", "self-named", "peers-required"],
+)
+def test_recursive_tool_schema_is_a_call(client: Any, parameters: Any, tool_choice: Any) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Call f."}],
+            "tools": [_function("f", parameters)], "tool_choice": tool_choice,
+            "temperature": 0, "max_tokens": 80}  # fmt: skip
+    reply = client.post("/v1/chat/completions", json=body)
+    assert reply.status_code == 200, reply.text[:1000]
+    choice = reply.json()["choices"][0]
+    assert choice["finish_reason"] in ("tool_calls", "stop"), choice
+    calls = choice["message"]["tool_calls"]
+    assert calls and choice["message"]["content"] is None, choice
+    for call in calls:
+        assert call["function"]["name"] == "f"
+        jsonschema.validate(json.loads(call["function"]["arguments"]), parameters)
+
+
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "f"}}],
+    ids=["required", "named"],
+)  # fmt: skip
+def test_unmatchable_recursive_tool_is_a_400_before_generation(
+    client: Any, tool_choice: Any
+) -> None:
+    """A tool whose every value must hold another (a required self-reference) has no
+    finite arguments: a 400 naming the tool's parameters, and the server goes on."""
+    endless = {**LABELLED, "required": ["child"]}
+    body = {"model": MODEL, "messages": MESSAGES, "tools": [_function("f", endless)],
+            "tool_choice": tool_choice, "max_tokens": 8}  # fmt: skip
+    reply = client.post("/v1/chat/completions", json=body)
+    assert reply.status_code == 400, reply.text[:1000]
+    error = reply.json()["error"]
+    assert error["param"] == "tools", error
+    assert "tools[0].function.parameters: invalid schema" in error["message"], error
+    assert "#/properties/child -> #" in error["message"], error
+    again = {**body, "tools": [_function("f", SELF_REF)]}
+    assert client.post("/v1/chat/completions", json=again).status_code == 200

@@ -23,18 +23,18 @@ def parameters_schema(function: dict[str, Any]) -> dict[str, Any]:
 
 def required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
     """An array of {"name", "parameters"} objects, each one of the tools with its own
-    parameter schema; the tools' $defs are lifted to the top, where their $refs point."""
+    parameter schema. A tool's schema sits inside the array's, so its local $refs ("#",
+    "#/$defs/a", "#/properties/b") are rewritten to where it now is: "#" still means the
+    tool's own parameters, and two tools' $defs of the same name stay apart."""
     options = []
-    defs: dict[str, Any] = {}
-    for tool in tools:
+    for i, tool in enumerate(tools):
         function = tool["function"]
-        params = copy.deepcopy(parameters_schema(function))
-        defs.update(params.pop("$defs", {}) if isinstance(params, dict) else {})
+        where = f"#/items/anyOf/{i}/properties/parameters"
         options.append(
             {
                 "properties": {
                     "name": {"type": "string", "enum": [function["name"]]},
-                    "parameters": params,
+                    "parameters": relocate_refs(parameters_schema(function), where),
                 },
                 "required": ["name", "parameters"],
                 # Unlike vLLM's, no other keys: a small model would otherwise add keys
@@ -49,9 +49,36 @@ def required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, An
     }
     if not parallel:
         schema["maxItems"] = 1
-    if defs:
-        schema["$defs"] = defs
     return schema
+
+
+# Keywords whose values are data, not schemas: a "$ref" key inside them is not a reference;
+# and those whose values map names to schemas (a property called "enum" is a schema).
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+_NAMED_SCHEMAS = frozenset(
+    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+)
+
+
+def relocate_refs(schema: Any, where: str) -> Any:
+    """A copy of `schema` for the place `where` (a JSON pointer such as "#/a/b") inside a
+    larger document: its local $refs ("#" and "#/...") get `where` in front. Below an
+    "$id" nothing is rewritten: there "#" is that resource's own root, wherever it sits."""
+    if isinstance(schema, list):
+        return [relocate_refs(item, where) for item in schema]
+    if not isinstance(schema, dict) or isinstance(schema.get("$id"), str):
+        return copy.deepcopy(schema)
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value[:2] == "#/"):
+            out[key] = where + value[1:]
+        elif key in _DATA_KEYWORDS or key == "$ref":
+            out[key] = copy.deepcopy(value)
+        elif key in _NAMED_SCHEMAS and isinstance(value, dict):
+            out[key] = {name: relocate_refs(sub, where) for name, sub in value.items()}
+        else:
+            out[key] = relocate_refs(value, where)
+    return out
 
 
 class RequiredToolParser(ToolParser):

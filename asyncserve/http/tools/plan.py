@@ -6,11 +6,13 @@ as vLLM's."""
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgspec
 
+from asyncserve.core.grammar_limits import check_recursion
 from asyncserve.http.errors import APIError
 from asyncserve.http.tools.forced import (
     NamedToolParser,
@@ -121,17 +123,32 @@ def plan_tools(
         return ToolPlan("auto", as_dicts, parser_name=parser_name)
     if tool_choice == "required":
         _check_unconstrained(has_constraint)
+        _check_parameters(as_dicts, range(len(as_dicts)))
         return ToolPlan("required", as_dicts, parallel=parallel_tool_calls is not False)
     assert isinstance(tool_choice, NamedToolChoice)
     _check_unconstrained(has_constraint)
     name = tool_choice.function.name
-    if all(t["function"]["name"] != name for t in as_dicts):
+    index = next((i for i, t in enumerate(as_dicts) if t["function"]["name"] == name), None)
+    if index is None:
         raise APIError(
             f"tool_choice names the function {name!r}, which is not in tools",
             400,
             "tool_choice.function.name",
         )
+    _check_parameters(as_dicts, [index])
     return ToolPlan("named", as_dicts, function=name)
+
+
+def _check_parameters(tools: list[dict[str, Any]], indices: Iterable[int]) -> None:
+    """A 400 for a forced tool whose parameters no finite value matches (its recursion
+    never ends), with JSON pointers into that tool's own schema. The grammar engine checks
+    the whole output schema again, with everything else, before the request is queued."""
+    for i in indices:
+        schema = parameters_schema(tools[i]["function"])
+        try:
+            check_recursion(schema, f"tools[{i}].function.parameters")
+        except ValueError as exc:
+            raise APIError(str(exc), 400, "tools") from None
 
 
 def _check_unconstrained(has_constraint: bool) -> None:

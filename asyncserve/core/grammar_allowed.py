@@ -1,0 +1,49 @@
+"""allowed_token_ids under a structured-output constraint: the sampler keeps the tokens in
+both sets, so where they share none every logit is masked and the token drawn breaks the
+grammar. A request whose allowed tokens cannot start the output is refused up front (a
+ValueError naming allowed_token_ids); one that runs into the conflict later ends alone, with
+an error saying so rather than the grammar engine's parse error."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from llguidance import LLMatcher
+
+NO_ALLOWED_TOKEN = "allowed_token_ids: no allowed token can continue the constrained output"
+
+
+def allows_any(matcher: LLMatcher, token_ids: Collection[int]) -> bool:
+    """Whether the grammar accepts any of `token_ids` next; the matcher is left as it was."""
+    mask = matcher.compute_bitmask()  # one bit per token, token t at byte t // 8, bit t % 8
+    return any(t // 8 < len(mask) and (mask[t // 8] >> (t % 8)) & 1 for t in token_ids)
+
+
+def check_allowed_start(template: LLMatcher, allowed_token_ids: Collection[int] | None) -> None:
+    """ValueError naming allowed_token_ids when none of them can be the output's first
+    token. `template`: the constraint's cached matcher, not advanced (a copy is probed)."""
+    if allowed_token_ids is None:
+        return
+    if not allows_any(template.deep_copy(), allowed_token_ids):
+        raise ValueError(
+            f"{NO_ALLOWED_TOKEN}: structured_outputs allows none of the "
+            f"{len(allowed_token_ids)} allowed tokens as the first token"
+        )
+
+
+def rejection_message(
+    matcher: LLMatcher,
+    token_id: int,
+    num_output: int,
+    allowed_token_ids: Collection[int] | None,
+) -> str:
+    """Why the grammar rejected `token_id`, sampled as output token `num_output` (from 0);
+    `matcher` stands just before it and is not to be used again."""
+    if allowed_token_ids is not None and not allows_any(matcher, allowed_token_ids):
+        return (
+            f"{NO_ALLOWED_TOKEN}: the structured output allows none of the "
+            f"{len(allowed_token_ids)} allowed tokens as output token {num_output + 1}"
+        )
+    matcher.consume_token(token_id)
+    error = matcher.get_error().replace("<non-verbose/>", "").strip()
+    return f"structured output failed: {error or 'token rejected by the grammar'}"
