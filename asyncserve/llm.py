@@ -322,13 +322,17 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation and generate; `tools`
-        (OpenAI's shape) reach the template as its `tools` variable, as in vLLM."""
+        (OpenAI's shape) reach the template as its `tools` variable, as in vLLM.
+        `continue_final_message` (with add_generation_prompt=False): the model continues the
+        final message instead of starting a new turn."""
         self._check_generates()
         prompts = chat_prompts(
-            self.engine, messages, add_generation_prompt, chat_template_kwargs, tools
-        )
+            self.engine, messages, add_generation_prompt, chat_template_kwargs, tools,
+            continue_final_message,
+        )  # fmt: skip
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def beam_search(

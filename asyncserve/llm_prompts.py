@@ -238,9 +238,12 @@ def chat_prompts(
     add_generation_prompt: bool,
     chat_template_kwargs: dict[str, Any] | None,
     tools: list[dict[str, Any]] | None,
+    continue_final_message: bool = False,
 ) -> list[PromptType]:
     """One token prompt per conversation (one, or a list of them) through the model's chat
-    template; a conversation with image parts becomes a prompt with its images."""
+    template; a conversation with image parts becomes a prompt with its images.
+    `continue_final_message` (vLLM's): the final message stays open, for the model to
+    continue it rather than start a new turn."""
     if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
         raise ValueError(
             "chat_template_kwargs must be a dict, got " + type(chat_template_kwargs).__name__
@@ -258,6 +261,8 @@ def chat_prompts(
         "tools": tools,
         **(chat_template_kwargs or {}),
     }
+    continue_final = template_kwargs.pop("continue_final_message", continue_final_message)
+    _check_continue_final(continue_final, template_kwargs["add_generation_prompt"])
     conversations: list[list[dict[str, Any]]]
     if messages and isinstance(messages[0], dict):
         conversations = [messages]  # type: ignore[list-item]
@@ -269,6 +274,8 @@ def chat_prompts(
     for i, conversation in enumerate(conversations):
         if not isinstance(conversation, list | tuple) or not conversation:
             raise ValueError(f"messages[{i}] must contain at least one message")
+    where = "messages" if len(conversations) == 1 else "messages[{}]"
+    conversations = [_with_content(list(c), where.format(i)) for i, c in enumerate(conversations)]
     tokenizer = engine.tokenizer
     prompts: list[PromptType] = []
     front_end = getattr(engine, "multimodal", None)
@@ -283,6 +290,8 @@ def chat_prompts(
             # Image parts (image_url, image_pil) become the template's image parts.
             text, refs = front_end.render_chat(conversation, render)
             images = front_end.load_images(refs, engine.config.multimodal.media_policy())
+        if continue_final:
+            text = _open_final_message(text, conversation)
         # The template already holds BOS where the model wants one.
         ids = tokenizer.encode(text, add_special_tokens=False)
         if images:
@@ -290,3 +299,50 @@ def chat_prompts(
         else:
             prompts.append(ids)
     return prompts
+
+
+def _with_content(conversation: list[Any], where: str) -> list[Any]:
+    """The messages with a content each, as the HTTP route has them: an assistant turn that
+    only calls tools may leave it out (null; the templates concatenate it, so it becomes
+    ""), any other message must give it."""
+    out: list[Any] = []
+    for i, message in enumerate(conversation):
+        if isinstance(message, dict) and message.get("content") is None:
+            if message.get("role") != "assistant":
+                raise ValueError(
+                    f"{where}[{i}].content must be given (only an assistant message that "
+                    "calls tools may leave it out)"
+                )
+            message = {**message, "content": ""}
+        out.append(message)
+    return out
+
+
+def _check_continue_final(continue_final: Any, add_generation_prompt: Any) -> None:
+    if not isinstance(continue_final, bool):
+        raise ValueError(
+            f"continue_final_message must be a boolean, got {type(continue_final).__name__}"
+        )
+    if continue_final and add_generation_prompt:
+        raise ValueError(
+            "continue_final_message and add_generation_prompt cannot both be true: "
+            "pass add_generation_prompt=False to continue the final message"
+        )
+
+
+def _open_final_message(text: str, conversation: list[dict[str, Any]]) -> str:
+    """The rendered chat cut right after the final message's content (transformers' rule)."""
+    content = conversation[-1].get("content")
+    if isinstance(content, list):  # text parts (image parts add no text of the message's)
+        content = "\n".join(
+            p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
+        )
+    final = content.strip() if isinstance(content, str) else ""
+    if not final:
+        raise ValueError("continue_final_message needs a final message with non-empty content")
+    end = text.rfind(final)
+    if end < 0:
+        raise ValueError(
+            "continue_final_message: the final message's content is not in the rendered chat"
+        )
+    return text[: end + len(final)]

@@ -69,6 +69,16 @@ _REAL_FIELDS = (
 )
 
 
+# The flags checked to be booleans in SamplingParams._validate.
+_BOOL_FIELDS = (
+    "ignore_eos",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "detokenize",
+)
+
+
 def _is_list_like(value: Any) -> bool:
     return isinstance(value, Iterable) and not isinstance(value, str | bytes | dict)
 
@@ -216,11 +226,10 @@ class SamplingParams:
             "stop",
             "must be a non-empty string or a list of non-empty strings",
         )
-        _check(
-            isinstance(self.detokenize, bool),
-            "detokenize",
-            f"must be a boolean, got {self.detokenize!r}",
-        )
+        # A string such as "false" would be truthy: the opposite of what was meant.
+        for name in _BOOL_FIELDS:
+            value = getattr(self, name)
+            _check(isinstance(value, bool), name, f"must be a boolean, got {value!r}")
         # vLLM's rule and message: a stop string is found in the text, which is not made.
         _check(
             self.detokenize or not self.stop,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 from typing import Any
 
 import pytest
@@ -88,45 +90,6 @@ def test_prompt_logprobs(llm: LLM) -> None:
         assert entry is not None and token in entry
 
 
-def test_chat_uses_template(llm: LLM) -> None:
-    params = SamplingParams(temperature=0.0, max_tokens=8)
-    out = llm.chat([{"role": "user", "content": "Say hello."}], params, use_tqdm=False)[0]
-    assert out.outputs[0].text
-    assert "<|im_start|>" in llm.get_tokenizer().decode(out.prompt_token_ids, False)
-
-
-def test_chat_passes_tools_to_the_template(llm: LLM) -> None:
-    template = "{% for t in tools %}[{{ t.function.name }}]{% endfor %}{{ messages[0].content }}"
-    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
-    params = SamplingParams(temperature=0.0, max_tokens=1)
-    out = llm.chat(
-        [{"role": "user", "content": "Hi"}],
-        params,
-        use_tqdm=False,
-        tools=[tool],
-        chat_template_kwargs={"chat_template": template},
-    )[0]
-    assert llm.get_tokenizer().decode(out.prompt_token_ids, False) == "[get_weather]Hi"
-
-
-def test_chat_template_kwargs_override_the_arguments(llm: LLM) -> None:
-    # vLLM's LLM.chat lets chat_template_kwargs set add_generation_prompt (and tools).
-    messages = [{"role": "user", "content": "Hi"}]
-    params = SamplingParams(temperature=0.0, max_tokens=1)
-    out = llm.chat(messages, params, use_tqdm=False, add_generation_prompt=True,
-                   chat_template_kwargs={"add_generation_prompt": False})[0]  # fmt: skip
-    text = llm.get_tokenizer().decode(out.prompt_token_ids, False)
-    assert not text.rstrip().endswith("assistant")
-    with pytest.raises(ValueError, match="chat_template_kwargs must not set 'bos_token'"):
-        llm.chat(messages, params, use_tqdm=False, chat_template_kwargs={"bos_token": "x"})
-
-
-def test_chat_content_the_template_cannot_render_is_a_value_error(llm: LLM) -> None:
-    with pytest.raises(ValueError, match="chat template error"):
-        llm.chat([{"role": "user", "content": None}], use_tqdm=False)
-    assert llm.engine.num_running == 0 and llm.engine.num_waiting == 0
-
-
 def test_too_long_prompt_fails_alone(llm: LLM) -> None:
     long_prompt = " ".join(["word"] * 400)
     params = SamplingParams(temperature=0.0, max_tokens=4)
@@ -166,6 +129,8 @@ def test_lone_surrogate_fails_its_prompt_alone(llm: LLM) -> None:
         ({"presence_penalty": 3.0}, "presence_penalty"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
         ({"stop": [""]}, "stop"),
+        ({"ignore_eos": "no"}, "ignore_eos"),
+        ({"skip_special_tokens": None}, "skip_special_tokens"),
         ({"min_tokens": 9, "max_tokens": 3}, "min_tokens"),
         ({"temperature": "1"}, "temperature"),
         ({"top_p": None}, "top_p"),
@@ -430,3 +395,23 @@ def test_interrupted_generate_aborts_its_requests(
     assert llm.engine.num_running == 0 and llm.engine.num_waiting == 0
     assert_pool_whole(llm)
     assert llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].text
+
+
+def test_generate_from_two_threads_runs_both(llm: LLM) -> None:
+    # One event loop per LLM: a second thread's call waits for the first, not a RuntimeError.
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(["Hi", "Sky"], params, use_tqdm=False)]
+    results: list[Any] = [None, None]
+
+    def call(i: int) -> None:
+        with contextlib.suppress(Exception):  # a failed call leaves its None
+            outs = llm.generate(["Hi", "Sky"], params, use_tqdm=False)
+            results[i] = [o.outputs[0].token_ids for o in outs]
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert results == [expected, expected]
+    assert_pool_whole(llm)
