@@ -39,7 +39,11 @@ import tokenizers
 import torch
 from llguidance import LLExecutor, LLMatcher, LLParserLimits, LLTokenizer
 
-from asyncserve.core.grammar_allowed import check_allowed_start, rejection_message
+from asyncserve.core.grammar_allowed import (
+    banned_by_bad_words,
+    check_allowed_start,
+    rejection_message,
+)
 from asyncserve.core.grammar_limits import (
     MAX_SCHEMA_DEPTH,
     check_recursion,
@@ -327,9 +331,15 @@ class StructuredOutputManager:
                 # with nothing generated. The next request with this grammar compiles anew.
                 with self._templates_lock:
                     self._templates.pop(state.grammar, None)
-                allowed = request.sampling_params.allowed_token_ids
+                params = request.sampling_params
+                output = request.output_token_ids[: state.num_consumed]
+                banned = banned_by_bad_words(params.bad_words_token_ids, output)
                 message = rejection_message(
-                    state.matcher, new_tokens[consumed], state.num_consumed, allowed
+                    state.matcher,
+                    new_tokens[consumed],
+                    state.num_consumed,
+                    params.allowed_token_ids,
+                    banned,
                 )
                 result.errored.append((request_id, message))
             elif state.matcher.is_stopped():

@@ -89,7 +89,9 @@ def _template_tool_calls(calls: list[dict[str, Any]], index: int) -> list[dict[s
     return out
 
 
-# Set by the server (or, for chat_template, by the model): never by a request.
+# Set by the server (or, for chat_template, by the model), or names of the renderer's own
+# parameters (Tokenizer.apply_chat_template's self, render_chat_template's template): never
+# by a request.
 _RESERVED_KWARGS = (
     "messages",
     "tools",
@@ -98,6 +100,8 @@ _RESERVED_KWARGS = (
     "chat_template",
     "bos_token",
     "eos_token",
+    "self",
+    "template",
 )
 
 

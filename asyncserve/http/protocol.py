@@ -26,8 +26,10 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     continuous_usage_stats: bool | None = False
 
 
-class StructuredOutputsRequest(msgspec.Struct, kw_only=True):
-    """vLLM's `structured_outputs`: exactly one constraint on the output."""
+class StructuredOutputsRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's `structured_outputs`: exactly one constraint on the output. vLLM's other
+    options (whitespace_pattern, disable_any_whitespace, ...) are a 400 naming them, as an
+    unknown top-level field is: dropped, they would leave a client believing they applied."""
 
     json: dict[str, Any] | str | None = None  # a JSON schema
     regex: str | None = None
@@ -36,8 +38,9 @@ class StructuredOutputsRequest(msgspec.Struct, kw_only=True):
     json_object: bool | None = None
 
 
-class ResponseFormat(msgspec.Struct, kw_only=True):
-    """OpenAI's response_format: text, json_object, or json_schema {name, schema, strict}."""
+class ResponseFormat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """OpenAI's response_format: text, json_object, or json_schema {name, schema, strict}.
+    Other keys (a `schema` beside json_object, say) are a 400 naming them, never dropped."""
 
     type: str
     json_schema: dict[str, Any] | None = None

@@ -16,7 +16,7 @@ import msgspec
 from starlette.requests import ClientDisconnect, Request
 
 from asyncserve.config import ServerConfig
-from asyncserve.core.grammar_allowed import NO_ALLOWED_TOKEN
+from asyncserve.core.grammar_allowed import NO_ALLOWED_TOKEN, NO_UNBANNED_TOKEN
 from asyncserve.engine.request_checks import check_truncation
 from asyncserve.http.engine_client import EngineClient
 from asyncserve.http.errors import APIError, from_validation_error, from_value_error
@@ -375,7 +375,17 @@ def engine_error(output: RequestOutput, engine: EngineClient) -> APIError:
     if not engine.is_running:
         return APIError(f"the engine stopped: {message}", 503, headers={"Retry-After": "5"})
     # A conflict found mid-output names the field, as the same conflict found up front does.
-    param = "allowed_token_ids" if message.startswith(NO_ALLOWED_TOKEN) else None
+    param = next(
+        (
+            field
+            for field, prefix in (
+                ("allowed_token_ids", NO_ALLOWED_TOKEN),
+                ("bad_words", NO_UNBANNED_TOKEN),
+            )
+            if message.startswith(prefix)
+        ),
+        None,
+    )
     return APIError(message, 400, param, code="request_failed")
 
 

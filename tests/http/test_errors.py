@@ -113,7 +113,24 @@ BAD_BODIES: list[tuple[str, dict[str, Any], str | None]] = [
     ),
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema"}}, "response_format"),
     ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}, "tool_choice"),
+    # A constraint field asyncserve does not implement is refused, not silently dropped.
+    (
+        "/v1/chat/completions",
+        {"messages": CHAT, "response_format": {"type": "json_object", "schema": {"type": "integer"}}},
+        "response_format.schema",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "x", "structured_outputs": {"json": {"type": "object"}, "disable_any_whitespace": True}},
+        "structured_outputs.disable_any_whitespace",
+    ),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a", "whitespace_pattern": " "}},
+     "structured_outputs.whitespace_pattern"),
     ("/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {"chat_template": "x"}}, "chat_template_kwargs"),
+    # Names the renderer's own parameters take: not a template error in messages.
+    ("/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {"self": 1}}, "chat_template_kwargs"),
+    ("/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {"template": "x"}}, "chat_template_kwargs"),
+    ("/tokenize", {"messages": CHAT, "chat_template_kwargs": {"self": 1}}, "chat_template_kwargs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 3000}]}, "messages"),
     # Not silently dropped from the batch route's response.
     ("/v1/chat/completions/batch", {"messages": [CHAT], "prompt_logprobs": 1}, "prompt_logprobs"),

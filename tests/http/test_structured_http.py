@@ -284,3 +284,35 @@ def test_allowed_token_ids_that_run_out_mid_output_end_that_request(
     # Other requests are unaffected.
     out = complete(client, prompt="The capital of France is", max_tokens=4, temperature=0.0)
     assert out["choices"][0]["finish_reason"] == "length"
+
+
+NO_UNBANNED_TOKEN = "bad_words: every token the constrained output allows next is a bad word"
+
+
+def test_bad_words_that_leave_the_constraint_nothing_are_400_naming_them(
+    client: httpx.Client,
+) -> None:
+    # The constraint's only next token is a bad word: every logit is masked, so whatever
+    # is drawn breaks the grammar. The error names bad_words, not the grammar engine's parse.
+    tool = {"type": "function", "function": {"name": "f"}}
+    for path, extra in (
+        ("/v1/completions", {"prompt": "Hi", "guided_choice": ["a"], "bad_words": ["a"]}),
+        ("/v1/chat/completions", {"messages": CHAT, "tools": [tool], "tool_choice": "required",
+                                  "bad_words": ["["]}),
+    ):  # fmt: skip
+        body = {"model": MODEL, "max_tokens": 4, **extra}
+        response = client.post(path, json=body)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "bad_words", error
+        assert error["message"].startswith(NO_UNBANNED_TOKEN), error
+        assert "Parser Error" not in error["message"], error
+        with client.stream("POST", path, json={**body, "stream": True}) as stream:
+            assert stream.status_code == 200
+            events = [line[6:] for line in stream.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        errors = [json.loads(e)["error"] for e in events[:-1] if "error" in json.loads(e)]
+        assert len(errors) == 1 and errors[0]["param"] == "bad_words", events
+    # A bad word the constraint can do without is simply avoided.
+    out = complete(client, prompt="Hi", max_tokens=4, guided_choice=["a", "b"], bad_words=["a"])
+    assert out["choices"][0]["text"] == "b"
