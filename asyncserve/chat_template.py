@@ -151,3 +151,24 @@ def render_chat_template(
         raise ValueError(f"chat template error: {e}") from e
     except Exception as e:  # the template failing on these messages (None + str, say)
         raise ValueError(f"chat template error: {type(e).__name__}: {e}") from e
+
+
+def open_final_message(text: str, content: Any) -> str:
+    """vLLM's continue_final_message: the rendered chat `text` cut right after the final
+    message's `content` (transformers' rule), for the model to continue that message.
+    `content`: a string or content parts (their text parts). ValueError when it is empty
+    or the template did not render it."""
+    if isinstance(content, list):  # image parts add no text of the message's
+        content = "\n".join(
+            p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
+        )
+    final = content.strip() if isinstance(content, str) else ""
+    if not final:
+        raise ValueError("continue_final_message needs a final message with non-empty content")
+    end = text.rfind(final)
+    if end < 0:
+        raise ValueError(
+            "continue_final_message: the final message's content is not in the rendered "
+            "chat template"
+        )
+    return text[: end + len(final)]

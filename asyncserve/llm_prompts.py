@@ -10,6 +10,7 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from asyncserve.chat_template import open_final_message
 from asyncserve.engine.async_engine import AsyncEngine
 from asyncserve.engine.dp_client import DataParallelClient
 from asyncserve.engine.request_checks import (
@@ -291,7 +292,7 @@ def chat_prompts(
             text, refs = front_end.render_chat(conversation, render)
             images = front_end.load_images(refs, engine.config.multimodal.media_policy())
         if continue_final:
-            text = _open_final_message(text, conversation)
+            text = open_final_message(text, conversation[-1].get("content"))
         # The template already holds BOS where the model wants one.
         ids = tokenizer.encode(text, add_special_tokens=False)
         if images:
@@ -328,21 +329,3 @@ def _check_continue_final(continue_final: Any, add_generation_prompt: Any) -> No
             "continue_final_message and add_generation_prompt cannot both be true: "
             "pass add_generation_prompt=False to continue the final message"
         )
-
-
-def _open_final_message(text: str, conversation: list[dict[str, Any]]) -> str:
-    """The rendered chat cut right after the final message's content (transformers' rule)."""
-    content = conversation[-1].get("content")
-    if isinstance(content, list):  # text parts (image parts add no text of the message's)
-        content = "\n".join(
-            p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
-        )
-    final = content.strip() if isinstance(content, str) else ""
-    if not final:
-        raise ValueError("continue_final_message needs a final message with non-empty content")
-    end = text.rfind(final)
-    if end < 0:
-        raise ValueError(
-            "continue_final_message: the final message's content is not in the rendered chat"
-        )
-    return text[: end + len(final)]

@@ -16,16 +16,16 @@ NO_ALLOWED_TOKEN = "allowed_token_ids: no allowed token can continue the constra
 NO_UNBANNED_TOKEN = "bad_words: every token the constrained output allows next is a bad word"
 
 
-def allows_any(matcher: LLMatcher, token_ids: Collection[int]) -> bool:
-    """Whether the grammar accepts any of `token_ids` next; the matcher is left as it was."""
-    mask = matcher.compute_bitmask()  # one bit per token, token t at byte t // 8, bit t % 8
-    return any(t // 8 < len(mask) and (mask[t // 8] >> (t % 8)) & 1 for t in token_ids)
-
-
 def grammar_token_ids(matcher: LLMatcher) -> set[int]:
     """The tokens the grammar accepts next; the matcher is left as it was."""
+    # One bit per token: token t at byte t // 8, bit t % 8.
     mask = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
     return set(np.flatnonzero(np.unpackbits(mask, bitorder="little")).tolist())
+
+
+def allows_any(matcher: LLMatcher, token_ids: Collection[int]) -> bool:
+    """Whether the grammar accepts any of `token_ids` next; the matcher is left as it was."""
+    return not grammar_token_ids(matcher).isdisjoint(token_ids)
 
 
 def banned_by_bad_words(bad_words_token_ids: Sequence[list[int]], output: list[int]) -> set[int]:

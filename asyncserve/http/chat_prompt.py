@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from asyncserve.chat_template import open_final_message
 from asyncserve.http.errors import APIError
 from asyncserve.http.protocol import ChatCompletionRequest, ChatMessage
 from asyncserve.multimodal.chat_parts import render_with_images
@@ -162,19 +163,8 @@ def render_chat_prompt(
 
 
 def _open_final_message(text: str, messages: list[dict[str, Any]]) -> str:
-    """Cut the rendered chat right after the final message's content (transformers' rule)."""
-    final = (messages[-1].get("content") or "").strip()
-    where = f"messages[{len(messages) - 1}].content"
-    if not final:
-        raise APIError(
-            "continue_final_message needs a final message with non-empty content", 400, where
-        )
-    end = text.rfind(final)
-    if end < 0:
-        raise APIError(
-            "continue_final_message: the final message's content is not in the rendered "
-            "chat template",
-            400,
-            where,
-        )
-    return text[: end + len(final)]
+    """chat_template.open_final_message, its ValueError a 400 naming the final content."""
+    try:
+        return open_final_message(text, messages[-1].get("content"))
+    except ValueError as exc:
+        raise APIError(str(exc), 400, f"messages[{len(messages) - 1}].content") from None
