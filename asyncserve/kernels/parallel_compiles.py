@@ -4,9 +4,11 @@ With an empty Triton cache (a fresh machine, a new Triton or model shape) the st
 warm-up compiles every kernel variant its forwards meet, in turn, each as its first launch
 waits for it: seconds of one busy core while the others idle. Inside `compiles_in_parallel`
 a forward launches no Triton kernel; each variant it meets goes to a thread pool (Triton's
-AsyncCompileMode), and leaving the block waits for all of them. Triton's compiler spends
-most of its time outside the GIL (its MLIR passes and ptxas), so the threads overlap. The
-real warm-up that follows finds every kernel compiled and runs as on a warm cache.
+AsyncCompileMode), and leaving the block waits for all of them. Each thread compiles in a
+child it forks (compile_child.py: Triton builds a kernel's IR in Python, under the GIL, so
+threads alone overlap only its C++ passes and ptxas), then finds the kernel in the disk
+cache and loads it. The real warm-up that follows finds every kernel compiled and runs as
+on a warm cache.
 
 Such a forward still runs its torch operations and collectives (so tensor-parallel ranks
 stay in step), on whatever the skipped kernels left in their outputs: values are garbage,
@@ -34,6 +36,8 @@ from typing import Any
 
 import torch
 
+from asyncserve.kernels.compile_child import compile_in_child, fork_available
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_THREADS = 16
@@ -41,6 +45,9 @@ _local = threading.local()
 _patch_lock = threading.Lock()
 _patch_users = 0
 _original_run: Callable[..., Any] | None = None
+_original_do_compile: Callable[..., Any] | None = None
+# (kernel, device, specialization key) of each compile filed in a kernel cache while pending.
+_placeholders: list[tuple[Any, Any, Any]] = []
 
 
 def compile_threads() -> int:
@@ -126,8 +133,13 @@ def _async_compile_mode() -> Any:
 
 
 def _patch_jit_run() -> None:
-    """Make JITFunction.run a warm-up (compile, no launch) on threads that are compiling."""
-    global _patch_users, _original_run
+    """Make JITFunction.run a warm-up (compile, no launch) on threads that are compiling, and
+    file each variant's pending compile in the kernel's cache at once: Triton 3.6 files it
+    only when the compile is done (at the end of the pass), so until then every launch of it
+    (each layer's, each graph size's) would pack its arguments and build its source and
+    cache key again, ~0.3 ms a launch: 1.5 s of a pass over 20 graph sizes of a 32-layer
+    model. Later Tritons file such a placeholder themselves."""
+    global _patch_users, _original_run, _original_do_compile
     from triton.runtime.jit import JITFunction
 
     with _patch_lock:
@@ -135,23 +147,61 @@ def _patch_jit_run() -> None:
         if _patch_users > 1:
             return
         original = JITFunction.run
-        _original_run = original
+        original_do_compile = JITFunction._do_compile
+        _original_run, _original_do_compile = original, original_do_compile
 
         def run(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
             return original(self, *args, grid=grid, warmup=warmup or compiling_only(), **kwargs)
 
+        def do_compile(self: Any, key: Any, signature: Any, device: Any, *args: Any) -> Any:
+            kernel = original_do_compile(self, key, signature, device, *args)
+            if kernel is not None and compiling_only():
+                self.device_caches[device][0][key] = kernel  # a FutureKernel until the end
+                _placeholders.append((self, device, key))
+            return kernel
+
         JITFunction.run = run  # type: ignore[method-assign]
+        JITFunction._do_compile = do_compile  # type: ignore[method-assign]
 
 
 def _unpatch_jit_run() -> None:
-    global _patch_users, _original_run
+    """Undo _patch_jit_run once its last user is done; a compile that failed leaves no
+    placeholder behind (its first real launch compiles again and raises the error)."""
+    global _patch_users, _original_run, _original_do_compile
     from triton.runtime.jit import JITFunction
 
     with _patch_lock:
         _patch_users -= 1
         if _patch_users == 0 and _original_run is not None:
             JITFunction.run = _original_run  # type: ignore[method-assign]
-            _original_run = None
+            JITFunction._do_compile = _original_do_compile  # type: ignore[method-assign]
+            _original_run = _original_do_compile = None
+            for fn, device, key in _placeholders:
+                cache = fn.device_caches[device][0]
+                if type(cache.get(key)).__name__ == "FutureKernel":
+                    del cache[key]
+            _placeholders.clear()
+
+
+def warm_up_compiler(device: torch.device) -> None:
+    """Start, on a thread of its own (while the weights load), what the first kernel compile
+    or cache lookup would otherwise do on the critical path: Triton's own cache key, a hash of
+    its sources and of its compiled library (~0.5 s: it reads the library whole), and the
+    modules its launches import on first use."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    threading.Thread(target=_warm_up_compiler, name="compiler-warm-up", daemon=True).start()
+
+
+def _warm_up_compiler() -> None:
+    try:
+        import triton.compiler.compiler  # noqa: F401
+        import triton.experimental.gluon  # noqa: F401  (a launch's argument binder's import)
+        from triton.runtime.cache import triton_key
+
+        triton_key()
+    except Exception as error:  # a Triton without these: its first compile does it all
+        logger.debug("compiler warm-up: %r", error)
 
 
 def _device_index(device: torch.device) -> int | None:
@@ -163,17 +213,26 @@ def _device_index(device: torch.device) -> int | None:
 
 
 class _CompileAndLoad(Executor):
-    """Runs each compile on the pool, then loads the kernel there too, onto `device_index`
-    (a thread's current device is its own): its first launch would otherwise build its
-    launcher (on an empty cache a C compile of its own, for Triton versions with a launcher
-    per signature) and load it, one kernel after another."""
+    """Runs each compile on the pool (`in_children`: in a child forked from the thread,
+    compile_child.py, then the thread's own compile is a cache hit), then loads the kernel
+    there too, onto `device_index` (a thread's current device is its own): its first launch
+    would otherwise build its launcher (on an empty cache a C compile of its own, for Triton
+    versions with a launcher per signature) and load it, one kernel after another."""
 
-    def __init__(self, pool: ThreadPoolExecutor, device_index: int | None) -> None:
+    def __init__(
+        self, pool: ThreadPoolExecutor, device_index: int | None, in_children: bool
+    ) -> None:
         self.pool = pool
         self.device_index = device_index
+        self.in_children = in_children
+        self.children_compiled = 0
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
         def compile_and_load() -> Any:
+            start = time.perf_counter()
+            if self.in_children and compile_in_child(lambda: fn(*args, **kwargs)):
+                self.children_compiled += 1  # one bytecode: atomic under the GIL
+            compiled = time.perf_counter()
             kernel = fn(*args, **kwargs)
             load = getattr(kernel, "_init_handles", None)
             if load is not None:
@@ -183,6 +242,10 @@ class _CompileAndLoad(Executor):
                     load()
                 except Exception as error:  # its first launch tries again, and raises
                     logger.debug("loading %s after its compile: %r", kernel, error)
+            logger.debug(
+                "kernel %s: compiled in %.2f s, loaded in %.2f s",
+                getattr(kernel, "name", kernel), compiled - start, time.perf_counter() - compiled,
+            )  # fmt: skip
             return kernel
 
         return self.pool.submit(compile_and_load)
@@ -216,7 +279,8 @@ def compiles_in_parallel(device: torch.device, what: str) -> Iterator[bool]:
     _patch_jit_run()
     try:
         with ThreadPoolExecutor(threads, thread_name_prefix="kernel-compile") as pool:
-            mode = mode_cls(_CompileAndLoad(pool, _device_index(device)), ignore_errors=True)
+            executor = _CompileAndLoad(pool, _device_index(device), fork_available())
+            mode = mode_cls(executor, ignore_errors=True)
             with mode:
                 pending = mode.future_kernels
                 _local.active = True
@@ -225,11 +289,13 @@ def compiles_in_parallel(device: torch.device, what: str) -> Iterator[bool]:
                 finally:
                     _local.active = False
                     count = len(pending)
+                    forwards_s = time.perf_counter() - start
     finally:
         _unpatch_jit_run()
     logger.info(
-        "compiled %d kernel variants for %s on %d threads in %.1f s",
-        count, what, threads, time.perf_counter() - start,
+        "compiled %d kernel variants for %s on %d threads (%d in forked children) in %.1f s "
+        "(the forwards that met them %.1f s)",
+        count, what, threads, executor.children_compiled, time.perf_counter() - start, forwards_s,
     )  # fmt: skip
 
 

@@ -51,6 +51,10 @@ SCRIPT = textwrap.dedent(
     parallel_compiles.parallel_compiles_available = lambda device: True
 
     @triton.jit
+    def broken(x_ptr, BLOCK: tl.constexpr):
+        tl.store(x_ptr + tl.arange(0, BLOCK), 1.0)  # BLOCK 3: not a power of two
+
+    @triton.jit
     def scale(x_ptr, y_ptr, n, BLOCK: tl.constexpr, FACTOR: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + offs, mask=offs < n)
@@ -62,6 +66,14 @@ SCRIPT = textwrap.dedent(
         compile_threads.add(threading.current_thread().name)
         return original_compile(*args, **kwargs)
 
+    cache_hits = []  # the parent's compiles: hits when children compiled the kernels first
+    triton.knobs.compilation.listener = lambda **info: cache_hits.append(info["cache_hit"])
+    do_compile_calls = []  # Triton's own _do_compile: once a variant, however often launched
+    triton_do_compile = JITFunction._do_compile
+    def counting_do_compile(self, key, *args):
+        do_compile_calls.append(key)
+        return triton_do_compile(self, key, *args)
+    JITFunction._do_compile = counting_do_compile
     run_before = JITFunction.run
     x = torch.ones(1000)
     y = torch.zeros(1000)
@@ -74,9 +86,14 @@ SCRIPT = textwrap.dedent(
             scale[(1,)](x, y, 1000, BLOCK=block, FACTOR=3.0)  # the same variant: one compile
         scale.compile = recording_compile
         scale[(1,)](x, y, 1000, BLOCK=1024, FACTOR=3.0)
+        broken[(1,)](x, BLOCK=3)  # fails on its thread; its first real launch raises it
+        broken[(1,)](x, BLOCK=3)
     assert not compiling_only()
     assert JITFunction.run is run_before
+    assert JITFunction._do_compile is counting_do_compile
+    assert len(do_compile_calls) == len(set(do_compile_calls)) == 6, do_compile_calls
     assert float(y.sum()) == 0.0  # nothing ran
+    assert not broken.device_caches[0][0], "a failed compile left its placeholder"
     kernels = list(kernel_cache.values())
     assert len(kernels) == 5, len(kernels)
     for kernel in kernels:
@@ -84,22 +101,31 @@ SCRIPT = textwrap.dedent(
         assert kernel.asm["cubin"] and ".target sm_90" in kernel.asm["ptx"]
     assert compile_threads and all(n.startswith("kernel-compile") for n in compile_threads)
     assert loaded_on and all(n.startswith("kernel-compile") for n in loaded_on), loaded_on
-    print("ok", len(kernels))
+    print("ok", len(kernels), "hits", sum(cache_hits), "of", len(cache_hits))
     """
 )
 
 
-def test_launches_compile_on_threads_without_running(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fork", ["1", "0"])
+def test_launches_compile_on_threads_without_running(tmp_path: Path, fork: str) -> None:
+    """With ASYNCSERVE_COMPILE_FORK=1 each compile runs in a child forked from its thread
+    and the thread's own compile is a hit in the disk cache the child filled; with 0 the
+    threads compile."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path / "cache"), ASYNCSERVE_COMPILE_THREADS="2")
+    env.update(
+        TRITON_CACHE_DIR=str(tmp_path / "cache"),
+        ASYNCSERVE_COMPILE_THREADS="2",
+        ASYNCSERVE_COMPILE_FORK=fork,
+    )
     script = tmp_path / "compile_on_threads.py"  # Triton reads a kernel's source file
     script.write_text(SCRIPT)
     done = subprocess.run(
         [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip() == "ok 5"
+    hits = 5 if fork == "1" else 0
+    assert done.stdout.strip() == f"ok 5 hits {hits} of 5", done.stdout
 
 
 def test_a_cpu_device_runs_the_block_for_real() -> None:
