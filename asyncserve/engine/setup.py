@@ -10,6 +10,7 @@ import torch
 from asyncserve.config import EngineConfig
 from asyncserve.executor.abstract import Executor
 from asyncserve.executor.multiproc import MultiProcExecutor
+from asyncserve.kernels.parallel_compiles import warm_up_compiler
 from asyncserve.models.loader import LoadedModel, load_model
 from asyncserve.models.parallel import TensorParallel
 from asyncserve.models.pipeline import split_layers
@@ -37,6 +38,7 @@ def load_for_engine(
     backend = config.parallel.distributed_executor_backend
     if backend == "uni" or (config.parallel.world_size == 1 and backend is None):
         tp = TensorParallel(expert_parallel=expert_parallel)
+        warm_up_compiler(device)
         return load_model(config.model, device, tp), None
     tp = TensorParallel(0, size, expert_parallel)
     loaded = load_model(config.model, device, tp, weights=False)

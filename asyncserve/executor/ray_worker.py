@@ -30,6 +30,7 @@ import torch.distributed as dist
 from asyncserve.config import EngineConfig
 from asyncserve.executor.step_codec import Message
 from asyncserve.executor.tp_worker import _error, serve
+from asyncserve.kernels.parallel_compiles import warm_up_compiler
 from asyncserve.models.loader import load_model
 from asyncserve.models.parallel import TensorParallel
 from asyncserve.models.pipeline import PipelineStage
@@ -123,6 +124,7 @@ def _start(
         # Ray sets this actor's threads to its CPU share (OMP_NUM_THREADS).
         device = torch.device("cpu")
         backend = "gloo"
+    warm_up_compiler(device)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
     torch.manual_seed(config.model.seed)
     tp_ranks = tp_size(config)

@@ -25,6 +25,7 @@ from asyncserve.config import EngineConfig
 from asyncserve.core.step import GrammarBitmask
 from asyncserve.executor.shm_broadcast import ReaderHandle, ShmReader
 from asyncserve.executor.step_codec import Message, decode
+from asyncserve.kernels.parallel_compiles import warm_up_compiler
 from asyncserve.models.loader import load_model
 from asyncserve.models.parallel import TensorParallel
 from asyncserve.worker import fast_all_reduce
@@ -49,6 +50,7 @@ def _start(
         # The ranks share the host's cores: one share each instead of all of them each.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
         backend = "gloo"
+    warm_up_compiler(device)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
     torch.manual_seed(config.model.seed)
     tp = TensorParallel(rank, size, config.parallel.enable_expert_parallel)
