@@ -6,8 +6,10 @@ each kernel's IR in Python, under the GIL, so sixteen threads compile about twic
 as one. A child forked from the thread has its own interpreter: the compiles overlap fully.
 Forking needs no pickling (the child holds the parent's kernel objects and the compile
 closure as they are) and no start-up (its modules are imported). The child touches no CUDA
-(the target is given, nothing launches or loads) and runs only the compiler, which no
-thread of the parent runs meanwhile: only cache hits and kernel loads stay in the parent.
+(the target is given, nothing launches or loads) and runs only the compiler, which the
+parent's threads run only after a child failed: cache hits and kernel loads stay in the
+parent. A lock another thread held at the fork would never be released in the child: the
+kernels' hash locks are made anew there, and a child stuck past CHILD_TIMEOUT_S is killed.
 The child also builds the kernel's launcher (a C module Triton caches on disk too).
 
 A child that fails leaves nothing behind; the caller's compile then runs in-process as

@@ -226,12 +226,14 @@ class _CompileAndLoad(Executor):
         self.device_index = device_index
         self.in_children = in_children
         self.children_compiled = 0
+        self._count_lock = threading.Lock()
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
         def compile_and_load() -> Any:
             start = time.perf_counter()
             if self.in_children and compile_in_child(lambda: fn(*args, **kwargs)):
-                self.children_compiled += 1  # one bytecode: atomic under the GIL
+                with self._count_lock:
+                    self.children_compiled += 1
             compiled = time.perf_counter()
             kernel = fn(*args, **kwargs)
             load = getattr(kernel, "_init_handles", None)
