@@ -32,6 +32,7 @@ def test_a_hash_lock_held_by_another_thread_at_the_fork_does_not_stall_the_child
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(compile_child, "CHILD_TIMEOUT_S", 10.0)  # a stalled child: False
+
     class Kernel:  # as Triton's JITFunction: an RLock around its cache key
         def __init__(self) -> None:
             self._hash_lock = threading.RLock()
