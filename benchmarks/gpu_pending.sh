@@ -158,6 +158,21 @@ j_w1b_diag_1024() { w1b_diag 1024; }
 
 echo "=== part $1 $(date +%T)"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+# w5 CACHE NAME: one W5 start on Triton cache /tmp/tc-CACHE, its log $OUT/w5_NAME.log; wb: the
+# same with the last commit's package (.base/asyncserve: `git archive HEAD asyncserve | tar -x
+# -C .base`; python -m puts the working directory first on the path, so it runs from .base).
+w5() { TRITON_CACHE_DIR=/tmp/tc-$1 TAIL=1 step w5_$2 100 python3 benchmarks/cold_start.py --model $L3 --port 8701 --repeat 1 -- --max-model-len 2048; }
+wb() { (cd .base && TRITON_CACHE_DIR=/tmp/tc-$1 TAIL=1 step w5_$2 100 python3 ../benchmarks/cold_start.py --model ../$L3 --port 8701 --repeat 1 -- --max-model-len 2048); }
+# torch_bytecode: the bytecode a pip install leaves, compiled once into /tmp/pyc and read from
+# there (this image ships torch without .pyc and sets PYTHONDONTWRITEBYTECODE, so every start
+# compiled torch's sources: 4-5 s of imports).
+torch_bytecode() {
+  local d
+  d=$(python3 -c "import torch, os; print(os.path.dirname(os.path.dirname(torch.__file__)))")
+  [ -d /tmp/pyc ] || env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=/tmp/pyc python3 -m compileall -q -j 16 $d/torch $d/triton $d/transformers $d/numpy $d/jinja2 /tmp/site > /dev/null 2>&1
+  export PYTHONPYCACHEPREFIX=/tmp/pyc
+}
+
 case $1 in
   prep)
     [ -d .smol/a ] && mkdir -p /tmp/smol && cp .smol/a/part /tmp/smol/part_a
@@ -217,7 +232,6 @@ case $1 in
     done
     TRITON_CACHE_DIR=/tmp/tc-tests TAIL=4 step graph_tests 150 python3 -m pytest -q -p no:cacheprovider -rfs tests/worker/test_prefill_graphs.py tests/worker/test_cuda_graphs_gpu.py tests/worker/test_verify_graphs.py tests/kernels/test_parallel_compiles.py ;;
   coldpar2)  # carry .whl: W5 pairs as coldpar (threads first in the second round); graph tests
-    w5() { TRITON_CACHE_DIR=/tmp/tc-$1 TAIL=1 step w5_$2 100 python3 benchmarks/cold_start.py --model $L3 --port 8701 --repeat 1 -- --max-model-len 2048; }
     ASYNCSERVE_COMPILE_THREADS=1 w5 s1 one_1_cold; w5 t1 threads_1_cold
     ASYNCSERVE_COMPILE_THREADS=1 w5 s1 one_1_warm; w5 t1 threads_1_warm
     w5 t2 threads_2_cold; ASYNCSERVE_COMPILE_THREADS=1 w5 s2 one_2_cold
@@ -227,7 +241,6 @@ case $1 in
   coldfork)  # carry .whl: W5 with start-up compiles in children forked from the threads
     # against on the threads (ASYNCSERVE_COMPILE_FORK=0), pairs on fresh caches then warm,
     # order swapped in round 2 (18); greedy tokens both ways (dense and MoE); graph tests
-    w5() { TRITON_CACHE_DIR=/tmp/tc-$1 TAIL=1 step w5_$2 100 python3 benchmarks/cold_start.py --model $L3 --port 8701 --repeat 1 -- --max-model-len 2048; }
     w5 f1 fork_1_cold; ASYNCSERVE_COMPILE_FORK=0 w5 t1 threads_1_cold
     w5 f1 fork_1_warm; ASYNCSERVE_COMPILE_FORK=0 w5 t1 threads_1_warm
     ASYNCSERVE_COMPILE_FORK=0 w5 t2 threads_2_cold; w5 f2 fork_2_cold
@@ -250,32 +263,6 @@ case $1 in
       ASYNCSERVE_LOG_LEVEL=DEBUG ASYNCSERVE_COMPILE_FORK=$mode TRITON_CACHE_DIR=/tmp/tc-d$mode TAIL=1 step w5_debug_$mode 100 python3 benchmarks/cold_start.py --model $L3 --port 8701 --repeat 1 -- --max-model-len 2048
       grep -h "kernel .*compiled in\|compiled .* kernel variants\|loader's first\|answering\|loaded \|captured" $OUT/w5_debug_$mode.log | cut -c1-200
     done ;;
-  coldspy2)  # carry .whl .spy: py-spy over a cold start (fresh Triton cache), main thread and
-    # the compile threads, until the server answers: where the start-up pass's 4.6 s go (18)
-    python3 -m pip install -q --no-index --no-deps --target /tmp/spy .spy/py_spy-*.whl || exit 1
-    TRITON_CACHE_DIR=/tmp/tc-spy /tmp/spy/bin/py-spy record -r 200 --threads -f raw -o $OUT/cold_spy.txt -- \
-      python3 -m asyncserve serve --model $L3 --load-format dummy --max-model-len 2048 --port 8703 > $OUT/cold_spy.log 2>&1 &
-    wait_up 8703; sleep 1; pkill -INT -f "port 8703"; sleep 8
-    grep -h "compiled .* kernel variants\|loaded \|captured\|engine ready" $OUT/cold_spy.log | cut -c1-200; ls -la $OUT ;;
-  gemvvar)  # carry .whl: the int4 GEMV's variants without in-loop layout conversions against
-    # int4_gemv, Llama-3-8B's four shapes at one token (14): checked, then timed
-    TAIL=3 step gemv_check 120 python3 benchmarks/int4_gemv_variants.py --check
-    TAIL=40 step gemv_variants 300 python3 benchmarks/int4_gemv_variants.py ;;
-  coldbase)  # carry .whl .base: W5 from empty caches (and warm), this tree against the last
-    # commit's package (.base/asyncserve: `git archive HEAD asyncserve | tar -x -C .base`),
-    # order swapped in round 2 (18); greedy tokens of both; graph and compile tests
-    w5() { TRITON_CACHE_DIR=/tmp/tc-$1 TAIL=1 step w5_$2 100 python3 benchmarks/cold_start.py --model $L3 --port 8701 --repeat 1 -- --max-model-len 2048; }
-    # (python -m puts the working directory first on the path: the base runs from .base)
-    wb() { (cd .base && TRITON_CACHE_DIR=/tmp/tc-$1 TAIL=1 step w5_$2 100 python3 ../benchmarks/cold_start.py --model ../$L3 --port 8701 --repeat 1 -- --max-model-len 2048); }
-    w5 n1 new_1_cold; wb b1 base_1_cold
-    w5 n1 new_1_warm; wb b1 base_1_warm
-    wb b2 base_2_cold; w5 n2 new_2_cold
-    wb b3 base_3_cold; w5 n3 new_3_cold
-    for f in $OUT/w5_*.log; do echo "$(basename $f): $(grep -h "loader's first\|cold start to" $f | tr '\n' ' ') $(grep -h "compiled .* kernel variants" $f | grep -o "children) in [0-9.]* s")"; done
-    (cd .base && TRITON_CACHE_DIR=/tmp/tc-c1 TAIL=1 step check_base 120 python3 ../benchmarks/compile_threads_check.py --model ../$L3)
-    TRITON_CACHE_DIR=/tmp/tc-c2 TAIL=1 step check_new 120 python3 benchmarks/compile_threads_check.py --model $L3
-    diff <(tail -1 $OUT/check_base.log | sed 's/.*"tokens"//') <(tail -1 $OUT/check_new.log | sed 's/.*"tokens"//') > /dev/null && echo "same tokens" || echo "TOKENS DIFFER"
-    TRITON_CACHE_DIR=/tmp/tc-tests TAIL=2 step graph_tests 200 python3 -m pytest -q -p no:cacheprovider -rfs tests/worker/test_prefill_graphs.py tests/worker/test_cuda_graphs_gpu.py tests/kernels/test_parallel_compiles.py tests/kernels/test_compile_child.py ;;
   pyc)  # carry .whl: is torch's import (5+ s on some hosts) compiling its sources? (18)
     d=$(python3 -c "import torch, os; print(os.path.dirname(torch.__file__))")
     echo "$d: $(ls $d/__pycache__ 2>/dev/null | wc -l) cached modules; writable: $(test -w $d && echo yes || echo no)"
@@ -283,17 +270,11 @@ case $1 in
     for i in 1 2; do python3 -c "$t"; done
     for i in 1 2; do PYTHONPYCACHEPREFIX=/tmp/pyc python3 -c "$t"; done
     python3 -X importtime -c "import torch" 2> $OUT/torch_importtime.txt; sort -t'|' -k2 -n -r $OUT/torch_importtime.txt | head -12 | cut -c1-100 ;;
-  coldpyc)  # carry .whl .base: W5 as coldbase with torch's bytecode compiled first, as a pip
-    # install leaves it (this image ships torch without .pyc and sets PYTHONDONTWRITEBYTECODE,
-    # so every start compiled torch's sources: 4-5 s of imports) (18)
-    d=$(python3 -c "import torch, os; print(os.path.dirname(os.path.dirname(torch.__file__)))")
-    echo "PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE:-unset}"
-    env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=/tmp/pyc python3 -m compileall -q -j 16 $d/torch $d/triton $d/transformers $d/numpy $d/jinja2 /tmp/site > /dev/null 2>&1; du -sh /tmp/pyc
-    export PYTHONPYCACHEPREFIX=/tmp/pyc
+  coldpyc)  # carry .whl .base: W5 from empty caches (and warm), this tree against the last
+    # commit's package (wb), order swapped between rounds, with torch_bytecode first (18)
+    torch_bytecode
     t='import time; t = time.perf_counter(); import torch; print(f"{time.perf_counter() - t:.2f} s: import torch")'
     python3 -c "$t"; python3 -c "$t"
-    w5() { TRITON_CACHE_DIR=/tmp/tc-$1 TAIL=1 step w5_$2 100 python3 benchmarks/cold_start.py --model $L3 --port 8701 --repeat 1 -- --max-model-len 2048; }
-    wb() { (cd .base && TRITON_CACHE_DIR=/tmp/tc-$1 TAIL=1 step w5_$2 100 python3 ../benchmarks/cold_start.py --model ../$L3 --port 8701 --repeat 1 -- --max-model-len 2048); }
     r=$RANDOM  # caches of their own even on a machine an earlier call left warm
     w5 p1$r new_1_cold; wb q1$r base_1_cold
     wb q2$r base_2_cold; w5 p2$r new_2_cold
@@ -301,16 +282,6 @@ case $1 in
     w5 p3$r new_3_warm; wb q3$r base_3_warm
     TRITON_CACHE_DIR=/tmp/tc-t$r TAIL=2 step graph_tests 100 python3 -m pytest -q -p no:cacheprovider -rfs tests/worker/test_cuda_graphs_gpu.py tests/kernels/test_parallel_compiles.py tests/kernels/test_compile_child.py
     for f in $OUT/w5_*.log; do echo "$(basename $f): $(grep -h "loader's first\|cold start to" $f | tr '\n' ' ') $(grep -h "compiled .* kernel variants" $f | grep -o "children) in [0-9.]* s")"; done ;;
-  coldspy3)  # carry .whl .spy: py-spy over a cold start as coldspy2, with torch's bytecode as
-    # coldpyc leaves it and a fresh Triton cache (18)
-    python3 -m pip install -q --no-index --no-deps --target /tmp/spy .spy/py_spy-*.whl || exit 1
-    d=$(python3 -c "import torch, os; print(os.path.dirname(os.path.dirname(torch.__file__)))")
-    [ -d /tmp/pyc ] || env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=/tmp/pyc python3 -m compileall -q -j 16 $d/torch $d/triton $d/transformers $d/numpy $d/jinja2 /tmp/site > /dev/null 2>&1
-    export PYTHONPYCACHEPREFIX=/tmp/pyc
-    TRITON_CACHE_DIR=/tmp/tc-spy3-$RANDOM /tmp/spy/bin/py-spy record -r 200 --threads -f raw -o $OUT/cold_spy3.txt -- \
-      python3 -m asyncserve serve --model $L3 --load-format dummy --max-model-len 2048 --port 8704 > $OUT/cold_spy3.log 2>&1 &
-    wait_up 8704; sleep 1; pkill -INT -f "port 8704"; sleep 8
-    grep -h "compiled .* kernel variants\|loaded \|captured\|engine ready" $OUT/cold_spy3.log | cut -c1-200 ;;
   moetune)  # carry .whl: the fused MoE's tiles tuned on this GPU for Qwen3-30B-A3B (13; the
     # H200 read the H100's table); kept in /tmp/moe_cfg for the calls after, which copy it into
     # asyncserve/kernels/moe_configs/ (and so should this checkout, from $OUT/moe_configs)
@@ -343,14 +314,19 @@ case $1 in
       TRITON_CACHE_DIR=/tmp/tc-p2-$n TAIL=1 step tp_threads_$n 150 python3 benchmarks/compile_threads_check.py --model $model --tensor-parallel-size 2
       grep -h "compiled .* kernel variants\|compiled after start-up" $OUT/tp_threads_$n.log | cut -c1-160
     done ;;
-  coldspy)  # carry .whl .spy: W5 on fresh caches, then where a cold start's time goes (18)
-    for round in ${ROUNDS:-1 2}; do
-      TRITON_CACHE_DIR=/tmp/tc-u$round TAIL=3 step w5_threads_$round 100 python3 benchmarks/cold_start.py --model $L3 --port 8702 --repeat 1 -- --max-model-len 2048
+  coldspy)  # carry .whl .spy: W5 on fresh caches (ROUNDS, default "1 2"; empty for none), then
+    # py-spy over a cold start until the server answers: main thread and compile threads,
+    # where its time goes (18); BYTECODE=1: torch_bytecode first
+    [ "${BYTECODE:-0}" = 1 ] && torch_bytecode
+    for round in ${ROUNDS-1 2}; do
+      TRITON_CACHE_DIR=/tmp/tc-u$round-$RANDOM TAIL=3 step w5_threads_$round 100 python3 benchmarks/cold_start.py --model $L3 --port 8702 --repeat 1 -- --max-model-len 2048
       grep -h "compiled .* kernel variants\|compiled after start-up\|captured\|GPU memory\|loading" $OUT/w5_threads_$round.log | cut -c1-160
     done
-    python3 -m pip install -q --no-index --no-deps --target /tmp/spy .spy/py_spy-*.whl
-    TRITON_CACHE_DIR=/tmp/tc-spy TAIL=2 step w5_spy 60 /tmp/spy/bin/py-spy record -d 22 -r 200 --idle --threads -f raw -o $OUT/w5_spy.txt -- \
-      python3 -m asyncserve serve --model $L3 --load-format dummy --max-model-len 2048 --port 8703 ;;
+    python3 -m pip install -q --no-index --no-deps --target /tmp/spy .spy/py_spy-*.whl || exit 1
+    TRITON_CACHE_DIR=/tmp/tc-spy-$RANDOM /tmp/spy/bin/py-spy record -r 200 --idle --threads -f raw -o $OUT/w5_spy.txt -- \
+      python3 -m asyncserve serve --model $L3 --load-format dummy --max-model-len 2048 --port 8703 > $OUT/w5_spy.log 2>&1 &
+    wait_up 8703; sleep 1; pkill -INT -f "port 8703"; sleep 8
+    grep -h "compiled .* kernel variants\|loaded \|captured\|engine ready" $OUT/w5_spy.log | cut -c1-200 ;;
   int4)  # carry .whl: the int4 GEMV without int-to-float conversions on the GPU (tests, against
     # its predecessor with a tile sweep, one token and four), then W2 W4A16 alone with its
     # kernels summed (14)
