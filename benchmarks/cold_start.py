@@ -1,7 +1,8 @@
 """W5: seconds from process start to the first token served over HTTP.
 
 Also reports when the model loader logs its first line ("loading ... onto ..."): the time
-before it is Python imports and set-up, the CPU-side part of the cold start. On a CPU
+before it is Python imports and set-up, the CPU-side part of the cold start. Each line of the
+server's log is passed through after its seconds since the start, which times every phase. On a CPU
 machine: `python benchmarks/cold_start.py --model benchmarks/configs/llama-tiny --repeat 3`.
 """
 
@@ -20,12 +21,14 @@ LOADER_LINE = " onto "  # models/loader.py: "loading <source> (<kind>) onto <dev
 
 
 def _watch_log(server: subprocess.Popen[str], start: float, seen: dict[str, float]) -> None:
-    # Passes the server's log through and notes when the loader's first line appears.
+    # Passes the server's log through, each line after its seconds since the start (the
+    # phases of a start), and notes when the loader's first line appears.
     assert server.stderr is not None
     for line in server.stderr:
+        elapsed = time.perf_counter() - start
         if "loader" not in seen and "loading " in line and LOADER_LINE in line:
-            seen["loader"] = time.perf_counter() - start
-        sys.stderr.write(line)
+            seen["loader"] = elapsed
+        sys.stderr.write(f"[{elapsed:6.2f}] {line}")
 
 
 def cold_start(model: str, port: int, timeout: float, extra: list[str]) -> dict[str, float]:

@@ -85,14 +85,17 @@ def build_ll_tokenizer(
 
     Built from tokenizer.json (the backend serialized without padding or truncation), as
     `llguidance.hf.from_tokenizer` does. `eos_token_ids` are the tokens the grammar allows
-    where it accepts: the engine passes every EOS id it stops on. About a second for a
-    50k vocabulary: build it once per engine.
+    where it accepts: the engine passes every EOS id it stops on. 0.4-1 s for a 128k
+    vocabulary, all of it under the GIL: build it once per engine, when first needed.
     """
-    plain = tokenizers.Tokenizer.from_str(backend.to_str())
-    plain.no_padding()
-    plain.no_truncation()
+    text = backend.to_str()
+    if backend.padding is not None or backend.truncation is not None:
+        plain = tokenizers.Tokenizer.from_str(text)
+        plain.no_padding()
+        plain.no_truncation()
+        text = plain.to_str()
     eos: list[int] | None = list(eos_token_ids) or None
-    return LLTokenizer(plain.to_str(), n_vocab=vocab_size, eos_token=eos)
+    return LLTokenizer(text, n_vocab=vocab_size, eos_token=eos)
 
 
 def _json_schema(value: str | dict[str, Any] | bool) -> dict[str, Any] | bool:
@@ -229,10 +232,12 @@ class StructuredOutputManager:
         self.pin_memory = pin_memory
         self._cache_size = cache_size
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncserve-grammar")
-        # Built in the background: the first constrained request should not wait ~1 s.
-        self._tokenizer_future = self._executor.submit(
-            build_ll_tokenizer, backend, vocab_size, list(eos_token_ids)
-        )
+        # Built on first use, not at start-up: the build holds the GIL throughout (0.4-1 s
+        # for a 128k vocabulary), which on a thread of its own stalled the server's start
+        # by as much, and most servers never see a constrained request.
+        self._tokenizer_source = (backend, vocab_size, list(eos_token_ids))
+        self._tokenizer: LLTokenizer | None = None
+        self._tokenizer_lock = threading.Lock()
         self._templates: OrderedDict[str, LLMatcher] = OrderedDict()
         self._templates_lock = threading.Lock()
         self._matchers: dict[str, _MatcherState] = {}
@@ -244,7 +249,12 @@ class StructuredOutputManager:
 
     @property
     def tokenizer(self) -> LLTokenizer:
-        return self._tokenizer_future.result()
+        """llguidance's tokenizer, built by the first caller (the first constrained request's
+        validation, on a preprocessing thread)."""
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                self._tokenizer = build_ll_tokenizer(*self._tokenizer_source)
+            return self._tokenizer
 
     @property
     def num_requests(self) -> int:

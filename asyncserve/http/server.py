@@ -12,6 +12,7 @@ import importlib.util
 import logging
 import signal
 import socket
+import time
 from types import FrameType
 from typing import Any
 
@@ -93,7 +94,9 @@ def run_server(
 ) -> int:
     """Serve until SIGTERM/SIGINT; returns the exit code (0 after a graceful shutdown, 1 when
     the engine failed for good). `sock`: config's host:port, bound already."""
+    start = time.perf_counter()
     app = build_app(engine, config, metrics)
+    logger.debug("app built in %.2f s", time.perf_counter() - start)
     server = EagerAcceptServer(uvicorn_config(app, config))
     server.bound = sock
     state = app.state.asyncserve
@@ -106,7 +109,12 @@ def run_server(
     server.on_shutdown = start_deadline
     previous = {sig: signal.signal(sig, _swallow) for sig in (signal.SIGTERM, signal.SIGINT)}
     # The model is loaded: keep full collections from walking it while serving.
-    logger.debug("froze %d startup objects for the garbage collector", freeze_startup_heap())
+    start = time.perf_counter()
+    frozen = freeze_startup_heap()
+    logger.debug(
+        "froze %d startup objects for the garbage collector in %.2f s",
+        frozen, time.perf_counter() - start,
+    )  # fmt: skip
     try:
         server.run()
     finally:

@@ -19,6 +19,7 @@ from asyncserve.models.arch_config import ArchConfig
 from asyncserve.models.attention import AttentionMetadata
 from asyncserve.models.moe import kernel_warm_up_sizes
 from asyncserve.worker.cuda_graphs import DecodeGraphs, logits_forward
+from asyncserve.worker.grammar_mask import warm_up_grammar_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -138,9 +139,9 @@ def _compile_start_up_kernels(
     device: torch.device,
     max_model_len: int,
 ) -> None:
-    """Compile the profile step's kernels and the decode graphs' on threads, together
-    (kernels/parallel_compiles.py): the graphs' own pass, once the pool is there, then finds
-    theirs compiled. A cache of two blocks stands in for the pool: the kernels specialize on
+    """Compile the profile step's kernels, the decode graphs' and the grammar mask's on
+    threads, together (kernels/parallel_compiles.py): the graphs' own pass, once the pool is
+    there, then finds theirs compiled. A cache of two blocks stands in for the pool: the kernels specialize on
     its strides, not on its number of blocks."""
 
     # Ranks of a group must agree on the pass (its forwards hold collectives): they skip no
@@ -161,6 +162,7 @@ def _compile_start_up_kernels(
             rows = min(config.scheduler.max_num_seqs, config.max_cudagraph_capture_size)
             forward = logits_forward(model, caches, model.local_logits)
             DecodeGraphs(forward, rows, max_model_len, block_size, device).run_each_size()
+        warm_up_grammar_kernel(device)  # compiled with the rest, not alone after the graphs
 
     compile_for(device, "the start-up steps", forwards)
 

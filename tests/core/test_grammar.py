@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import tokenizers
 import torch
 from llguidance import LLMatcher
 
@@ -307,3 +308,39 @@ def test_allowed_token_ids_against_the_grammar(
     assert errors["stuck"].startswith(message) and "as output token 2" in errors["stuck"]
     assert errors["free"].startswith("structured output failed: ")
     assert manager.num_requests == 0
+
+
+def test_llguidance_tokenizer_is_built_on_first_use(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its build holds the GIL for up to a second: not at start-up, once, by the first user.
+    import asyncserve.core.grammar as grammar
+
+    builds: list[int] = []
+    real = grammar.build_ll_tokenizer
+
+    def counting(*args: object) -> object:
+        builds.append(1)
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(grammar, "build_ll_tokenizer", counting)
+    fresh = StructuredOutputManager(tokenizer.backend, VOCAB, [EOS])
+    assert builds == []
+    fresh.validate(StructuredOutputsParams(regex="[0-9]+"))
+    fresh.validate(StructuredOutputsParams(choice=["yes", "no"]))
+    assert builds == [1]
+    fresh.shutdown()
+
+
+def test_llguidance_tokenizer_ignores_padding_and_truncation(tokenizer: Tokenizer) -> None:
+    from asyncserve.core.grammar import build_ll_tokenizer
+
+    text = "Hello, structured world! " * 4
+    expected = tokenizer.encode(text, add_special_tokens=False)
+    backend = tokenizers.Tokenizer.from_str(tokenizer.backend.to_str())
+    backend.enable_padding(length=len(expected) + 10, pad_id=0)
+    backend.enable_truncation(max_length=4)
+    built = build_ll_tokenizer(backend, VOCAB, [EOS])
+    assert built.tokenize_str(text) == expected
+    assert backend.padding is not None and backend.truncation is not None  # left as it was
+    assert build_ll_tokenizer(tokenizer.backend, VOCAB, [EOS]).tokenize_str(text) == expected
