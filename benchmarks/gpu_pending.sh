@@ -165,11 +165,13 @@ w5() { TRITON_CACHE_DIR=/tmp/tc-$1 TAIL=1 step w5_$2 100 python3 benchmarks/cold
 wb() { (cd .base && TRITON_CACHE_DIR=/tmp/tc-$1 TAIL=1 step w5_$2 100 python3 ../benchmarks/cold_start.py --model ../$L3 --port 8701 --repeat 1 -- --max-model-len 2048); }
 # torch_bytecode: the bytecode a pip install leaves, compiled once into /tmp/pyc and read from
 # there (this image ships torch without .pyc and sets PYTHONDONTWRITEBYTECODE, so every start
-# compiled torch's sources: 4-5 s of imports).
+# compiled torch's sources: 4-5 s of imports; asyncserve's own, ~400 modules, 0.5-0.9 s).
 torch_bytecode() {
   local d
   d=$(python3 -c "import torch, os; print(os.path.dirname(os.path.dirname(torch.__file__)))")
   [ -d /tmp/pyc ] || env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=/tmp/pyc python3 -m compileall -q -j 16 $d/torch $d/triton $d/transformers $d/numpy $d/jinja2 /tmp/site > /dev/null 2>&1
+  # asyncserve's own modules too (this tree's and .base's), as pip leaves them
+  env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=/tmp/pyc python3 -m compileall -q -j 16 $PWD/asyncserve $(ls -d $PWD/.base/asyncserve 2>/dev/null) > /dev/null 2>&1
   export PYTHONPYCACHEPREFIX=/tmp/pyc
 }
 
@@ -271,7 +273,8 @@ case $1 in
     for i in 1 2; do PYTHONPYCACHEPREFIX=/tmp/pyc python3 -c "$t"; done
     python3 -X importtime -c "import torch" 2> $OUT/torch_importtime.txt; sort -t'|' -k2 -n -r $OUT/torch_importtime.txt | head -12 | cut -c1-100 ;;
   coldpyc)  # carry .whl .base: W5 from empty caches (and warm), this tree against the last
-    # commit's package (wb), order swapped between rounds, with torch_bytecode first (18)
+    # commit's package (wb), order swapped between rounds, with torch_bytecode first; whether
+    # CUDA's start overlaps the imports on a thread (18)
     torch_bytecode
     t='import time; t = time.perf_counter(); import torch; print(f"{time.perf_counter() - t:.2f} s: import torch")'
     python3 -c "$t"; python3 -c "$t"
@@ -280,8 +283,50 @@ case $1 in
     wb q2$r base_2_cold; w5 p2$r new_2_cold
     w5 p3$r new_3_cold; wb q3$r base_3_cold
     w5 p3$r new_3_warm; wb q3$r base_3_warm
-    TRITON_CACHE_DIR=/tmp/tc-t$r TAIL=2 step graph_tests 100 python3 -m pytest -q -p no:cacheprovider -rfs tests/worker/test_cuda_graphs_gpu.py tests/kernels/test_parallel_compiles.py tests/kernels/test_compile_child.py
-    for f in $OUT/w5_*.log; do echo "$(basename $f): $(grep -h "loader's first\|cold start to" $f | tr '\n' ' ') $(grep -h "compiled .* kernel variants" $f | grep -o "children) in [0-9.]* s")"; done ;;
+    TRITON_CACHE_DIR=/tmp/tc-t$r TAIL=2 step graph_tests 100 python3 -m pytest -q -p no:cacheprovider -rfs tests/worker/test_cuda_graphs_gpu.py tests/worker/test_gemm_warm_up.py tests/worker/test_prefill_graphs.py tests/worker/test_verify_graphs.py tests/kernels/test_parallel_compiles.py tests/kernels/test_compile_child.py tests/kernels/test_kernels_gpu.py::test_grammar_mask_compiles_only_at_warm_up
+    for f in $OUT/w5_*.log; do echo "$(basename $f): $(grep -h "loader's first\|cold start to" $f | tr '\n' ' ') $(grep -h "compiled .* kernel variants" $f | grep -o "children) in [0-9.]* s") ready at $(grep -h "engine ready" $f | cut -c2-7)"; done
+    for mode in "" --thread "" --thread; do python3 benchmarks/cuda_init_overlap.py $mode; done ;;
+  coldtl)  # carry .whl: W5's phases (18): each log line of a start after its seconds since the
+    # start (cold_start.py), at DEBUG, two starts from empty caches and one warm, bytecode first
+    torch_bytecode
+    r=$RANDOM
+    for run in c1 c2 c2; do
+      ASYNCSERVE_LOG_LEVEL=DEBUG TRITON_CACHE_DIR=/tmp/tc-$run$r TAIL=1 step w5_tl_$run 100 python3 benchmarks/cold_start.py --model $L3 --port 8701 --repeat 1 -- --max-model-len 2048
+      grep -v "compiled in\|loaded in" $OUT/w5_tl_$run.log | cut -c1-190
+    done ;;
+  coldprof)  # carry .whl: W5's phases (18): a start from an empty cache at DEBUG (app build and
+    # the heap freeze timed), a warm start under cProfile (main thread; top cumulative), the
+    # first CUDA and cuBLAS calls timed on the main thread, after the same on another thread
+    torch_bytecode
+    r=$RANDOM
+    ASYNCSERVE_LOG_LEVEL=DEBUG TRITON_CACHE_DIR=/tmp/tc-p$r TAIL=1 step w5_cold 100 python3 benchmarks/cold_start.py --model $L3 --port 8701 --repeat 1 -- --max-model-len 2048
+    grep -v "compiled in\|loaded in\|captured a graph" $OUT/w5_cold.log | cut -c1-190
+    TRITON_CACHE_DIR=/tmp/tc-p$r python3 -m cProfile -o /tmp/warm.prof -m asyncserve serve --model $L3 --load-format dummy --max-model-len 2048 --port 8702 > $OUT/w5_prof.log 2>&1 &
+    wait_up 8702; curl -s localhost:8702/v1/completions -H 'content-type: application/json' -d '{"prompt": [1, 2], "max_tokens": 1}' | cut -c1-80; echo
+    pkill -INT -f "port 8702"; sleep 8
+    python3 -c "import pstats; s = pstats.Stats('/tmp/warm.prof'); s.sort_stats('cumulative').print_stats(90)" | cut -c1-170 | tail -100
+    python3 -c "import pstats; s = pstats.Stats('/tmp/warm.prof'); s.sort_stats('tottime').print_stats(30)" | cut -c1-170 | tail -36
+    for other in 0 1; do python3 - $other <<'PY'
+import sys, threading, time
+t0 = time.perf_counter()
+import torch
+t1 = time.perf_counter()
+def init():
+    a = torch.ones(64, 64, dtype=torch.bfloat16, device="cuda")
+    (a @ a).sum().item()
+if sys.argv[1] == "1":
+    th = threading.Thread(target=init); th.start(); th.join()
+t2 = time.perf_counter()
+x = torch.empty(1, device="cuda"); torch.cuda.synchronize()
+t3 = time.perf_counter()
+a = torch.ones(8192, 4096, dtype=torch.bfloat16, device="cuda"); b = torch.ones(4096, 4096, dtype=torch.bfloat16, device="cuda")
+(a @ b).sum().item()
+t4 = time.perf_counter()
+(a[:256] @ b).sum().item()
+t5 = time.perf_counter()
+print(f"other thread first: {sys.argv[1]}: import torch {t1-t0:.2f} s, other thread {t2-t1:.2f} s, CUDA on main {t3-t2:.2f} s, first GEMM {t4-t3:.2f} s, another shape {t5-t4:.3f} s")
+PY
+    done ;;
   moetune)  # carry .whl: the fused MoE's tiles tuned on this GPU for Qwen3-30B-A3B (13; the
     # H200 read the H100's table); kept in /tmp/moe_cfg for the calls after, which copy it into
     # asyncserve/kernels/moe_configs/ (and so should this checkout, from $OUT/moe_configs)
@@ -323,10 +368,10 @@ case $1 in
       grep -h "compiled .* kernel variants\|compiled after start-up\|captured\|GPU memory\|loading" $OUT/w5_threads_$round.log | cut -c1-160
     done
     python3 -m pip install -q --no-index --no-deps --target /tmp/spy .spy/py_spy-*.whl || exit 1
-    TRITON_CACHE_DIR=/tmp/tc-spy-$RANDOM /tmp/spy/bin/py-spy record -r 200 --idle --threads -f raw -o $OUT/w5_spy.txt -- \
+    ASYNCSERVE_LOG_LEVEL=DEBUG TRITON_CACHE_DIR=/tmp/tc-spy-$RANDOM /tmp/spy/bin/py-spy record -r 200 --idle --threads -f raw -o $OUT/w5_spy.txt -- \
       python3 -m asyncserve serve --model $L3 --load-format dummy --max-model-len 2048 --port 8703 > $OUT/w5_spy.log 2>&1 &
     wait_up 8703; sleep 1; pkill -INT -f "port 8703"; sleep 8
-    grep -h "compiled .* kernel variants\|loaded \|captured\|engine ready" $OUT/w5_spy.log | cut -c1-200 ;;
+    grep -h "compiled .* kernel variants\|loaded Llama\|captured [0-9]\|engine ready\|GEMM warm-up" $OUT/w5_spy.log | cut -c1-200 ;;
   int4)  # carry .whl: the int4 GEMV without int-to-float conversions on the GPU (tests, against
     # its predecessor with a tile sweep, one token and four), then W2 W4A16 alone with its
     # kernels summed (14)

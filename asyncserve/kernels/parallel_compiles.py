@@ -48,6 +48,8 @@ _original_run: Callable[..., Any] | None = None
 _original_do_compile: Callable[..., Any] | None = None
 # (kernel, device, specialization key) of each compile filed in a kernel cache while pending.
 _placeholders: list[tuple[Any, Any, Any]] = []
+# warm_up_compiler's threads, until the start-up pass waits for them.
+_warm_up_threads: list[threading.Thread] = []
 
 
 def compile_threads() -> int:
@@ -185,23 +187,52 @@ def _unpatch_jit_run() -> None:
 
 def warm_up_compiler(device: torch.device) -> None:
     """Start, on a thread of its own (while the weights load), what the first kernel compile
-    or cache lookup would otherwise do on the critical path: Triton's own cache key, a hash of
-    its sources and of its compiled library (~0.5 s: it reads the library whole), and the
-    modules its launches import on first use."""
+    or cache lookup would otherwise do on the critical path: the modules Triton's launches
+    import on first use, then, at once, its CUDA driver utilities (a C module it builds with
+    the host compiler into an empty cache: ~0.3 s, on a second thread) and its own cache key
+    (a hash of its sources and of its compiled library, ~0.4 s: it reads the library whole).
+    The start-up pass waits for them (`wait_for_compiler_warm_up`) rather than doing them
+    again beside them."""
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return
-    threading.Thread(target=_warm_up_compiler, name="compiler-warm-up", daemon=True).start()
+    thread = threading.Thread(target=_warm_up_compiler, name="compiler-warm-up", daemon=True)
+    _warm_up_threads.append(thread)
+    thread.start()
+
+
+def wait_for_compiler_warm_up(timeout: float = 5.0) -> None:
+    """Wait for warm_up_compiler's threads (each at most `timeout` seconds)."""
+    while _warm_up_threads:
+        _warm_up_threads.pop().join(timeout)
 
 
 def _warm_up_compiler() -> None:
     try:
+        # One thread imports: two importing Triton's modules beside the main thread's own
+        # imports of it can meet a lock cycle, and one gets a module half initialized.
         import triton.compiler.compiler  # noqa: F401
         import triton.experimental.gluon  # noqa: F401  (a launch's argument binder's import)
+        from triton.backends.nvidia.compiler import get_ptxas_version
+        from triton.runtime import driver
         from triton.runtime.cache import triton_key
-
-        triton_key()
     except Exception as error:  # a Triton without these: its first compile does it all
         logger.debug("compiler warm-up: %r", error)
+        return
+    thread = threading.Thread(target=_warm_up_driver, args=(driver,), name="compiler-warm-up")
+    _warm_up_threads.append(thread)
+    thread.start()
+    try:
+        triton_key()
+        get_ptxas_version()
+    except Exception as error:
+        logger.debug("compiler warm-up: %r", error)
+
+
+def _warm_up_driver(driver: Any) -> None:
+    try:
+        driver.active.get_current_device()
+    except Exception as error:  # its first launch builds it, or raises
+        logger.debug("compiler warm-up (driver): %r", error)
 
 
 def _device_index(device: torch.device) -> int | None:
@@ -262,6 +293,11 @@ def parallel_compiles_available(device: torch.device) -> bool:
     )
 
 
+def compile_pass_runs(device: torch.device) -> bool:
+    """Whether a compiles_in_parallel block entered now would compile (not run for real)."""
+    return compiling_only() or (not START_UP.cached and parallel_compiles_available(device))
+
+
 @contextmanager
 def compiles_in_parallel(device: torch.device, what: str) -> Iterator[bool]:
     """Inside: Triton launches on this thread compile on a thread pool instead of running.
@@ -278,6 +314,7 @@ def compiles_in_parallel(device: torch.device, what: str) -> Iterator[bool]:
     mode_cls = _async_compile_mode()
     threads = compile_threads()
     start = time.perf_counter()
+    wait_for_compiler_warm_up()
     _patch_jit_run()
     try:
         with ThreadPoolExecutor(threads, thread_name_prefix="kernel-compile") as pool:

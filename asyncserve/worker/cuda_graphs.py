@@ -137,11 +137,11 @@ class DecodeGraphs:
         self.seq_lens[:size].fill_(self.query_len)
         return self.inputs(size)
 
-    def run_each_size(self) -> None:
-        """One eager forward of each size not yet captured, on padding inputs: under
-        compile_for (parallel_compiles.py), it compiles their kernels on threads."""
+    def run_each_size(self, sizes: list[int] | None = None) -> None:
+        """One eager forward of each size (default all) not yet captured, on padding inputs:
+        under compile_for (parallel_compiles.py), it compiles their kernels on threads."""
         with torch.inference_mode():
-            for size in self.sizes:
+            for size in self.sizes if sizes is None else sizes:
                 if size not in self.graphs:
                     self.forward(*self._padding_inputs(size))
 

@@ -14,11 +14,12 @@ import torch
 import torch.distributed as dist
 
 from asyncserve.config import EngineConfig
-from asyncserve.kernels.parallel_compiles import START_UP, compile_for
+from asyncserve.kernels.parallel_compiles import START_UP, compile_for, compile_pass_runs
 from asyncserve.models.arch_config import ArchConfig
 from asyncserve.models.attention import AttentionMetadata
 from asyncserve.models.moe import kernel_warm_up_sizes
-from asyncserve.worker.cuda_graphs import DecodeGraphs, logits_forward
+from asyncserve.worker.cuda_graphs import DecodeGraphs, capture_sizes, logits_forward
+from asyncserve.worker.gemm_warm_up import GemmWarmUp
 from asyncserve.worker.grammar_mask import warm_up_grammar_kernel
 
 logger = logging.getLogger(__name__)
@@ -155,16 +156,31 @@ def _compile_start_up_kernels(
     START_UP.begin(signature)
 
     def forwards() -> None:
-        _profile_run(model, arch, config, dtype, device, max_model_len)
+        # The pass lasts until its slowest compile ends (attention's, ~1 s): the forwards
+        # meet the attention variants first. The grammar mask's, then the smallest decode
+        # batches' (the split-KV variants) and the largest's, then the profile step's.
+        warm_up_grammar_kernel(device)
+        graphs = None
         if config.enable_cuda_graphs:
             block_size = config.cache.block_size
             caches = allocate_kv_caches(arch, 2, block_size, dtype, device)
             rows = min(config.scheduler.max_num_seqs, config.max_cudagraph_capture_size)
             forward = logits_forward(model, caches, model.local_logits)
-            DecodeGraphs(forward, rows, max_model_len, block_size, device).run_each_size()
-        warm_up_grammar_kernel(device)  # compiled with the rest, not alone after the graphs
+            graphs = DecodeGraphs(forward, rows, max_model_len, block_size, device)
+            graphs.run_each_size(graphs.sizes[:4] + graphs.sizes[-1:])
+        _profile_run(model, arch, config, dtype, device, max_model_len)
+        if graphs is not None:
+            graphs.run_each_size(graphs.sizes[4:-1])
 
-    compile_for(device, "the start-up steps", forwards)
+    # The decode steps' GEMM shapes meet cuBLAS for the first time on a thread beside it.
+    rows = min(config.scheduler.max_num_seqs, config.max_cudagraph_capture_size)
+    gemm_rows = [*capture_sizes(rows), min(config.scheduler.max_num_seqs, 512)]
+    warm_up = GemmWarmUp(model, gemm_rows, device) if compile_pass_runs(device) else None
+    try:
+        compile_for(device, "the start-up steps", forwards)
+    finally:
+        if warm_up is not None:
+            warm_up.join()
 
 
 def profile_batch(

@@ -174,3 +174,34 @@ def test_no_pass_when_an_earlier_start_cached_the_kernels(monkeypatch: pytest.Mo
     ran: list[bool] = []
     parallel_compiles.compile_for(torch.device("cuda"), "test", lambda: ran.append(True))
     assert ran == []
+
+
+def test_the_pass_waits_for_the_warm_up_threads_and_the_threads_they_start() -> None:
+    # The compiler warm-up starts the driver's build on a second thread once its imports are
+    # done; the start-up pass waits for both rather than doing their work again beside them.
+    import threading
+    import time
+
+    finished: list[str] = []
+
+    def driver() -> None:
+        time.sleep(0.2)
+        finished.append("driver")
+
+    def compiler() -> None:
+        second = threading.Thread(target=driver)
+        parallel_compiles._warm_up_threads.append(second)
+        second.start()
+        time.sleep(0.1)
+        finished.append("compiler")
+
+    first = threading.Thread(target=compiler)
+    parallel_compiles._warm_up_threads.append(first)
+    first.start()
+    parallel_compiles.wait_for_compiler_warm_up()
+    assert sorted(finished) == ["compiler", "driver"]
+    assert parallel_compiles._warm_up_threads == []
+
+
+def test_compile_pass_runs_only_where_compiles_in_parallel_compiles() -> None:
+    assert not parallel_compiles.compile_pass_runs(torch.device("cpu"))
