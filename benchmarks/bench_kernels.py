@@ -6,7 +6,7 @@ bandwidth: bytes of K/V the kernel must read over its median time. Times are of 
 replays (launch overhead excluded, as in the runner's decode steps); "eager" adds it back. A mixed prefill+decode
 batch is reported in TFLOP/s. --sweep also times other tile shapes and split-KV factors.
 
-    python benchmarks/bench_kernels.py [--sweep] [--shape gemma3-4b]
+    python benchmarks/bench_kernels.py [--sweep] [--shape gemma3-4b] [--decode 256x1024,24x1536]
 
 --shape picks another model's attention heads (Gemma 3 4B: 8 query, 4 KV, head dim 256,
 where a 64-row prefill tile holds twice the registers of Llama's).
@@ -182,6 +182,13 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time other tiles and splits")
     parser.add_argument("--splits", action="store_true", help="also time other split factors")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
+    parser.add_argument(
+        "--decode",
+        default="64x2048,8x8192,1x32768",
+        help="decode batches as SEQSxCONTEXT, comma-separated (the first gets the tile sweep, "
+        "the others the split sweep); W4's: 256x1024,24x1536",
+    )
+    parser.add_argument("--no-mixed", action="store_true", help="skip the mixed batch")
     args = parser.parse_args()
     global HEADS, KV_HEADS, HEAD_DIM, SCALE
     HEADS, KV_HEADS, HEAD_DIM = SHAPES[args.shape]
@@ -194,10 +201,14 @@ def main() -> None:
     copy_ms = _eager_ms(lambda: y.copy_(x))
     print(f"device-to-device copy: {2 * x.numel() / copy_ms / 1e6:.0f} GB/s (read + write)")
     best: list[tuple] = []
-    bench_decode(64, 2048, args.sweep, False, best)
-    bench_decode(8, 8192, False, args.sweep or args.splits, best)
-    bench_decode(1, 32768, False, args.sweep or args.splits, best)
-    bench_mixed(args.sweep)
+    for i, item in enumerate(args.decode.split(",")):
+        seqs, ctx = (int(x) for x in item.split("x"))
+        if i == 0:
+            bench_decode(seqs, ctx, args.sweep, args.splits, best)
+        else:
+            bench_decode(seqs, ctx, False, args.sweep or args.splits, best)
+    if not args.no_mixed:
+        bench_mixed(args.sweep)
 
 
 if __name__ == "__main__":

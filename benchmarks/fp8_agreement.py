@@ -4,7 +4,7 @@ The test's measure (tests/quantization/test_fp8_online.py): 8 prompts x 32 greed
 the unquantized model; at each position, does the quantized model given the same prefix rank
 the same token first. Here the same measure for fake-quantized variants of the unquantized
 model's linear layers, one factor at a time:
-- weights: none, per output channel (ours), per tensor of the fused layer (vLLM's online
+- weights: none, per output channel (ours), per channel with MSE-optimal scales, per tensor of the fused layer (vLLM's online
   fp8: one scale for q/k/v together), per tensor of each checkpoint tensor;
 - activations: none, per token dynamic (ours), per tensor dynamic;
 - weights "jitterN" / "tensor-jitterN": per channel / per tensor with each scale raised by
@@ -16,13 +16,16 @@ The engine's own `quantization="fp8"` run is measured too, to check that the emu
 
     python benchmarks/fp8_agreement.py                 # prints one line per variant
     python benchmarks/fp8_agreement.py --noise 10 --only-noise
+    python benchmarks/fp8_agreement.py --wide         # over the test's 16 x 32 positions
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -74,6 +77,22 @@ def weight_scale(w: torch.Tensor, name: str, granularity: str) -> torch.Tensor:
         factor = 1 + 0.1 * torch.rand(1 if per_tensor else w.shape[0], 1, generator=gen)
         amax = a.amax().expand(w.shape[0], 1) if per_tensor else a.amax(dim=1, keepdim=True)
         return (amax * factor / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+    if granularity == "mse":
+        # Per channel, each row's scale the one of 21 (0.8-1.0 of its largest magnitude)
+        # with the least squared error (clipping the row's outliers).
+        amax = a.amax(dim=1, keepdim=True)
+        best_scale = best_error = None
+        for ratio in torch.linspace(0.8, 1.0, 21):
+            scale = (amax * ratio / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+            error = ((to_fp8(w, scale, "nearest") - w) ** 2).sum(dim=1, keepdim=True)
+            if best_scale is None or best_error is None:
+                best_scale, best_error = scale, error
+                continue
+            better = error < best_error
+            best_scale = torch.where(better, scale, best_scale)
+            best_error = torch.where(better, error, best_error)
+        assert best_scale is not None
+        return best_scale
     if granularity == "channel":
         amax = a.amax(dim=1, keepdim=True)
     elif granularity == "tensor":
@@ -145,13 +164,22 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--noise", type=int, default=4, help="jittered runs of each scale")
     parser.add_argument("--only-noise", action="store_true", help="only the jittered runs")
+    parser.add_argument(
+        "--wide", action="store_true", help="16 prompts (the fp8 test's) instead of 8"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
+    prompts = PROMPTS
+    if args.wide:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from tests.quantization.conftest import MORE_PROMPTS
+
+        prompts = [*PROMPTS, *MORE_PROMPTS]
     common = {"device": "cpu", "max_model_len": 512, "kv_cache_memory": 64 << 20,
               "enable_prefix_caching": False}  # fmt: skip
     llm = LLM(args.model, **common)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    reference = llm.generate(PROMPTS, params, use_tqdm=False)
+    reference = llm.generate(prompts, params, use_tqdm=False)
     total = sum(len(o.outputs[0].token_ids) for o in reference)
     model = llm.engine.loaded.model
 
@@ -169,6 +197,7 @@ def main() -> None:
     attention = lambda name: ".self_attn." in name  # noqa: E731
     variants = [
         ("channel", "token", "nearest", "all"),  # ours
+        ("mse", "token", "nearest", "all"),
         ("channel", "none", "nearest", "all"),
         ("none", "token", "nearest", "all"),
         ("tensor", "token", "nearest", "all"),  # vLLM's online fp8 weights

@@ -10,6 +10,17 @@ from asyncserve.sampling_params import SamplingParams
 from tests.conftest import PLAIN_PROMPTS
 
 PROMPTS = [*PLAIN_PROMPTS, "The largest planet in the solar system is", "To make a cup of tea,"]
+# Eight more, for measures whose noise at 8 x 32 positions is as wide as their margin.
+MORE_PROMPTS = [
+    "The first law of thermodynamics states that",
+    "In Python, a list comprehension",
+    "The best way to learn a new language is",
+    "Photosynthesis is the process by which",
+    "Here is a short poem about the sea:\n",
+    "The main causes of the French Revolution were",
+    "To sort a list of numbers in C,",
+    "A healthy breakfast usually includes",
+]
 
 
 @pytest.fixture(scope="session")
@@ -17,6 +28,15 @@ def greedy_reference(smollm2_llm: LLM) -> list[RequestOutput]:
     """8 prompts x 32 greedy tokens of the unquantized model (fp32 on CPU)."""
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     return smollm2_llm.generate(PROMPTS, params, use_tqdm=False)
+
+
+@pytest.fixture(scope="session")
+def wide_greedy_reference(
+    smollm2_llm: LLM, greedy_reference: list[RequestOutput]
+) -> list[RequestOutput]:
+    """16 prompts x 32 greedy tokens: greedy_reference's and MORE_PROMPTS'."""
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    return [*greedy_reference, *smollm2_llm.generate(MORE_PROMPTS, params, use_tqdm=False)]
 
 
 def greedy_agreement(llm: LLM, reference: list[RequestOutput]) -> tuple[int, int]:
