@@ -196,8 +196,8 @@ def warm_up_compiler(device: torch.device) -> None:
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return
     thread = threading.Thread(target=_warm_up_compiler, name="compiler-warm-up", daemon=True)
+    thread.start()  # then listed: a thread listed is one that can be joined
     _warm_up_threads.append(thread)
-    thread.start()
 
 
 def wait_for_compiler_warm_up(timeout: float = 5.0) -> None:
@@ -218,9 +218,11 @@ def _warm_up_compiler() -> None:
     except Exception as error:  # a Triton without these: its first compile does it all
         logger.debug("compiler warm-up: %r", error)
         return
-    thread = threading.Thread(target=_warm_up_driver, args=(driver,), name="compiler-warm-up")
-    _warm_up_threads.append(thread)
+    thread = threading.Thread(
+        target=_warm_up_driver, args=(driver,), name="compiler-warm-up", daemon=True
+    )
     thread.start()
+    _warm_up_threads.append(thread)  # before this thread ends: its waiter finds it
     try:
         triton_key()
         get_ptxas_version()

@@ -142,8 +142,8 @@ def _compile_start_up_kernels(
 ) -> None:
     """Compile the profile step's kernels, the decode graphs' and the grammar mask's on
     threads, together (kernels/parallel_compiles.py): the graphs' own pass, once the pool is
-    there, then finds theirs compiled. A cache of two blocks stands in for the pool: the kernels specialize on
-    its strides, not on its number of blocks."""
+    there, then finds theirs compiled. A cache of two blocks stands in for the pool: the
+    kernels specialize on its strides, not on its number of blocks."""
 
     # Ranks of a group must agree on the pass (its forwards hold collectives): they skip no
     # pass, whatever each finds in its own cache.
@@ -154,6 +154,7 @@ def _compile_start_up_kernels(
             f"{config!r} {arch!r} {dtype} {max_model_len} {gpu.name} {gpu.major}.{gpu.minor}"
         )
     START_UP.begin(signature)
+    rows = min(config.scheduler.max_num_seqs, config.max_cudagraph_capture_size)
 
     def forwards() -> None:
         # The pass lasts until its slowest compile ends (attention's, ~1 s): the forwards
@@ -164,7 +165,6 @@ def _compile_start_up_kernels(
         if config.enable_cuda_graphs:
             block_size = config.cache.block_size
             caches = allocate_kv_caches(arch, 2, block_size, dtype, device)
-            rows = min(config.scheduler.max_num_seqs, config.max_cudagraph_capture_size)
             forward = logits_forward(model, caches, model.local_logits)
             graphs = DecodeGraphs(forward, rows, max_model_len, block_size, device)
             graphs.run_each_size(graphs.sizes[:4] + graphs.sizes[-1:])
@@ -173,7 +173,6 @@ def _compile_start_up_kernels(
             graphs.run_each_size(graphs.sizes[4:-1])
 
     # The decode steps' GEMM shapes meet cuBLAS for the first time on a thread beside it.
-    rows = min(config.scheduler.max_num_seqs, config.max_cudagraph_capture_size)
     gemm_rows = [*capture_sizes(rows), min(config.scheduler.max_num_seqs, 512)]
     warm_up = GemmWarmUp(model, gemm_rows, device) if compile_pass_runs(device) else None
     try:

@@ -190,14 +190,14 @@ def test_the_pass_waits_for_the_warm_up_threads_and_the_threads_they_start() -> 
 
     def compiler() -> None:
         second = threading.Thread(target=driver)
-        parallel_compiles._warm_up_threads.append(second)
         second.start()
+        parallel_compiles._warm_up_threads.append(second)
         time.sleep(0.1)
         finished.append("compiler")
 
     first = threading.Thread(target=compiler)
-    parallel_compiles._warm_up_threads.append(first)
     first.start()
+    parallel_compiles._warm_up_threads.append(first)
     parallel_compiles.wait_for_compiler_warm_up()
     assert sorted(finished) == ["compiler", "driver"]
     assert parallel_compiles._warm_up_threads == []
