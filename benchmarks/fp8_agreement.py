@@ -4,8 +4,9 @@ The test's measure (tests/quantization/test_fp8_online.py): 8 prompts x 32 greed
 the unquantized model; at each position, does the quantized model given the same prefix rank
 the same token first. Here the same measure for fake-quantized variants of the unquantized
 model's linear layers, one factor at a time:
-- weights: none, per output channel (ours), per channel with MSE-optimal scales, per tensor of the fused layer (vLLM's online
-  fp8: one scale for q/k/v together), per tensor of each checkpoint tensor;
+- weights: none, per output channel (ours), per channel with MSE-optimal scales, per tensor
+  of the fused layer (vLLM's online fp8: one scale for q/k/v together), per tensor of each
+  checkpoint tensor;
 - activations: none, per token dynamic (ours), per tensor dynamic;
 - weights "jitterN" / "tensor-jitterN": per channel / per tensor with each scale raised by
   up to 10% at random: the noise of the measure (as accurate, rounded elsewhere);
@@ -81,18 +82,10 @@ def weight_scale(w: torch.Tensor, name: str, granularity: str) -> torch.Tensor:
         # Per channel, each row's scale the one of 21 (0.8-1.0 of its largest magnitude)
         # with the least squared error (clipping the row's outliers).
         amax = a.amax(dim=1, keepdim=True)
-        best_scale = best_error = None
-        for ratio in torch.linspace(0.8, 1.0, 21):
-            scale = (amax * ratio / FP8_MAX).clamp(min=FP8_MIN_SCALE)
-            error = ((to_fp8(w, scale, "nearest") - w) ** 2).sum(dim=1, keepdim=True)
-            if best_scale is None or best_error is None:
-                best_scale, best_error = scale, error
-                continue
-            better = error < best_error
-            best_scale = torch.where(better, scale, best_scale)
-            best_error = torch.where(better, error, best_error)
-        assert best_scale is not None
-        return best_scale
+        scales = [(amax * r / FP8_MAX).clamp(min=FP8_MIN_SCALE) for r in torch.linspace(0.8, 1, 21)]
+        errors = torch.cat([((to_fp8(w, s, "nearest") - w) ** 2).sum(dim=1, keepdim=True)
+                            for s in scales], dim=1)  # fmt: skip
+        return torch.cat(scales, dim=1).gather(1, errors.argmin(dim=1, keepdim=True))
     if granularity == "channel":
         amax = a.amax(dim=1, keepdim=True)
     elif granularity == "tensor":

@@ -296,7 +296,7 @@ case $1 in
     done ;;
   coldprof)  # carry .whl: W5's phases (18): a start from an empty cache at DEBUG (app build and
     # the heap freeze timed), a warm start under cProfile (main thread; top cumulative), the
-    # first CUDA and cuBLAS calls timed on the main thread, after the same on another thread
+    # first CUDA and cuBLAS calls on the main thread with and without a thread before them
     torch_bytecode
     r=$RANDOM
     ASYNCSERVE_LOG_LEVEL=DEBUG TRITON_CACHE_DIR=/tmp/tc-p$r TAIL=1 step w5_cold 100 python3 benchmarks/cold_start.py --model $L3 --port 8701 --repeat 1 -- --max-model-len 2048
@@ -306,27 +306,7 @@ case $1 in
     pkill -INT -f "port 8702"; sleep 8
     python3 -c "import pstats; s = pstats.Stats('/tmp/warm.prof'); s.sort_stats('cumulative').print_stats(90)" | cut -c1-170 | tail -100
     python3 -c "import pstats; s = pstats.Stats('/tmp/warm.prof'); s.sort_stats('tottime').print_stats(30)" | cut -c1-170 | tail -36
-    for other in 0 1; do python3 - $other <<'PY'
-import sys, threading, time
-t0 = time.perf_counter()
-import torch
-t1 = time.perf_counter()
-def init():
-    a = torch.ones(64, 64, dtype=torch.bfloat16, device="cuda")
-    (a @ a).sum().item()
-if sys.argv[1] == "1":
-    th = threading.Thread(target=init); th.start(); th.join()
-t2 = time.perf_counter()
-x = torch.empty(1, device="cuda"); torch.cuda.synchronize()
-t3 = time.perf_counter()
-a = torch.ones(8192, 4096, dtype=torch.bfloat16, device="cuda"); b = torch.ones(4096, 4096, dtype=torch.bfloat16, device="cuda")
-(a @ b).sum().item()
-t4 = time.perf_counter()
-(a[:256] @ b).sum().item()
-t5 = time.perf_counter()
-print(f"other thread first: {sys.argv[1]}: import torch {t1-t0:.2f} s, other thread {t2-t1:.2f} s, CUDA on main {t3-t2:.2f} s, first GEMM {t4-t3:.2f} s, another shape {t5-t4:.3f} s")
-PY
-    done ;;
+    for mode in "" --thread; do python3 benchmarks/cuda_init_overlap.py $mode; done ;;
   moetune)  # carry .whl: the fused MoE's tiles tuned on this GPU for Qwen3-30B-A3B (13; the
     # H200 read the H100's table); kept in /tmp/moe_cfg for the calls after, which copy it into
     # asyncserve/kernels/moe_configs/ (and so should this checkout, from $OUT/moe_configs)
