@@ -109,17 +109,23 @@ def bench_shape(n: int, k: int, m: int, reps: int, sms: int, cuda: torch.device)
     }
 
 
-def sweep(n: int, k: int, m: int, reps: int, cuda: torch.device) -> list[dict]:
-    """The GEMV alone (x quantized) under a grid of launch shapes; prints each and the best."""
+def sweep(
+    n: int, k: int, m: int, reps: int, cuda: torch.device, stages: tuple[int, ...], narrow: bool
+) -> list[dict]:
+    """The GEMV alone (x quantized) under a grid of launch shapes, each at every pipeline
+    depth in `stages` (narrow: around the default tile only); prints each and the best."""
     copies = max(2, -(-ROTATE_BYTES // (n * k)))
     weights = [make_weight(n, k, seed, cuda) for seed in range(copies)]
     x_q, x_s = per_token_group_quant_fp8(torch.randn(m, k, device=cuda), k)
     rows = []
-    grid = itertools.product((8, 16, 32), (256, 512, 1024), (1, 2, 4, 7, 8), (4, 8))
-    for block_n, block_k, split_k, warps in grid:
+    if narrow:
+        grid = itertools.product((8, 16), (512, 1024), (1, 2), (4,), stages)
+    else:
+        grid = itertools.product((8, 16, 32), (256, 512, 1024), (1, 2, 4, 7, 8), (4, 8), stages)
+    for block_n, block_k, split_k, warps, depth in grid:
         if k // block_k < split_k or block_n * block_k > 128 * 32 * warps:
             continue  # empty splits, or over 128 accumulators a thread (spills)
-        config = GemvConfig(block_n, block_k, split_k, warps)
+        config = GemvConfig(block_n, block_k, split_k, warps, depth)
         fns = [
             lambda w=w, c=config: fp8_gemv(x_q, w[0], x_s, w[1], torch.bfloat16, None, c)
             for w in weights
@@ -138,6 +144,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--m", type=int, default=1, help="tokens (1 to 4)")
     parser.add_argument("--reps", type=int, default=100)
     parser.add_argument("--sweep", action="store_true", help="also time a grid of configs")
+    parser.add_argument("--narrow", action="store_true", help="sweep only around the default tile")
+    parser.add_argument(
+        "--stages", default="1", help="loop pipeline depths the sweep tries, e.g. 1,2,3,4"
+    )
     args = parser.parse_args(argv)
     if not 1 <= args.m <= 4:
         parser.error("--m must be 1 to 4 (the GEMV's batch sizes)")
@@ -146,6 +156,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    stages = tuple(int(s) for s in args.stages.split(","))
     cuda = torch.device("cuda")
     sms = torch.cuda.get_device_properties(cuda).multi_processor_count
     print(json.dumps({"device": torch.cuda.get_device_name(cuda), "sms": sms}), flush=True)
@@ -156,7 +167,7 @@ def main() -> None:
         results.append(row)
         summary.append(row)
         if args.sweep:
-            rows = sweep(n, k, args.m, args.reps, cuda)
+            rows = sweep(n, k, args.m, args.reps, cuda, stages, args.narrow)
             results += rows
             summary.append({"best": min(rows, key=lambda r: r["ms"])})
     for row in summary:  # again at the end, where a log's tail shows them

@@ -357,6 +357,24 @@ case $1 in
     # kernels summed (14)
     j_int4
     TAIL=2 step w4a16_as_kernels 200 python3 $SBS --engine asyncserve --workloads w2 --model benchmarks/configs/llama3-8b-w4a16 --kernel-summary $OUT/w4a16_as_kernels.tsv ;;
+  gemvstages)  # carry .whl: the int4 and FP8 GEMVs with their loops' loads pipelined
+    # (tl.range num_stages; tests, then each shape's default tile's neighbours at depths 1-4) (14)
+    command -v ncu nsys
+    TAIL=4 step gemv_tests 200 python3 -m pytest -q -p no:cacheprovider -rfs tests/kernels/test_int4_gemv.py tests/kernels/test_fp8_gemv.py
+    TAIL=8 step int4_stages_m1 240 python3 benchmarks/int4_gemv_bench.py --sweep --narrow --stages 1,2,3,4
+    grep best $OUT/int4_stages_m1.log
+    TAIL=8 step fp8_stages_m1 200 python3 benchmarks/fp8_gemv_bench.py --sweep --narrow --stages 1,2,3,4
+    grep best $OUT/fp8_stages_m1.log ;;
+  gemvncu)  # carry .whl: Nsight Compute on the int4 and FP8 GEMVs (gate_up, one token; what
+    # bounds the int4 GEMV) (14); a W4-sized model's decode step phases at 256 and 24 sequences (18)
+    timeout 200 ncu --kernel-name regex:gemv_kernel --launch-skip 2 --launch-count 2 \
+      --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats \
+      --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section InstructionStats \
+      --section SourceCounters python3 benchmarks/gemv_ncu.py > $OUT/gemv_ncu.txt 2>&1
+    grep -E "^  _|Throughput|Duration|Issue|Stall|Warp Cycles|Occupancy|Registers|Pipe|Executed Ipc|Eligible" $OUT/gemv_ncu.txt | head -80
+    for b in 256 24; do
+      TAIL=40 step phases_qwen_$b 150 python3 benchmarks/step_phases.py --model $QWEN --load-format dummy --batch-size $b --input-len 512 --output-len 128 --no-detokenize
+    done ;;
   int4gemm)  # carry .whl: the whole-group int4 GEMM on the GPU (tests; against the per-column
     # GEMM and bf16 with a tile sweep), then W2 W4A16 alone with its kernels summed (14)
     TAIL=4 step int4_tests 200 python3 -m pytest -q -p no:cacheprovider -rfs tests/kernels/test_int4_gemm.py tests/kernels/test_int4_gemv.py tests/quantization -k "int4 or gptq or awq or w4a16 or gemm"

@@ -7,7 +7,8 @@ call reads its weight from memory as a decode step does; and the bandwidth again
 the int4 kernels read (packed weight + scales + zeros). The new kernel's output is checked
 against quant_reference on the GPU first. --sweep also times a grid of launch shapes.
 Results as JSON lines on stdout and in $OUT/int4_gemv.json.
-Usage: OUT=/tmp/out python benchmarks/int4_gemv_bench.py [--m 1] [--sweep]
+Usage: OUT=/tmp/out python benchmarks/int4_gemv_bench.py [--m 1] [--sweep [--narrow]
+       [--stages 1,2,3,4]]
 """
 
 from __future__ import annotations
@@ -103,7 +104,14 @@ def main() -> None:
     parser.add_argument("--m", type=int, default=1, help="tokens (1 to 4)")
     parser.add_argument("--reps", type=int, default=100)
     parser.add_argument("--sweep", action="store_true", help="also time a grid of configs")
+    parser.add_argument(
+        "--narrow", action="store_true", help="sweep only around each shape's default tile"
+    )
+    parser.add_argument(
+        "--stages", default="1", help="loop pipeline depths the sweep tries, e.g. 1,2,3,4"
+    )
     args = parser.parse_args()
+    stages = tuple(int(s) for s in args.stages.split(","))
     sms = torch.cuda.get_device_properties(CUDA).multi_processor_count
     print(json.dumps({"device": torch.cuda.get_device_name(CUDA), "sms": sms}), flush=True)
     results = []
@@ -139,20 +147,42 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         results.append(row)
         if args.sweep:
-            results += sweep(n, k, args.m, nbytes, copies, args.reps)
+            grid = sweep_grid(config, k, stages, args.narrow)
+            results += sweep(n, k, args.m, nbytes, copies, args.reps, grid)
     out = Path(os.environ.get("OUT", "/tmp/out"))
     out.mkdir(parents=True, exist_ok=True)
     (out / "int4_gemv.json").write_text(json.dumps(results, indent=1))
 
 
-def sweep(n: int, k: int, m: int, nbytes: int, copies: int, reps: int) -> list[dict]:
-    """The new GEMV under a grid of launch shapes; prints each and the best."""
+def sweep_grid(
+    default: GemvConfig, k: int, stages: tuple[int, ...], narrow: bool
+) -> list[GemvConfig]:
+    """Launch shapes to time: a wide grid, or (narrow) the default's neighbours, each at every
+    pipeline depth in `stages`."""
+    if narrow:
+        splits = {default.split_k, max(1, default.split_k // 2), 2 * default.split_k}
+        grid = itertools.product(
+            (default.block_n, 2 * default.block_n), (512, 1024), sorted(splits), (4,), stages
+        )
+    else:
+        grid = itertools.product(
+            (16, 32, 64), (256, 512, 1024), (1, 2, 4, 7, 8, 16), (4, 8), stages
+        )
+    return [
+        GemvConfig(block_n, block_k, split_k, warps, depth)
+        for block_n, block_k, split_k, warps, depth in grid
+        if k // block_k >= split_k  # no empty splits
+    ]
+
+
+def sweep(
+    n: int, k: int, m: int, nbytes: int, copies: int, reps: int, grid: list[GemvConfig]
+) -> list[dict]:
+    """The new GEMV under each launch shape of `grid`; prints each and the best."""
     weights = [make_weight(n, k, seed) for seed in range(copies)]
     x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)
     rows = []
-    grid = itertools.product((16, 32, 64), (256, 512, 1024), (1, 2, 4, 7, 8, 16), (4, 8))
-    for block_n, block_k, split_k, warps in grid:
-        config = GemvConfig(block_n, block_k, split_k, warps)
+    for config in grid:
         fns = [lambda w=w, c=config: int4_gemv(x, *w, None, GROUP, c) for w in weights]
         ms = time_ms(fns, reps // 2)
         row = {"n": n, "k": k, "sweep": dataclasses.asdict(config), "ms": round(ms, 4)}

@@ -52,19 +52,21 @@ _PROGRAMS_PER_SM = 3
 def fp8_gemv_config(n: int, k: int, sms: int) -> GemvConfig:
     """The launch shape for an N x K e4m3 weight on a GPU of `sms` SMs, from the shape alone.
 
-    block_n 8 x block_k 1024 with 4 warps: a loop step reads 8 rows of 1 KiB (8 KiB a step,
-    as the int4 GEMV). On an H100 (benchmarks/fp8_gemv_bench.py --sweep) it was within 8%
-    of each Llama-3-8B shape's best tile, and the layers' sum 0.088 ms against 16 x 512's
-    0.094 (the best tile per shape: 0.085). Then K is split as kernels/split_k.pick_split_k
-    says, aiming at 3 programs per SM: Llama-3-8B's layers on 132 SMs get one split each
-    (qkv 768 programs, o and down 512, gate_up 3584), the fastest split in the sweep.
+    block_n 8 x block_k 512 with 4 warps, the loop's loads four steps deep (tl.range's
+    pipelining: a program keeps 16 KiB of rows in flight instead of one 4 KiB step). On an
+    H100 (benchmarks/fp8_gemv_bench.py --sweep --narrow --stages 1,2,3,4) the fastest tile on
+    three Llama-3-8B shapes and within 1% on qkv: the layers' sum 0.0818 ms against 0.0874
+    for 8 x 1024 without pipelining (the tile before). Then K is split as
+    kernels/split_k.pick_split_k says, aiming at 3 programs per SM: Llama-3-8B's layers on
+    132 SMs get one split each (qkv 768 programs, o and down 512, gate_up 3584), the
+    fastest split in the sweep.
     """
     block_n = 8
-    block_k = max(16, min(1024, triton.next_power_of_2(k)))
+    block_k = max(16, min(512, triton.next_power_of_2(k)))
     split_k = pick_split_k(
         triton.cdiv(n, block_n), triton.cdiv(k, block_k), sms, programs_per_sm=_PROGRAMS_PER_SM
     )
-    return GemvConfig(block_n, block_k, split_k)
+    return GemvConfig(block_n, block_k, split_k, num_stages=4)
 
 
 @triton.jit
@@ -90,6 +92,7 @@ def _fp8_gemv_kernel(
     EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     """out[split, row, n-block] = the split's K slice of x[row] . w_q[n-block] times the
     scales (plus the bias in split 0); the grid as split_k.gemv_program says."""
@@ -98,7 +101,7 @@ def _fp8_gemv_kernel(
     w_rows = w_ptr + rows[:, None] * stride_wn
     x_row = xq_ptr + row * stride_xm
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
+    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
         cols = k0 + offs_k
         if EVEN_K:
             w = tl.load(w_rows + cols[None, :])
@@ -201,6 +204,7 @@ def fp8_gemv(
         EVEN_K=even_k,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
+        NUM_STAGES=config.num_stages,
         num_warps=config.num_warps,
     )
     if split_k > 1:

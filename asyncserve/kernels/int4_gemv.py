@@ -88,6 +88,7 @@ def _int4_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SUB_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     """out[split, row, n-block] = the split's K slice of x[row] @ W[n-block]^T (fp32 sums);
     the grid as split_k.gemv_program says."""
@@ -98,7 +99,7 @@ def _int4_gemv_kernel(
     x_row = x_ptr + row * stride_xm
     NSUB: tl.constexpr = BLOCK_K // SUB_K
     acc = tl.zeros([BLOCK_N, NSUB], dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
+    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
         cols = k0 + offs_w * 8  # first column of each word
         if EVEN_K:
             words = tl.load(qw_rows + (k0 // 8 + offs_w)[None, :])
@@ -212,6 +213,7 @@ def int4_gemv(
         BLOCK_N=config.block_n,
         BLOCK_K=block_k,
         SUB_K=sub_k,
+        NUM_STAGES=config.num_stages,
         num_warps=config.num_warps,
     )
     if split_k > 1:

@@ -25,12 +25,14 @@ _MAX_SPLITS = 16
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """Launch shape: outputs per program, K columns per loop step, K splits, warps."""
+    """Launch shape: outputs per program, K columns per loop step, K splits, warps, and the
+    loop's pipeline depth (loop steps whose loads are in flight at once; 1: none ahead)."""
 
     block_n: int
     block_k: int
     split_k: int
     num_warps: int = 4
+    num_stages: int = 1
 
 
 @functools.lru_cache(maxsize=8)

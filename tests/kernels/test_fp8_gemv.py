@@ -82,11 +82,14 @@ def test_gemv_matches_reference(device: torch.device, m: int, dtype: torch.dtype
         (40, 16, 2),  # K not a multiple of 16 (torch._scaled_mm refuses it)
     ],
 )
-def test_gemv_steps_and_splits(device: torch.device, k: int, block_k: int, split_k: int) -> None:
+@pytest.mark.parametrize("num_stages", [1, 3])  # 3: the loop's loads pipelined (GPU)
+def test_gemv_steps_and_splits(
+    device: torch.device, k: int, block_k: int, split_k: int, num_stages: int
+) -> None:
     w_q, w_s = _weight(24, k, device)
     bias = torch.randn(24, generator=torch.Generator().manual_seed(k)).to(device)
     for m in (1, 3):
-        config = GemvConfig(block_n=16, block_k=block_k, split_k=split_k)
+        config = GemvConfig(16, block_k, split_k, num_stages=num_stages)
         _run(_x(m, k, torch.float32, device), w_q, w_s, bias if m == 3 else None, config)
 
 
@@ -217,3 +220,6 @@ def test_gemv_config_for_llama_3_8b() -> None:
     assert all(fp8_gemv_config(n, k, 132).split_k == 1 for n, k in [(4096, 14336), (4096, 4096)])
     assert fp8_gemv_config(1024, 16384, 132).split_k == 4  # few rows, a long K: still split
     assert fp8_gemv_config(8, 8, 132).block_k == 16
+    # The H100 sweep's tile: 512 columns a step, four steps of loads in flight.
+    config = fp8_gemv_config(28672, 4096, 132)
+    assert (config.block_n, config.block_k, config.num_stages) == (8, 512, 4)

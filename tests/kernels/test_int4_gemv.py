@@ -68,13 +68,14 @@ def test_gemv_matches_reference(
         (2048, 128, 1024, 2),  # the default step on 8B shapes: eight groups a step
     ],
 )
+@pytest.mark.parametrize("num_stages", [1, 3])  # 3: the loop's loads pipelined (GPU)
 def test_gemv_steps_and_splits(
-    device: torch.device, k: int, group: int, block_k: int, split_k: int
+    device: torch.device, k: int, group: int, block_k: int, split_k: int, num_stages: int
 ) -> None:
     _, qweight, scales, zeros = _weight(24, k, group, device)
     for m in (1, 3):
         x = _x(m, k, torch.float32, device)
-        config = GemvConfig(block_n=16, block_k=block_k, split_k=split_k)
+        config = GemvConfig(16, block_k, split_k, num_stages=num_stages)
         out = int4_gemv(x, qweight, scales, zeros, None, group, config)
         _check(out, reference.int4_matmul(x, qweight, scales, zeros, None, group))
 
