@@ -52,3 +52,11 @@ def freeze_startup_heap() -> int:
     _, _, oldest = gc.get_threshold()
     gc.set_threshold(YOUNG_THRESHOLD, MIDDLE_THRESHOLD, oldest)
     return gc.get_freeze_count()
+
+
+def thaw_startup_heap(thresholds: tuple[int, int, int]) -> None:
+    """Undo freeze_startup_heap before an engine shuts down: the frozen objects go back to the
+    oldest generation (so the closed engine's reference cycles, device tensors among them,
+    can be collected) and the collection thresholds are set back to `thresholds`."""
+    gc.unfreeze()
+    gc.set_threshold(*thresholds)

@@ -375,6 +375,24 @@ case $1 in
     for b in 256 24; do
       TAIL=40 step phases_qwen_$b 150 python3 benchmarks/step_phases.py --model $QWEN --load-format dummy --batch-size $b --input-len 512 --output-len 128 --no-detokenize
     done ;;
+  fuse)  # carry .whl .base (`git archive HEAD asyncserve benchmarks | tar -x -C .base`): rotary
+    # fused with the KV store (and Qwen3's q/k norms) on the GPU: tests, then a W4-sized model's
+    # decode steps and W4 itself, this tree against the last commit's, alternating (18)
+    TAIL=4 step fuse_tests 300 python3 -m pytest -q -p no:cacheprovider -rfs tests/kernels/test_rope_store.py tests/kernels/test_rope.py tests/kernels/test_kv_store.py tests/kernels/test_fp8_kv.py tests/kernels/test_kernels_gpu.py tests/models/test_families_gpu.py
+    for b in 24 256; do
+      TAIL=3 step phases_new_$b 150 python3 benchmarks/step_phases.py --model $QWEN --load-format dummy --batch-size $b --input-len 512 --output-len 128 --no-detokenize
+      (cd .base && TAIL=3 step phases_base_$b 150 python3 benchmarks/step_phases.py --model $QWEN --load-format dummy --batch-size $b --input-len 512 --output-len 128 --no-detokenize)
+    done
+    for r in 1 2; do
+      TAIL=1 step w4_new_$r 150 python3 $SBS --engine asyncserve --workloads w4 --model $QWEN
+      (cd .base && TAIL=1 step w4_base_$r 150 python3 $SBS --engine asyncserve --workloads w4 --model $QWEN)
+    done ;;
+  w4prof)  # carry .whl: W4 with its kernels summed and the device's busy time over the run
+    # (where it idles), this tree, then the same for Llama-3-8B's W1b (18)
+    TAIL=25 step w4_as_prof 200 python3 $SBS --engine asyncserve --workloads w4 --model $QWEN --kernel-summary $OUT/w4_as_kernels.tsv
+    cat $OUT/w4_as_kernels.tsv | head -30; grep "^#" $OUT/w4_as_kernels.tsv
+    TAIL=2 step w1b_as_prof 200 python3 $SBS --engine asyncserve --workloads w1b --model $L3 --kernel-summary $OUT/w1b_as_kernels.tsv
+    grep "^#" $OUT/w1b_as_kernels.tsv ;;
   int4gemm)  # carry .whl: the whole-group int4 GEMM on the GPU (tests; against the per-column
     # GEMM and bf16 with a tile sweep), then W2 W4A16 alone with its kernels summed (14)
     TAIL=4 step int4_tests 200 python3 -m pytest -q -p no:cacheprovider -rfs tests/kernels/test_int4_gemm.py tests/kernels/test_int4_gemv.py tests/quantization -k "int4 or gptq or awq or w4a16 or gemm"

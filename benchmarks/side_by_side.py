@@ -111,10 +111,12 @@ def kernel_profile(path, workload):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         yield wall
     per_name = {}
+    spans = []
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             total, count = per_name.get(event.name, (0.0, 0))
             per_name[event.name] = (total + event.time_range.elapsed_us(), count + 1)
+            spans.append((event.time_range.start, event.time_range.end))
     kernel_us = sum(total for total, _ in per_name.values())
     wall_us = 1e6 * sum(wall)
     rows = sorted(per_name.items(), key=lambda item: -item[1][0])
@@ -125,6 +127,82 @@ def kernel_profile(path, workload):
         for name, (total, count) in rows[:40]:
             f.write(f"{total / 1e3:.1f}\t{100 * total / max(kernel_us, 1):.1f}\t{count}\t"
                     f"{total / count:.1f}\t{name[:150]}\n")  # fmt: skip
+        f.write(device_timeline(spans))
+
+
+def device_timeline(spans, parts=10):
+    """Where the device idled: the union of the kernels' intervals over the profiled span,
+    cut into `parts` equal windows (busy % of each and kernels started in it), and the
+    idle gaps between kernels by length."""
+    if not spans:
+        return "# no kernels\n"
+    spans.sort()
+    first, last = spans[0][0], max(end for _, end in spans)
+    width = (last - first) / parts or 1.0
+    busy = [0.0] * parts
+    launches = [0] * parts
+    gaps = {"<10us": [0, 0.0], "10-100us": [0, 0.0], "0.1-1ms": [0, 0.0], ">=1ms": [0, 0.0]}
+    cur_start, cur_end = spans[0]
+    merged = []
+    for start, end in spans:
+        launches[min(parts - 1, int((start - first) / width))] += 1
+        if start > cur_end:
+            merged.append((cur_start, cur_end))
+            gap = start - cur_end
+            key = (
+                "<10us"
+                if gap < 10
+                else "10-100us"
+                if gap < 100
+                else "0.1-1ms"
+                if gap < 1000
+                else ">=1ms"
+            )
+            gaps[key][0] += 1
+            gaps[key][1] += gap
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    merged.append((cur_start, cur_end))
+    for start, end in merged:  # split each busy interval over the windows it covers
+        while start < end:
+            i = min(parts - 1, int((start - first) / width))
+            stop = min(end, first + (i + 1) * width) if i < parts - 1 else end
+            busy[i] += stop - start
+            start = stop
+    total_busy = sum(busy)
+    lines = [f"# device timeline: span {(last - first) / 1e3:.1f} ms, busy {total_busy / 1e3:.1f} ms "
+             f"({100 * total_busy / (last - first):.0f}%)"]  # fmt: skip
+    lines.append("# window\tbusy %\tkernels")
+    for i in range(parts):
+        lines.append(f"# {i}\t{100 * busy[i] / width:.0f}\t{launches[i]}")
+    lines.append(
+        "# idle gaps: " + ", ".join(f"{k}: {n} ({t / 1e3:.1f} ms)" for k, (n, t) in gaps.items())
+    )
+    return "\n".join(lines) + "\n"
+
+
+@contextlib.contextmanager
+def gc_pauses():
+    """Python's garbage collections inside the block: count and milliseconds per generation
+    (in this process: asyncserve's engine, or vLLM's engine core when it runs in-process)."""
+    import gc
+
+    stats = {gen: [0, 0.0] for gen in range(3)}
+    started = [0.0]
+
+    def on_gc(phase, info):
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            stats[info["generation"]][0] += 1
+            stats[info["generation"]][1] += 1e3 * (time.perf_counter() - started[0])
+
+    gc.callbacks.append(on_gc)
+    try:
+        yield stats
+    finally:
+        gc.callbacks.remove(on_gc)
 
 
 def main():
@@ -162,7 +240,7 @@ def main():
         prompts, outs = inputs(wl, vocab)
         gen(llm, prompts[:4], outs[:4])  # warm-up outside the timed region
         best = None
-        with kernel_profile(a.kernel_summary, wl) as timing:
+        with kernel_profile(a.kernel_summary, wl) as timing, gc_pauses() as collections:
             for _ in range(a.repeat):
                 t = time.perf_counter()
                 nout = sum(gen(llm, prompts, outs))
@@ -191,6 +269,8 @@ def main():
             ),
         )
         print("RESULT " + json.dumps(rec), flush=True)
+        pauses = {f"gen{g}": f"{n} in {ms:.1f} ms" for g, (n, ms) in collections.items()}
+        print("GC " + json.dumps(pauses), flush=True)
 
 
 if __name__ == "__main__":

@@ -415,3 +415,28 @@ def test_generate_from_two_threads_runs_both(llm: LLM) -> None:
         t.join(120)
     assert results == [expected, expected]
     assert_pool_whole(llm)
+
+
+def test_engine_lifetime_freezes_the_startup_heap() -> None:
+    """While an LLM is open its start-up heap is out of the collector's view (long generate
+    calls' full collections walk only what they allocate); close() gives it back, so the
+    closed engine's reference cycles can be collected, and restores the thresholds."""
+    import gc
+    import weakref
+
+    from asyncserve.gc_heap import MIDDLE_THRESHOLD, YOUNG_THRESHOLD
+
+    thresholds = gc.get_threshold()
+    before = [object()]  # a container made before the engine
+    llm = LLM(device="cpu", max_model_len=128, kv_cache_memory=16 << 20)
+    try:
+        assert id(before) not in {id(o) for o in gc.get_objects()}
+        assert gc.get_threshold()[:2] == (YOUNG_THRESHOLD, MIDDLE_THRESHOLD)
+        engine = weakref.ref(llm.engine)
+    finally:
+        llm.close()
+    assert gc.get_threshold() == thresholds
+    assert id(before) in {id(o) for o in gc.get_objects()}
+    del llm
+    gc.collect()
+    assert engine() is None  # nothing frozen keeps the closed engine alive

@@ -19,6 +19,7 @@ class KernelOps:
     rms_norm: Callable[..., torch.Tensor]
     fused_add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    rope_store_kv: Callable[..., torch.Tensor]
     silu_and_mul: Callable[..., torch.Tensor]
     gelu_tanh_and_mul: Callable[..., torch.Tensor]
     moe_route: Callable[..., tuple[torch.Tensor, torch.Tensor]]

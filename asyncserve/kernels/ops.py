@@ -17,6 +17,7 @@ REFERENCE_OPS = KernelOps(
     rms_norm=reference.rms_norm,
     fused_add_rms_norm=reference.fused_add_rms_norm,
     rotary_embedding=reference.rotary_embedding,
+    rope_store_kv=reference.rope_store_kv,
     silu_and_mul=reference.silu_and_mul,
     gelu_tanh_and_mul=reference.gelu_tanh_and_mul,
     moe_route=reference.moe_route,

@@ -279,6 +279,32 @@ def rotary_embedding(
     return rotate(query), rotate(key)
 
 
+def rope_store_kv(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    eps: float,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """Per-head RMSNorm of query and key (when the weights are given), rotary on both, then
+    key and value into the cache: rms_norm, rotary_embedding and store_kv in turn. Returns
+    the rotated query."""
+    if q_norm_weight is not None and k_norm_weight is not None:
+        query = rms_norm(query, q_norm_weight, eps)
+        key = rms_norm(key, k_norm_weight, eps)
+    query, key = rotary_embedding(positions, query, key, cos_sin_cache)
+    store_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+    return query
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(x[..., :d]) * x[..., d:] with d = x.shape[-1] // 2."""
     d = x.shape[-1] // 2

@@ -9,6 +9,7 @@ from asyncserve.kernels.kv_store import store_kv
 from asyncserve.kernels.moe import fused_moe, moe_route
 from asyncserve.kernels.norm import fused_add_rms_norm, rms_norm
 from asyncserve.kernels.rope import rotary_embedding
+from asyncserve.kernels.rope_store import rope_store_kv
 
 TRITON_OPS = KernelOps(
     name="triton",
@@ -17,6 +18,7 @@ TRITON_OPS = KernelOps(
     rms_norm=rms_norm,
     fused_add_rms_norm=fused_add_rms_norm,
     rotary_embedding=rotary_embedding,
+    rope_store_kv=rope_store_kv,
     silu_and_mul=silu_and_mul,
     gelu_tanh_and_mul=gelu_tanh_and_mul,
     moe_route=moe_route,

@@ -75,6 +75,13 @@ class Attention(nn.Module):
         self.ops.store_kv(
             k, v, key_cache, value_cache, meta.slot_mapping, self.k_scale, self.v_scale
         )
+        return self.attend(q, kv_cache, meta)
+
+    def attend(
+        self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """q [T, H, D] over the cache, this step's K/V already in it -> [T, H * D]."""
+        key_cache, value_cache = kv_cache
         out = self.ops.unified_attention(
             q,
             key_cache,

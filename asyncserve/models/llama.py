@@ -78,6 +78,10 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
         # Shared by every layer: one cos/sin table per model, not per layer.
         self.rotary_emb = rotary
+        self.ops = ops
+        self.qk_norm_eps = config.rms_norm_eps
+        # Plain NeoX rotary (not M-RoPE's position rows) runs fused with the KV store.
+        self.fuse_rope_store = type(rotary) is RotaryEmbedding
         scale = config.attention_scale or self.head_dim**-0.5
         self.attn = Attention(
             self.num_heads,
@@ -101,6 +105,24 @@ class LlamaAttention(nn.Module):
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.fuse_rope_store:
+            # One kernel: the per-head norms (Qwen3, Gemma 3), rotary and the KV store.
+            attn = self.attn
+            q = self.ops.rope_store_kv(
+                positions,
+                q,
+                k,
+                v,
+                self.rotary_emb.cos_sin_cache,
+                None if self.q_norm is None else self.q_norm.weight,
+                None if self.k_norm is None else self.k_norm.weight,
+                self.qk_norm_eps,
+                *kv_cache,
+                meta.slot_mapping,
+                attn.k_scale,
+                attn.v_scale,
+            )
+            return self.o_proj(attn.attend(q, kv_cache, meta))
         if self.q_norm is not None and self.k_norm is not None:
             # Qwen3 and Gemma 3 normalise each head's query and key before rotary.
             q = self.q_norm(q)

@@ -177,12 +177,13 @@ def test_prefill_logits_match_hf(family: Family) -> None:
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["gemma3", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["gemma3", "qwen3_moe", "phi3"])
 def test_prefill_logits_with_the_gpu_kernels_match_hf(
     name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The GPU kernel set (Triton's interpreter here) on whole models: per-head q/k norms on
-    views of the fused qkv rows, Gemma's GELU-and-multiply, the fused MoE."""
+    views of the fused qkv rows and rotary fused with the KV store (Phi-3: partial rotary),
+    Gemma's GELU-and-multiply, the fused MoE."""
     pytest.importorskip("triton", reason="triton is not installed")
     from asyncserve.kernels.ops import REFERENCE_OPS
     from asyncserve.kernels.triton_ops import TRITON_OPS
