@@ -393,6 +393,18 @@ case $1 in
     cat $OUT/w4_as_kernels.tsv | head -30; grep "^#" $OUT/w4_as_kernels.tsv
     TAIL=2 step w1b_as_prof 200 python3 $SBS --engine asyncserve --workloads w1b --model $L3 --kernel-summary $OUT/w1b_as_kernels.tsv
     grep "^#" $OUT/w1b_as_kernels.tsv ;;
+  gcab)  # carry .whl .base (the commit before the GC freeze and the rotary-store fusion): W1b,
+    # this tree against .base alternating, then this tree profiled (device idle, GC pauses) (18)
+    for r in 1 2; do
+      TAIL=2 step w1b_new_$r 200 python3 $SBS --engine asyncserve --workloads w1b --model $L3
+      (cd .base && TAIL=1 step w1b_base_$r 200 python3 $SBS --engine asyncserve --workloads w1b --model $L3)
+    done
+    TAIL=2 step w1b_new_prof 200 python3 $SBS --engine asyncserve --workloads w1b --model $L3 --kernel-summary $OUT/w1b_new_kernels.tsv
+    grep "^#" $OUT/w1b_new_kernels.tsv ;;
+  pairs2)  # carry .peer/p1 after stage: the W4 and W1b pairs (18)
+    bash .peer/p1/install.sh | tail -1
+    j_w4_pair
+    pair w1b 150 300 --workloads w1b --model $L3 ;;
   int4gemm)  # carry .whl: the whole-group int4 GEMM on the GPU (tests; against the per-column
     # GEMM and bf16 with a tile sweep), then W2 W4A16 alone with its kernels summed (14)
     TAIL=4 step int4_tests 200 python3 -m pytest -q -p no:cacheprovider -rfs tests/kernels/test_int4_gemm.py tests/kernels/test_int4_gemv.py tests/quantization -k "int4 or gptq or awq or w4a16 or gemm"
