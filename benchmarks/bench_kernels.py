@@ -88,45 +88,65 @@ def run_variant(
 
 
 def bench_decode(
-    num_seqs: int, ctx: int, sweep_configs: bool, sweep_splits: bool, best: list[tuple]
+    num_seqs: int,
+    ctx: int,
+    sweep_configs: bool,
+    sweep_splits: bool,
+    best: list[tuple],
+    ragged: bool = False,
 ) -> None:
-    """Time one decode batch; best holds the fastest (tile, warps, stages) found so far."""
+    """Time one decode batch; best holds the fastest (tile, warps, stages) found so far.
+    ragged: contexts uniform in [ctx / 2, 3 ctx / 2] (mean ctx) instead of all equal."""
+    lens = [ctx] * num_seqs
+    if ragged:
+        gen = torch.Generator().manual_seed(num_seqs)
+        lens = torch.randint(ctx // 2, 3 * ctx // 2 + 1, (num_seqs,), generator=gen).tolist()
     batch = make_batch(
-        [1] * num_seqs, [ctx - 1] * num_seqs, HEADS, KV_HEADS, HEAD_DIM, BLOCK, DTYPE, CUDA,
+        [1] * num_seqs, [n - 1 for n in lens], HEADS, KV_HEADS, HEAD_DIM, BLOCK, DTYPE, CUDA,
         seed=num_seqs,
     )  # fmt: skip
     ref = reference.unified_attention(*batch.args(), SCALE)
     nbytes = kv_bytes(batch)
-    config = attention.default_config(HEADS // KV_HEADS, 1, HEAD_DIM)
     num_sms = torch.cuda.get_device_properties(CUDA).multi_processor_count
-    splits = attention.choose_num_splits(num_seqs, KV_HEADS, 1, ctx, config, num_sms)
+    config = attention.default_config(HEADS // KV_HEADS, 1, HEAD_DIM)
+    max_len = max(lens)
+    splits = attention.choose_num_splits(num_seqs, KV_HEADS, 1, max_len, config, num_sms)
 
     def default() -> torch.Tensor:
-        return attention.unified_attention(*batch.args(), SCALE, max_seqlen_q=1, max_seqlen_k=ctx)
+        return attention.unified_attention(
+            *batch.args(), SCALE, max_seqlen_q=1, max_seqlen_k=max_len
+        )
 
     ms = _ms(default)
     eager = _eager_ms(default)
-    gqa_ms, full_ms = sdpa_decode_ms(batch)
-    print(f"\ndecode {num_seqs} seqs x {ctx} ctx: K/V {nbytes / 1e6:.0f} MB")
+    kind = f"{ctx // 2}-{3 * ctx // 2} ctx" if ragged else f"{ctx} ctx"
+    print(f"\ndecode {num_seqs} seqs x {kind}: K/V {nbytes / 1e6:.0f} MB")
     print(
         f"  triton default {config} splits={splits}: {ms * 1e3:8.1f} us  "
         f"{nbytes / ms / 1e6:7.0f} GB/s  err {rel_err(default(), ref):.1e}  (eager {eager * 1e3:.1f} us)"
     )
-    print(
-        f"  torch SDPA enable_gqa (contiguous K/V): {gqa_ms * 1e3:8.1f} us  "
-        f"{nbytes / gqa_ms / 1e6:7.0f} GB/s"
-    )
-    print(
-        f"  torch SDPA K/V expanded to {HEADS} heads: {full_ms * 1e3:8.1f} us  "
-        f"{4 * nbytes / full_ms / 1e6:7.0f} GB/s (of 4x the bytes)"
-    )
+    if not ragged:  # SDPA's contiguous K/V needs equal contexts
+        gqa_ms, full_ms = sdpa_decode_ms(batch)
+        print(
+            f"  torch SDPA enable_gqa (contiguous K/V): {gqa_ms * 1e3:8.1f} us  "
+            f"{nbytes / gqa_ms / 1e6:7.0f} GB/s"
+        )
+        print(
+            f"  torch SDPA K/V expanded to {HEADS} heads: {full_ms * 1e3:8.1f} us  "
+            f"{4 * nbytes / full_ms / 1e6:7.0f} GB/s (of 4x the bytes)"
+        )
     variants: list[tuple[int, int, int, int]] = []
     if sweep_configs:
         for tile, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4)):
             variants.append((tile, warps, stages, splits))
     if sweep_splits:
-        shapes = {(config.tile_n, config.num_warps, config.num_stages), (128, 4, 2)}
-        for (tile, warps, stages), s in itertools.product(shapes | set(best[:2]), (4, 8, 16, 32)):
+        shapes_default = (config.tile_n, config.num_warps, config.num_stages)
+        shapes = {shapes_default, (64, 4, 2), (128, 4, 2)}
+        for (tile, warps, stages), s in itertools.product(
+            shapes | set(best[:2]), (1, 2, 4, 8, 16, 32)
+        ):
+            if s == splits and (tile, warps, stages) == shapes_default:
+                continue
             variants.append((tile, warps, stages, s))
     rows = []
     for tile, warps, stages, s in variants:
@@ -136,7 +156,7 @@ def bench_decode(
     rows.sort()
     if sweep_configs:
         best[:] = [(tile, warps, stages) for _, tile, warps, stages, _, _ in rows[:3]]
-    for t, tile, warps, stages, s, err in rows[:6]:
+    for t, tile, warps, stages, s, err in rows[:10]:
         print(
             f"  sweep tile={tile:3d} warps={warps} stages={stages} splits={s:2d}: "
             f"{t * 1e3:8.1f} us  {nbytes / t / 1e6:7.0f} GB/s  err {err:.1e}"
@@ -189,6 +209,9 @@ def main() -> None:
         "the others the split sweep); W4's: 256x1024,24x1536",
     )
     parser.add_argument("--no-mixed", action="store_true", help="skip the mixed batch")
+    parser.add_argument(
+        "--ragged", action="store_true", help="decode contexts uniform in [ctx/2, 3ctx/2]"
+    )
     args = parser.parse_args()
     global HEADS, KV_HEADS, HEAD_DIM, SCALE
     HEADS, KV_HEADS, HEAD_DIM = SHAPES[args.shape]
@@ -204,9 +227,9 @@ def main() -> None:
     for i, item in enumerate(args.decode.split(",")):
         seqs, ctx = (int(x) for x in item.split("x"))
         if i == 0:
-            bench_decode(seqs, ctx, args.sweep, args.splits, best)
+            bench_decode(seqs, ctx, args.sweep, args.splits, best, args.ragged)
         else:
-            bench_decode(seqs, ctx, False, args.sweep or args.splits, best)
+            bench_decode(seqs, ctx, False, args.sweep or args.splits, best, args.ragged)
     if not args.no_mixed:
         bench_mixed(args.sweep)
 

@@ -405,6 +405,33 @@ case $1 in
     bash .peer/p1/install.sh | tail -1
     j_w4_pair
     pair w1b 150 300 --workloads w1b --model $L3 ;;
+  splitsregs)  # carry .whl: the LM head's fp32 GEMM tested; attention split factors on W4's
+    # ragged decode batches (18); the int4 GEMV under register caps (14)
+    TAIL=4 step logits_tests 200 python3 -m pytest -q -p no:cacheprovider -rfs tests/models/test_layers.py tests/kernels/test_int4_gemv.py tests/kernels/test_fp8_gemv.py
+    TAIL=120 step attn_splits 240 python3 benchmarks/bench_kernels.py --shape qwen3-0.6b --splits --ragged --no-mixed --decode 32x1400,64x1300,96x1200,128x1100,192x1000,256x900
+    TAIL=8 step int4_regs 280 python3 benchmarks/int4_gemv_bench.py --sweep --narrow --maxnreg 0,40,48,56
+    grep best $OUT/int4_regs.log ;;
+  wideab)  # carry .whl .base (the commit before the LM head's fp32 GEMM; ran on a tree with
+    # 128-key decode tiles, not kept): attention tests and decode shapes on the GPU, then W4,
+    # this tree against .base alternating (18)
+    TAIL=4 step attn_tests 200 python3 -m pytest -q -p no:cacheprovider -rfs tests/kernels/test_attention.py tests/kernels/test_kernels_gpu.py tests/models/test_families_gpu.py
+    TAIL=80 step attn_wide_ragged 150 python3 benchmarks/bench_kernels.py --shape qwen3-0.6b --splits --ragged --no-mixed --decode 17x1500,24x1500,48x1350,96x1200
+    grep -E "^decode|default" $OUT/attn_wide_ragged.log
+    TAIL=2 step attn_wide_equal 120 python3 benchmarks/bench_kernels.py --shape qwen3-0.6b --splits --no-mixed --decode 24x1536,256x1024
+    grep -E "^decode|default|SDPA enable" $OUT/attn_wide_equal.log
+    TAIL=2 step attn_wide_llama 120 python3 benchmarks/bench_kernels.py --splits --ragged --no-mixed --decode 512x384,128x1024
+    grep -E "^decode|default" $OUT/attn_wide_llama.log
+    for r in 1 2; do
+      TAIL=1 step w4_new_$r 150 python3 $SBS --engine asyncserve --workloads w4 --model $QWEN
+      (cd .base && TAIL=1 step w4_base_$r 150 python3 $SBS --engine asyncserve --workloads w4 --model $QWEN)
+    done ;;
+  pairs3)  # carry .peer/p1 after stage: the new split rule on small ragged decodes, then the
+    # W4 and W1b pairs (18)
+    bash .peer/p1/install.sh | tail -1
+    TAIL=2 step attn_splits_small 100 python3 benchmarks/bench_kernels.py --shape qwen3-0.6b --splits --ragged --no-mixed --decode 17x1500,24x1500,32x1400
+    grep -E "^decode|default" $OUT/attn_splits_small.log
+    j_w4_pair
+    pair w1b 150 300 --workloads w1b --model $L3 ;;
   int4gemm)  # carry .whl: the whole-group int4 GEMM on the GPU (tests; against the per-column
     # GEMM and bf16 with a tile sweep), then W2 W4A16 alone with its kernels summed (14)
     TAIL=4 step int4_tests 200 python3 -m pytest -q -p no:cacheprovider -rfs tests/kernels/test_int4_gemm.py tests/kernels/test_int4_gemv.py tests/quantization -k "int4 or gptq or awq or w4a16 or gemm"

@@ -110,8 +110,14 @@ def main() -> None:
     parser.add_argument(
         "--stages", default="1", help="loop pipeline depths the sweep tries, e.g. 1,2,3,4"
     )
+    parser.add_argument(
+        "--maxnreg",
+        default="0",
+        help="registers a thread the sweep allows, e.g. 0,40,48 (0: the compiler's choice)",
+    )
     args = parser.parse_args()
     stages = tuple(int(s) for s in args.stages.split(","))
+    regs = tuple(int(r) or None for r in args.maxnreg.split(","))
     sms = torch.cuda.get_device_properties(CUDA).multi_processor_count
     print(json.dumps({"device": torch.cuda.get_device_name(CUDA), "sms": sms}), flush=True)
     results = []
@@ -147,7 +153,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         results.append(row)
         if args.sweep:
-            grid = sweep_grid(config, k, stages, args.narrow)
+            grid = sweep_grid(config, k, stages, args.narrow, regs)
             results += sweep(n, k, args.m, nbytes, copies, args.reps, grid)
     out = Path(os.environ.get("OUT", "/tmp/out"))
     out.mkdir(parents=True, exist_ok=True)
@@ -155,22 +161,26 @@ def main() -> None:
 
 
 def sweep_grid(
-    default: GemvConfig, k: int, stages: tuple[int, ...], narrow: bool
+    default: GemvConfig,
+    k: int,
+    stages: tuple[int, ...],
+    narrow: bool,
+    regs: tuple[int | None, ...] = (None,),
 ) -> list[GemvConfig]:
     """Launch shapes to time: a wide grid, or (narrow) the default's neighbours, each at every
-    pipeline depth in `stages`."""
+    pipeline depth in `stages` and register cap in `regs`."""
     if narrow:
         splits = {default.split_k, max(1, default.split_k // 2), 2 * default.split_k}
         grid = itertools.product(
-            (default.block_n, 2 * default.block_n), (512, 1024), sorted(splits), (4,), stages
+            (default.block_n, 2 * default.block_n), (512, 1024), sorted(splits), (4,), stages, regs
         )
     else:
         grid = itertools.product(
-            (16, 32, 64), (256, 512, 1024), (1, 2, 4, 7, 8, 16), (4, 8), stages
+            (16, 32, 64), (256, 512, 1024), (1, 2, 4, 7, 8, 16), (4, 8), stages, regs
         )
     return [
-        GemvConfig(block_n, block_k, split_k, warps, depth)
-        for block_n, block_k, split_k, warps, depth in grid
+        GemvConfig(block_n, block_k, split_k, warps, depth, nreg)
+        for block_n, block_k, split_k, warps, depth, nreg in grid
         if k // block_k >= split_k  # no empty splits
     ]
 

@@ -206,6 +206,7 @@ def fp8_gemv(
         BLOCK_K=config.block_k,
         NUM_STAGES=config.num_stages,
         num_warps=config.num_warps,
+        maxnreg=config.maxnreg,
     )
     if split_k > 1:
         sum_splits(partial, out)

@@ -215,6 +215,7 @@ def int4_gemv(
         SUB_K=sub_k,
         NUM_STAGES=config.num_stages,
         num_warps=config.num_warps,
+        maxnreg=config.maxnreg,
     )
     if split_k > 1:
         sum_splits(partial, out)

@@ -33,6 +33,9 @@ class GemvConfig:
     split_k: int
     num_warps: int = 4
     num_stages: int = 1
+    # Registers a thread may hold (ptxas's maxnreg; None: the compiler's choice). Fewer
+    # registers let more programs share an SM, so more loads are in flight.
+    maxnreg: int | None = None
 
 
 @functools.lru_cache(maxsize=8)

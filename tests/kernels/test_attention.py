@@ -108,6 +108,23 @@ def test_split_heuristic() -> None:
     assert attention.choose_num_splits(1, 8, 512, 32768, prefill, 132) == 1
 
 
+def test_split_heuristic_between_one_and_two_programs_an_sm() -> None:
+    config = attention.default_config(2, 1)
+    assert attention.choose_num_splits(17, 8, 1, 2048, config, 132) == 4
+    assert attention.choose_num_splits(32, 8, 1, 2048, config, 132) == 4
+    assert attention.choose_num_splits(33, 8, 1, 2048, config, 132) == 1
+    assert attention.choose_num_splits(16, 8, 1, 2048, config, 132) == 4  # 2 x SMs / 128
+
+
+def test_128_key_tiles(device: torch.device) -> None:
+    """A decode batch launched with 128-key tiles equals the reference (contexts not a
+    multiple of 128, one shorter than a tile)."""
+    batch = make_batch([1] * 5, [300, 1, 129, 127, 256], 4, 2, 32, 8, torch.float32, device, seed=3)
+    config = attention.AttentionConfig(block_m=16, tile_n=128, num_warps=4, num_stages=2)
+    out = attention.paged_attention(*batch.args(), 0.3, config, 1)
+    assert rel_err(out, reference.unified_attention(*batch.args(), 0.3)) < TOL[torch.float32]
+
+
 @pytest.mark.parametrize(
     ("window", "softcap", "num_splits"),
     [(5, None, 1), (16, None, 4), (None, 3.0, 1), (7, 2.0, 2)],

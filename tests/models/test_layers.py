@@ -15,6 +15,7 @@ from asyncserve.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     compute_cos_sin_cache,
+    compute_logits,
 )
 
 LLAMA3 = {
@@ -149,3 +150,30 @@ def test_longrope_table_matches_hf_short_then_long() -> None:
     torch.testing.assert_close(cache[32:, :4], cos_long[0, 32:, :4], atol=1e-6, rtol=0)
     torch.testing.assert_close(cache[32:, 4:], sin_long[0, 32:, :4], atol=1e-6, rtol=0)
     assert not torch.allclose(cache[:32, :4], cos_long[0, :32, :4])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compute_logits_is_fp32_of_the_head_product(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(5, 32, generator=gen).to(dtype)
+    head = torch.randn(100, 32, generator=gen).to(dtype)
+    logits = compute_logits(hidden, head)
+    assert logits.dtype == torch.float32 and logits.shape == (5, 100)
+    torch.testing.assert_close(logits, F.linear(hidden, head).float())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_compute_logits_on_cuda_writes_fp32_sums(dtype: torch.dtype) -> None:
+    """The GEMM's own fp32 output: within the 16-bit rounding of the old path, and closer
+    to the fp32 product than that rounding."""
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(7, 256, generator=gen).to(dtype).cuda()
+    head = torch.randn(1000, 256, generator=gen).to(dtype).cuda()
+    logits = compute_logits(hidden, head)
+    exact = hidden.float() @ head.float().t()
+    rounded = F.linear(hidden, head).float()
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, rounded, atol=0.25, rtol=1e-2)
+    assert (logits - exact).abs().mean() < (rounded - exact).abs().mean()
