@@ -79,10 +79,10 @@ def choose_num_splits(
     programs = num_seqs * num_kv_heads
     if programs >= 2 * num_sms:  # about two programs per SM keep the loads in flight
         return 1
-    # Between one and two programs an SM, four splits beat two on ragged decodes (Qwen3-0.6B
+    # Between one and two programs an SM, eight splits beat two on ragged decodes (Qwen3-0.6B
     # heads on an H200, bench_kernels.py --ragged --splits: 17 sequences of 750-2,250 keys
-    # 38.3 against 52.1 us, 24 sequences 50.4 against 59.0, 32 equal).
-    target = 4 * num_sms if programs >= num_sms else 2 * num_sms
+    # 35.5 against 52.1 us, 24 sequences 47.1 against 59.0, 32 sequences 62.1 against 62.6).
+    target = 8 * num_sms if programs >= num_sms else 2 * num_sms
     max_by_length = triton.cdiv(max_seqlen_k, config.tile_n) // _MIN_TILES_PER_SPLIT
     splits = min(triton.cdiv(target, programs), max_by_length, _MAX_SPLITS)
     if splits < 2:

@@ -110,8 +110,10 @@ def test_split_heuristic() -> None:
 
 def test_split_heuristic_between_one_and_two_programs_an_sm() -> None:
     config = attention.default_config(2, 1)
-    assert attention.choose_num_splits(17, 8, 1, 2048, config, 132) == 4
-    assert attention.choose_num_splits(32, 8, 1, 2048, config, 132) == 4
+    assert attention.choose_num_splits(17, 8, 1, 2048, config, 132) == 8
+    assert attention.choose_num_splits(32, 8, 1, 2048, config, 132) == 8
+    # Short contexts cap the splits at four 64-key tiles each.
+    assert attention.choose_num_splits(17, 8, 1, 1024, config, 132) == 4
     assert attention.choose_num_splits(33, 8, 1, 2048, config, 132) == 1
     assert attention.choose_num_splits(16, 8, 1, 2048, config, 132) == 4  # 2 x SMs / 128
 
