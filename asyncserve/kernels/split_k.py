@@ -33,8 +33,9 @@ class GemvConfig:
     split_k: int
     num_warps: int = 4
     num_stages: int = 1
-    # Registers a thread may hold (ptxas's maxnreg; None: the compiler's choice). Fewer
-    # registers let more programs share an SM, so more loads are in flight.
+    # Registers a thread may hold (ptxas's maxnreg; None: the compiler's choice), for the
+    # GEMV sweeps: caps of 40-56 were slower on every int4 shape on an H200 (spills cost
+    # more than the extra programs an SM gained).
     maxnreg: int | None = None
 
 

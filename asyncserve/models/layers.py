@@ -241,6 +241,9 @@ class LMHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
 
 
+_HALF = (torch.bfloat16, torch.float16)
+
+
 def compute_logits(hidden: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
     """[N, hidden] @ head^T -> [N, vocab] float32. On CUDA with 16-bit weights the GEMM writes
     its fp32 accumulators itself: no second kernel widening a rounded [N, vocab] copy (at
@@ -253,6 +256,3 @@ def compute_logits(hidden: torch.Tensor, head_weight: torch.Tensor) -> torch.Ten
     ):
         return torch.mm(hidden, head_weight.t(), out_dtype=torch.float32)
     return F.linear(hidden, head_weight).float()
-
-
-_HALF = (torch.bfloat16, torch.float16)
