@@ -432,6 +432,10 @@ case $1 in
     grep -E "^decode|default" $OUT/attn_splits_small.log
     j_w4_pair
     pair w1b 150 300 --workloads w1b --model $L3 ;;
+  w4pairs)  # carry .peer/p1 after stage: three W4 pairs in one call, alternating engines
+    # (vLLM's W4 figure moved 42.8-47.0k between hosts; asyncserve's 49.1-50.1k) (18)
+    bash .peer/p1/install.sh | tail -1
+    for r in 1 2 3; do pair w4_$r 100 200 --workloads w4 --model $QWEN; done ;;
   int4gemm)  # carry .whl: the whole-group int4 GEMM on the GPU (tests; against the per-column
     # GEMM and bf16 with a tile sweep), then W2 W4A16 alone with its kernels summed (14)
     TAIL=4 step int4_tests 200 python3 -m pytest -q -p no:cacheprovider -rfs tests/kernels/test_int4_gemm.py tests/kernels/test_int4_gemv.py tests/quantization -k "int4 or gptq or awq or w4a16 or gemm"
