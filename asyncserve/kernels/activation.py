@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from asyncserve.kernels.pdl import pdl_enabled, pdl_launch, pdl_wait
+
 # sqrt(2 / pi), as torch's tanh-approximated GELU uses it (constexpr: kernels read no other
 # globals).
 _GELU_BETA = tl.constexpr(0.7978845608028654)
@@ -21,7 +23,9 @@ def _act_and_mul_kernel(
     stride_out_row,
     GELU_TANH: tl.constexpr,  # GELU (tanh approximation) instead of SiLU
     BLOCK: tl.constexpr,  # columns per program
+    PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py)
 ):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -56,6 +60,7 @@ def _act_and_mul(x: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
         x2.shape[0],  # one row per program on axis 0
         triton.cdiv(d, block),  # column blocks on axis 1
     )
+    pdl = pdl_enabled(x.device)
     _act_and_mul_kernel[grid](
         out2,  # [N, d]
         x2,  # [N, 2 * d]
@@ -64,7 +69,9 @@ def _act_and_mul(x: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
         out2.stride(0),  # stride_out_row
         GELU_TANH=gelu_tanh,  # which activation
         BLOCK=block,  # columns per program
+        PDL=pdl,  # launched with PDL
         num_warps=4 if block >= 512 else 1,
+        **pdl_launch(pdl),
     )
     return out
 

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from asyncserve.kernels.pdl import pdl_enabled, pdl_launch, pdl_wait
 from asyncserve.kernels.quant_reference import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
 
 # The interpreter (CPU tests) has no fp8 dot: it widens the tiles to fp32 first, which gives
@@ -34,7 +35,9 @@ def _group_quant_kernel(
     min_scale,
     GROUP: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     row = tl.program_id(0)
     group = tl.program_id(1)
     lanes = tl.arange(0, BLOCK)
@@ -60,6 +63,7 @@ def per_token_group_quant_fp8(
     scale = torch.empty((m, groups), dtype=torch.float32, device=x.device)
     if m == 0:
         return q, scale
+    pdl = pdl_enabled(x.device)
     _group_quant_kernel[(m, groups)](
         x,
         q,
@@ -72,6 +76,8 @@ def per_token_group_quant_fp8(
         FP8_MIN_SCALE,
         GROUP=group_size,
         BLOCK=triton.next_power_of_2(group_size),
+        PDL=pdl,
+        **pdl_launch(pdl),
     )
     return q, scale
 

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from asyncserve.kernels.pdl import pdl_enabled, pdl_launch, pdl_prefetch_l2, pdl_wait
 from asyncserve.kernels.quant_reference import FP8_DTYPE
 from asyncserve.kernels.split_k import (
     GemvConfig,
@@ -93,6 +94,8 @@ def _fp8_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[split, row, n-block] = the split's K slice of x[row] . w_q[n-block] times the
     scales (plus the bias in split 0); the grid as split_k.gemv_program says."""
@@ -100,6 +103,10 @@ def _fp8_gemv_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rows[:, None] * stride_wn
     x_row = xq_ptr + row * stride_xm
+    # The first step's weight bytes into L2 while the kernel before still runs (kernels/pdl.py).
+    lines = tl.minimum(k_start + tl.arange(0, PREFETCH_LINES) * 128, k - 1)
+    pdl_prefetch_l2(w_rows + lines[None, :], PDL)
+    pdl_wait(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
         cols = k0 + offs_k
@@ -182,6 +189,7 @@ def fp8_gemv(
         partial = torch.empty((split_k, m, n), dtype=torch.float32, device=x_q.device)
     w_scale = w_scale.reshape(-1)
     x_scale = x_scale.reshape(m) if x_scale is not None else w_scale  # unused: not X_SCALED
+    pdl = pdl_enabled(x_q.device)
     _fp8_gemv_kernel[(m * triton.cdiv(n, config.block_n), split_k)](
         x_q,
         x_scale,
@@ -205,8 +213,11 @@ def fp8_gemv(
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         NUM_STAGES=config.num_stages,
+        PREFETCH_LINES=max(1, config.block_k // 128),  # 128-byte lines of a row's step
+        PDL=pdl,
         num_warps=config.num_warps,
         maxnreg=config.maxnreg,
+        **pdl_launch(pdl),
     )
     if split_k > 1:
         sum_splits(partial, out)

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from asyncserve.kernels.pdl import pdl_enabled, pdl_launch, pdl_prefetch_l2, pdl_wait
 from asyncserve.kernels.split_k import (
     GemvConfig,
     gemv_program,
@@ -89,6 +90,8 @@ def _int4_gemv_kernel(
     BLOCK_K: tl.constexpr,
     SUB_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[split, row, n-block] = the split's K slice of x[row] @ W[n-block]^T (fp32 sums);
     the grid as split_k.gemv_program says."""
@@ -97,6 +100,10 @@ def _int4_gemv_kernel(
     offs_w = tl.arange(0, WORDS)
     qw_rows = qw_ptr + rows[:, None] * stride_qn
     x_row = x_ptr + row * stride_xm
+    # The first step's packed words into L2 while the kernel before still runs (kernels/pdl.py).
+    lines = tl.minimum(k_start // 8 + tl.arange(0, PREFETCH_LINES) * 32, (k - 1) // 8)
+    pdl_prefetch_l2(qw_rows + lines[None, :], PDL)
+    pdl_wait(PDL)
     NSUB: tl.constexpr = BLOCK_K // SUB_K
     acc = tl.zeros([BLOCK_N, NSUB], dtype=tl.float32)
     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
@@ -186,6 +193,7 @@ def int4_gemv(
         if block_k % sub_k or (group_size % sub_k and sub_k != block_k):
             raise ValueError(f"int4 GEMV block_k {block_k} does not fit groups of {group_size}")
     k_split, split_k, even_k = split_layout(k, block_k, split_k)
+    pdl = pdl_enabled(x.device)
     partial = out
     if split_k > 1:
         partial = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
@@ -214,8 +222,11 @@ def int4_gemv(
         BLOCK_K=block_k,
         SUB_K=sub_k,
         NUM_STAGES=config.num_stages,
+        PREFETCH_LINES=max(1, block_k // 256),  # 128-byte lines of a row's step
+        PDL=pdl,
         num_warps=config.num_warps,
         maxnreg=config.maxnreg,
+        **pdl_launch(pdl),
     )
     if split_k > 1:
         sum_splits(partial, out)

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from asyncserve.kernels.pdl import pdl_enabled, pdl_launch, pdl_wait
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -29,7 +31,9 @@ def _rms_norm_kernel(
     stride_sum_row,
     BLOCK: tl.constexpr,  # pow2 >= hidden
     HAS_RESIDUAL: tl.constexpr,  # fused residual add
+    PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py)
 ):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -81,6 +85,7 @@ def _launch(
     out2 = out.view(-1, hidden)
     sum2 = summed.view(-1, hidden) if summed is not None else out2
     block = triton.next_power_of_2(hidden)
+    pdl = pdl_enabled(x.device)
     _rms_norm_kernel[(out2.shape[0],)](
         out2,  # [N, hidden]
         sum2,  # [N, hidden]
@@ -97,7 +102,9 @@ def _launch(
         sum2.stride(0),  # stride_sum_row
         BLOCK=block,  # pow2 >= hidden
         HAS_RESIDUAL=residual is not None,  # fused add
+        PDL=pdl,  # launched with PDL
         num_warps=min(16, max(1, block // 256)),
+        **pdl_launch(pdl),
     )
     return out, summed
 

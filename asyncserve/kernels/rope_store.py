@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from asyncserve.kernels.pdl import pdl_enabled, pdl_launch, pdl_wait
+
 
 @triton.jit
 def _norm_rotate(
@@ -109,7 +111,9 @@ def _rope_store_kernel(
     HAS_NORM: tl.constexpr,
     HAS_REST: tl.constexpr,
     FP8: tl.constexpr,  # the caches are e4m3
+    PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py)
 ):
+    pdl_wait(PDL)
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + tok).to(tl.int64)
     dims = tl.arange(0, BLOCK_HALF)
@@ -231,6 +235,7 @@ def rope_store_kv(
     block_h = triton.next_power_of_2(max(num_heads, num_kv_heads))
     block_half = triton.next_power_of_2(half)
     has_norm = q_norm_weight is not None
+    pdl = pdl_enabled(query.device)
     _rope_store_kernel[(num_tokens,)](
         positions,
         query,
@@ -270,6 +275,8 @@ def rope_store_kv(
         HAS_NORM=has_norm,
         HAS_REST=rotary_dim < head_dim,
         FP8=key_cache.dtype == torch.float8_e4m3fn,
+        PDL=pdl,
         num_warps=4 if block_h * block_half >= 1024 else 1,
+        **pdl_launch(pdl),
     )
     return query

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from asyncserve.kernels.pdl import pdl_enabled, pdl_launch, pdl_wait
+
 # Up to this many tokens the GEMVs run (each token reads the weight again, from L2 after the
 # first: a GEMV runs a block's tokens side by side); more tokens take the GEMMs.
 GEMV_MAX_TOKENS = 4
@@ -88,8 +90,11 @@ def gemv_program(m, n, k, k_split, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _sum_splits_kernel(part_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_splits_kernel(
+    part_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
     """out = the sum over splits of part [SPLIT_K, numel], added in split order."""
+    pdl_wait(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -102,6 +107,7 @@ def sum_splits(part: torch.Tensor, out: torch.Tensor) -> None:
     """out [M, N] (contiguous) = part [splits, M, N] (fp32) summed over splits, in order."""
     numel = out.numel()
     block = 1024
+    pdl = pdl_enabled(out.device)
     _sum_splits_kernel[(triton.cdiv(numel, block),)](
-        part, out, numel, SPLIT_K=part.shape[0], BLOCK=block
+        part, out, numel, SPLIT_K=part.shape[0], BLOCK=block, PDL=pdl, **pdl_launch(pdl)
     )
