@@ -163,6 +163,38 @@ def bench_decode(
         )
 
 
+def bench_order(num_seqs: int, lo: int, hi: int) -> None:
+    """A decode batch of contexts uniform in [lo, hi]: the grid's axis order (KV heads first or
+    q-blocks first) against the programs' sequence order (as listed, or longest first through
+    seq_order as the runner passes it; unified_attention keeps it as
+    attention.keeps_seq_order says, so below 4 programs an SM both rows time the listed order)."""
+    gen = torch.Generator().manual_seed(num_seqs)
+    lens = torch.randint(lo, hi + 1, (num_seqs,), generator=gen).tolist()
+    print(f"\ndecode {num_seqs} seqs x {lo}-{hi} ctx (grid and sequence order)")
+    batch = make_batch(
+        [1] * num_seqs, [n - 1 for n in lens], HEADS, KV_HEADS, HEAD_DIM, BLOCK, DTYPE, CUDA,
+        seed=num_seqs,
+    )  # fmt: skip
+    ref = reference.unified_attention(*batch.args(), SCALE)
+    nbytes = kv_bytes(batch)
+    longest_first = torch.argsort(batch.seq_lens, descending=True).to(torch.int32)
+    for name, order in (("listed", None), ("longest first", longest_first)):
+        for heads_first in (False, True):
+            attention.HEADS_FIRST = heads_first
+
+            def call(order: torch.Tensor | None = order) -> torch.Tensor:
+                return attention.unified_attention(
+                    *batch.args(), SCALE, max_seqlen_q=1, max_seqlen_k=hi, seq_order=order
+                )
+
+            ms = _ms(call)
+            print(
+                f"  {name:13s} heads_first={int(heads_first)}: {ms * 1e3:8.1f} us  "
+                f"{nbytes / ms / 1e6:7.0f} GB/s  err {rel_err(call(), ref):.1e}"
+            )
+    attention.HEADS_FIRST = True
+
+
 def bench_mixed(sweep: bool) -> None:
     gen = torch.Generator().manual_seed(0)
     q_lens = [2048, 2048, 1024, 1536] + [1] * 60
@@ -212,6 +244,12 @@ def main() -> None:
     parser.add_argument(
         "--ragged", action="store_true", help="decode contexts uniform in [ctx/2, 3ctx/2]"
     )
+    parser.add_argument(
+        "--order",
+        default="",
+        help="decode batches as SEQSxLO-HI, comma-separated: contexts uniform in [LO, HI], "
+        "timed with each grid axis order and sequence order, e.g. W4's 256x100-2000",
+    )
     args = parser.parse_args()
     global HEADS, KV_HEADS, HEAD_DIM, SCALE
     HEADS, KV_HEADS, HEAD_DIM = SHAPES[args.shape]
@@ -223,8 +261,12 @@ def main() -> None:
     y = torch.empty_like(x)
     copy_ms = _eager_ms(lambda: y.copy_(x))
     print(f"device-to-device copy: {2 * x.numel() / copy_ms / 1e6:.0f} GB/s (read + write)")
+    for item in filter(None, args.order.split(",")):
+        seqs, span = item.split("x")
+        lo, hi = (int(x) for x in span.split("-"))
+        bench_order(int(seqs), lo, hi)
     best: list[tuple] = []
-    for i, item in enumerate(args.decode.split(",")):
+    for i, item in enumerate(filter(None, args.decode.split(","))):
         seqs, ctx = (int(x) for x in item.split("x"))
         if i == 0:
             bench_decode(seqs, ctx, args.sweep, args.splits, best, args.ragged)

@@ -436,6 +436,31 @@ case $1 in
     # (vLLM's W4 figure moved 42.8-47.0k between hosts; asyncserve's 49.1-50.1k) (18)
     bash .peer/p1/install.sh | tail -1
     for r in 1 2 3; do pair w4_$r 100 200 --workloads w4 --model $QWEN; done ;;
+  pdlab)  # carry .whl: programmatic dependent launch (kernels/pdl.py) on the GPU: the kernel
+    # tests under PDL, then batch-1 W2 (W4A16, FP8) and W4 with ASYNCSERVE_PDL=0 against on,
+    # alternating (14, 18)
+    TAIL=4 step pdl_tests 200 python3 -m pytest -q -p no:cacheprovider -rfs tests/kernels/test_pdl.py tests/kernels/test_int4_gemv.py tests/kernels/test_fp8_gemv.py tests/kernels/test_norm.py tests/kernels/test_activation.py tests/kernels/test_rope_store.py tests/kernels/test_attention.py
+    for r in 1 2; do
+      for p in 0 1; do ASYNCSERVE_PDL=$p TAIL=1 step w4a16_pdl${p}_$r 120 python3 $SBS --engine asyncserve --workloads w2 --model $L3-w4a16; done
+    done
+    for p in 0 1; do ASYNCSERVE_PDL=$p TAIL=1 step fp8_pdl$p 120 python3 $SBS --engine asyncserve --workloads w2 --model $L3 --quantization fp8; done
+    for p in 0 1; do ASYNCSERVE_PDL=$p TAIL=1 step w4_pdl$p 120 python3 $SBS --engine asyncserve --workloads w4 --model $QWEN; done ;;
+  attnorder)  # carry .whl: the attention grid with KV heads first (tests; ragged decode
+    # batches of W4's spread, each grid order; it ran with W4 under a switch since removed:
+    # the grid order is now attention.HEADS_FIRST, which --order flips) (18)
+    TAIL=4 step attn_tests 200 python3 -m pytest -q -p no:cacheprovider -rfs tests/kernels/test_attention.py tests/kernels/test_kernels_gpu.py tests/kernels/test_pdl.py
+    TAIL=30 step attn_order 200 python3 benchmarks/bench_kernels.py --shape qwen3-0.6b --no-mixed --decode "" --order 256x100-2000,128x100-2000,64x100-2000,256x900-1100 ;;
+  lptprep)  # carry .whl .base (`git archive HEAD asyncserve benchmarks`, the commit before the
+    # longest-first decode order): attention and graph tests on the GPU; ragged decode batches
+    # of W4's spread, each grid order and sequence order (18)
+    rm -rf /tmp/base && cp -r .base /tmp/base
+    TAIL=4 step lpt_tests 200 python3 -m pytest -q -p no:cacheprovider -rfs tests/kernels/test_attention.py tests/kernels/test_pdl.py tests/worker/test_cuda_graphs_gpu.py
+    TAIL=30 step attn_lpt 200 python3 benchmarks/bench_kernels.py --shape qwen3-0.6b --no-mixed --decode "" --order 256x100-2000,128x100-2000,64x100-2000,24x100-2000 ;;
+  lptpair)  # carry .peer/p1 after lptprep and stage: W4, this tree, vLLM, then the tree in
+    # /tmp/base (18)
+    bash .peer/p1/install.sh | tail -1
+    pair w4 100 200 --workloads w4 --model $QWEN
+    PYTHONPATH=/tmp/site:/tmp/base TAIL=1 step w4_base 100 python3 /tmp/base/benchmarks/side_by_side.py --engine asyncserve --workloads w4 --model $QWEN ;;
   int4gemm)  # carry .whl: the whole-group int4 GEMM on the GPU (tests; against the per-column
     # GEMM and bf16 with a tile sweep), then W2 W4A16 alone with its kernels summed (14)
     TAIL=4 step int4_tests 200 python3 -m pytest -q -p no:cacheprovider -rfs tests/kernels/test_int4_gemm.py tests/kernels/test_int4_gemv.py tests/quantization -k "int4 or gptq or awq or w4a16 or gemm"

@@ -37,6 +37,7 @@ from asyncserve.kernels.attention_config import (
     default_config,
     large_shared_memory,
 )
+from asyncserve.kernels.pdl import pdl_enabled, pdl_launch, pdl_wait
 
 __all__ = ["AttentionConfig", "choose_num_splits", "default_config", "paged_attention",
            "unified_attention"]  # fmt: skip
@@ -76,6 +77,7 @@ def _unified_attention_kernel(
     cu_seqlens_q_ptr,  # [B + 1] int32
     seq_lens_ptr,  # [B] int32
     block_tables_ptr,  # [B, max_blocks_per_seq] int32
+    seq_order_ptr,  # [B] int32: the sequences longest first (ORDERED only)
     qk_scale,  # softmax scale * log2(e)
     sliding_window,  # W: keys at positions <= p - W are hidden (SLIDING only)
     softcap,  # c of c * tanh(s / c) (SOFTCAP only)
@@ -106,17 +108,35 @@ def _unified_attention_kernel(
     UPCAST: tl.constexpr,  # Triton's CPU interpreter: dot operands in fp32 (numpy has no bf16)
     v_scale,  # fp8 caches: V's per-tensor scale (K's is folded into qk_scale)
     FP8_KV: tl.constexpr,  # the caches are e4m3: tiles widen to the query's dtype
+    PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py)
+    HEADS_FIRST: tl.constexpr,  # grid (KV heads, q-blocks, splits) instead of (q-blocks, ...)
+    ORDERED: tl.constexpr,  # one q-block a sequence, q-block i serving seq_order[i]
 ):
-    q_block = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    pdl_wait(PDL)
+    if HEADS_FIRST:
+        kv_head = tl.program_id(0)
+        q_block = tl.program_id(1)
+    else:
+        q_block = tl.program_id(0)
+        kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    seq = _find_seq_idx(cu_seqlens_q_ptr, q_block, num_seqs, BLOCK_Q)
-    q_start = tl.load(cu_seqlens_q_ptr + seq)
-    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    q_block_local = q_block - (q_start // BLOCK_Q + seq)
-    if q_block_local * BLOCK_Q >= q_len:
-        return
+    if ORDERED:
+        # Longest sequences first: the last programs the GPU starts are the shortest, so
+        # none is left running long after the others (ragged decode batches).
+        if q_block >= num_seqs:
+            return
+        seq = tl.load(seq_order_ptr + q_block)
+        q_start = tl.load(cu_seqlens_q_ptr + seq)
+        q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+        q_block_local = 0
+    else:
+        seq = _find_seq_idx(cu_seqlens_q_ptr, q_block, num_seqs, BLOCK_Q)
+        q_start = tl.load(cu_seqlens_q_ptr + seq)
+        q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+        q_block_local = q_block - (q_start // BLOCK_Q + seq)
+        if q_block_local * BLOCK_Q >= q_len:
+            return
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx_len = seq_len - q_len
 
@@ -246,7 +266,9 @@ def _merge_splits_kernel(
     NUM_SPLITS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     base = (tok * num_heads + head) * NUM_SPLITS
@@ -268,6 +290,36 @@ def _merge_splits_kernel(
     )
 
 
+# The grid runs over KV heads first: a sequence's heads start together, reading neighbouring
+# bytes of its cache blocks ([block, slot, head, dim]). benchmarks/bench_kernels.py --order
+# flips it to compare.
+HEADS_FIRST = True
+_MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis
+# A decode launch of fewer programs an SM ignores seq_order (keeps_seq_order).
+_ORDER_MIN_PROGRAMS_PER_SM = 4
+
+
+def _block_q(config: AttentionConfig, group: int) -> int:
+    """Query tokens a program takes: its rows (at least one token's GROUP heads) / GROUP."""
+    return max(config.block_m, triton.next_power_of_2(group)) // group
+
+
+def keeps_seq_order(
+    config: AttentionConfig, group: int, max_seqlen_q: int, programs: int, num_sms: int
+) -> bool:
+    """Whether a launch of `programs` programs takes a seq_order: every sequence's query tokens
+    must fit one q-block, and the grid must span several waves. Longest first lets the
+    last wave end together; when about one wave holds every program, a sorted order hands
+    each SM the longest of each rank instead (H200, 16 query / 8 KV heads, contexts of
+    100-2000, benchmarks/bench_kernels.py --order, 132 SMs: 64 sequences, 512 programs,
+    90.3 -> 103.7 us with the order; 24 sequences of 8 splits, 1,536 programs, 40.6 -> 37.6;
+    128 and 256 sequences 156.4 -> 125.0 and 274.7 -> 241.4). The threshold lies between
+    the 3.9 and 7.8 programs an SM measured."""
+    return (
+        max_seqlen_q <= _block_q(config, group) and programs >= _ORDER_MIN_PROGRAMS_PER_SM * num_sms
+    )
+
+
 def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -282,8 +334,11 @@ def paged_attention(
     softcap: float | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    seq_order: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """unified_attention with explicit tiles and split-KV factor (tests and benchmarks)."""
+    """unified_attention with explicit tiles and split-KV factor (tests and benchmarks);
+    `seq_order` only when no sequence has more query tokens than a q-block holds
+    (keeps_seq_order)."""
     fp8_kv = key_cache.dtype == torch.float8_e4m3fn
     if not fp8_kv:
         k_scale = v_scale = 1.0
@@ -311,7 +366,9 @@ def paged_attention(
 
     group = num_heads // num_kv_heads
     block_m = max(config.block_m, triton.next_power_of_2(group))
-    block_q = block_m // group
+    block_q = block_m // group  # as _block_q
+    if seq_order is not None and seq_order.shape != (num_seqs,):
+        raise ValueError(f"seq_order of shape {tuple(seq_order.shape)} for {num_seqs} sequences")
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     part_acc = part_max = part_sum = out  # placeholders: only split-KV launches write them
     if num_splits > 1:
@@ -319,10 +376,13 @@ def paged_attention(
         part_sum = torch.empty_like(part_max)
         part_acc = query.new_empty((*part_max.shape, head_dim_pad), dtype=torch.float32)
 
+    pdl = pdl_enabled(query.device)
+    q_blocks = num_tokens // block_q + num_seqs  # upper bound on q-blocks over all sequences
+    heads_first = HEADS_FIRST and q_blocks <= _MAX_GRID_Y
     grid = (
-        num_tokens // block_q + num_seqs,  # upper bound on q-blocks over all sequences
-        num_kv_heads,
-        num_splits,
+        (num_kv_heads, q_blocks, num_splits)
+        if heads_first
+        else (q_blocks, num_kv_heads, num_splits)
     )
     _unified_attention_kernel[grid](
         out,  # [T, H, D]
@@ -335,6 +395,7 @@ def paged_attention(
         cu_seqlens_q,  # [B + 1] int32
         seq_lens,  # [B] int32
         block_tables,  # [B, max_blocks_per_seq] int32
+        seq_order if seq_order is not None else seq_lens,  # [B] int32 (ORDERED only)
         scale * k_scale * _LOG2E,  # qk_scale (an fp8 cache's K scale folded in)
         sliding_window or 0,  # W
         softcap or 0.0,  # c
@@ -365,8 +426,12 @@ def paged_attention(
         UPCAST=query.device.type != "cuda",  # interpreter on CPU tensors
         v_scale=v_scale,
         FP8_KV=fp8_kv,
+        PDL=pdl,
+        HEADS_FIRST=heads_first,
+        ORDERED=seq_order is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **pdl_launch(pdl),
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
@@ -380,7 +445,9 @@ def paged_attention(
             NUM_SPLITS=num_splits,  # S
             HEAD_DIM=head_dim,  # D
             HEAD_DIM_PAD=head_dim_pad,  # pow2 >= D
+            PDL=pdl,
             num_warps=4,
+            **pdl_launch(pdl),
         )
     return out
 
@@ -399,12 +466,14 @@ def unified_attention(
     softcap: float | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    seq_order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention over a batch mixing prefill chunks and decodes.
 
     Same arguments and result as reference.unified_attention. max_seqlen_q / max_seqlen_k
     pick the tiles and the split-KV factor; when absent, shape-derived upper bounds are used
-    (no device-to-host sync).
+    (no device-to-host sync). seq_order ([B] int32, the sequences longest first) orders the
+    programs of a decode batch, as keeps_seq_order allows.
     """
     num_tokens, num_heads, _ = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -422,14 +491,15 @@ def unified_attention(
         # The head-dim-256 tiles were swept in bf16; fp32 tiles are twice the bytes.
         large_shared_memory(query.device) and query.element_size() == 2,
     )
+    num_sms = _num_sms(query.device)
     num_splits = choose_num_splits(
-        seq_lens.shape[0],
-        num_kv_heads,
-        max_seqlen_q,
-        max_seqlen_k,
-        config,
-        _num_sms(query.device),
+        seq_lens.shape[0], num_kv_heads, max_seqlen_q, max_seqlen_k, config, num_sms
     )
+    if seq_order is not None:
+        programs = seq_lens.shape[0] * num_kv_heads * num_splits
+        group = num_heads // max(1, num_kv_heads)
+        if not keeps_seq_order(config, group, max_seqlen_q, programs, num_sms):
+            seq_order = None
     return paged_attention(
         query,
         key_cache,
@@ -444,4 +514,5 @@ def unified_attention(
         softcap,
         k_scale,
         v_scale,
+        seq_order,
     )

@@ -77,16 +77,17 @@ def unified_attention(
     softcap: float | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    seq_order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a batch mixing prefill chunks and decodes over the paged cache
     (an fp8 cache is read times k_scale / v_scale).
 
     Query token i of sequence b sits at position seq_lens[b] - q_len_b + i and attends to
     every cached key at positions <= its own (and inside the sliding window, if any). The K/V
-    of this step's tokens must already be stored. max_seqlen_* are hints for kernels; the
-    reference ignores them.
+    of this step's tokens must already be stored. max_seqlen_* and seq_order (the order of
+    a kernel's programs) are hints for kernels; the reference ignores them.
     """
-    del max_seqlen_q, max_seqlen_k
+    del max_seqlen_q, max_seqlen_k, seq_order
     options = AttentionOptions(sliding_window, softcap, k_scale, v_scale)
     out = torch.empty_like(query)
     cu = cu_seqlens_q.tolist()

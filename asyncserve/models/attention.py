@@ -21,6 +21,8 @@ class AttentionMetadata:
     cu_seqlens_q   [B + 1] int32: sequence b's query tokens are rows cu[b]:cu[b+1]
     seq_lens       [B] int32: context length of b including this step's tokens
     block_tables   [B, max_blocks] int32
+    seq_order      [B] int32 or None: the sequences longest first (decode steps), the order
+                   attention's programs take them in, so the GPU ends with short ones
     """
 
     slot_mapping: torch.Tensor
@@ -29,6 +31,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     max_seqlen_q: int
     max_seqlen_k: int
+    seq_order: torch.Tensor | None = None
 
 
 class Attention(nn.Module):
@@ -96,5 +99,6 @@ class Attention(nn.Module):
             softcap=self.softcap,
             k_scale=self.k_scale,
             v_scale=self.v_scale,
+            seq_order=meta.seq_order,
         )
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -106,6 +106,9 @@ class DecodeGraphs:
         self.block_tables = torch.zeros((n, max_blocks), dtype=torch.int32, device=device)
         # Every request has q query rows: cumulative lengths are 0, q, 2q, ...
         self.cu_seqlens_q = torch.arange(0, n * q + 1, q, dtype=torch.int32, device=device)
+        # Attention's program order (AttentionMetadata.seq_order): the step's, or as listed.
+        self.identity_order = torch.arange(n, dtype=torch.int32, device=device)
+        self.seq_order = self.identity_order.clone()
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
         self.pool = pool
         self.staging = HostStaging(device)
@@ -128,6 +131,7 @@ class DecodeGraphs:
             max_seqlen_q=self.query_len,
             # An upper bound fixes the kernel's grid; the kernel reads each true length.
             max_seqlen_k=self.max_seqlen_k,
+            seq_order=self.seq_order[:size],
         )
         return self.input_ids[:rows], self.positions[:rows], meta
 
@@ -272,4 +276,10 @@ class DecodeGraphs:
         if size > n:
             self.slot_mapping[n * q : size * q].fill_(-1)
             self.seq_lens[n:size].fill_(q)
+        # The padding requests (the shortest) come last in either order.
+        if meta.seq_order is not None and layout is None:
+            self.seq_order[:n].copy_(meta.seq_order)
+            self.seq_order[n:size].copy_(self.identity_order[n:size])
+        else:
+            self.seq_order[:size].copy_(self.identity_order[:size])
         return size, rows

@@ -173,7 +173,12 @@ def build_step_inputs(
         np.asarray(placeholder_index, dtype=np.int64),
         np.asarray(placeholder_rows, dtype=np.int64),
     ]
+    # A decode step's sequences longest first: attention's programs take them in that order.
+    ordered = num_reqs > 1 and int(counts_np.max()) == 1
+    if ordered:
+        parts.append(np.argsort(-seq_lens, kind="stable"))
     staged = staging.to_device(parts)
+    order_t = staged.pop() if ordered else None
     ids_t, positions_t, slots_t, logits_t, cu_t, lens_t, tables_t, ph_index_t, ph_rows_t = staged
     meta = AttentionMetadata(
         slot_mapping=slots_t,
@@ -182,6 +187,7 @@ def build_step_inputs(
         block_tables=tables_t.to(torch.int32).view(num_reqs, max_blocks),
         max_seqlen_q=max(counts) if counts else 0,
         max_seqlen_k=int(seq_lens.max()) if num_reqs else 0,
+        seq_order=order_t.to(torch.int32) if order_t is not None else None,
     )
     return StepInputs(
         input_ids=ids_t,

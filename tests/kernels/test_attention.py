@@ -127,6 +127,58 @@ def test_128_key_tiles(device: torch.device) -> None:
     assert rel_err(out, reference.unified_attention(*batch.args(), 0.3)) < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("heads_first", [False, True])
+def test_decodes_longest_first_give_the_same_bits(
+    device: torch.device, monkeypatch: pytest.MonkeyPatch, splits: int, heads_first: bool
+) -> None:
+    """A decode batch's programs in seq_order (longest first), with the grid over KV heads
+    first or over q-blocks first, compute what the listed order computes, bit for bit."""
+    ctx = [30, 70, 5, 52, 17, 70]
+    batch = make_batch([1] * 6, ctx, 4, 2, 32, 16, torch.float32, device, seed=11)
+    config = attention.AttentionConfig(block_m=16, tile_n=16, num_warps=4, num_stages=2)
+    monkeypatch.setattr(attention, "HEADS_FIRST", heads_first)
+    listed = attention.paged_attention(*batch.args(), 0.125, config, splits)
+    order = torch.argsort(batch.seq_lens, descending=True, stable=True).to(torch.int32)
+    assert order.tolist() == [1, 5, 3, 0, 4, 2]
+    ordered = attention.paged_attention(*batch.args(), 0.125, config, splits, seq_order=order)
+    torch.testing.assert_close(ordered, listed, rtol=0, atol=0)
+    _check(batch, ordered, torch.float32, 0.125)
+
+
+def test_an_order_is_kept_for_launches_of_several_waves_of_one_q_block_sequences() -> None:
+    config = attention.default_config(2, 19, 32)  # 64 rows: 32 tokens of 2 heads a program
+    assert attention.keeps_seq_order(config, 2, 19, programs=528, num_sms=132)
+    assert attention.keeps_seq_order(config, 2, 32, programs=2048, num_sms=132)
+    assert not attention.keeps_seq_order(config, 2, 33, programs=2048, num_sms=132)
+    assert not attention.keeps_seq_order(config, 2, 1, programs=512, num_sms=132)
+
+
+def test_an_order_serves_sequences_of_one_q_block_and_is_dropped_for_longer_ones(
+    device: torch.device,
+) -> None:
+    """With every sequence's query tokens in one q-block (here up to 19 of 32) the ordered
+    programs compute the listed ones' bits; unified_attention drops seq_order where
+    keeps_seq_order says so (here a longer chunk, whose q-blocks are found from
+    cu_seqlens_q); paged_attention checks the order's length."""
+    config = attention.default_config(2, 19, 32)
+    batch = make_batch(Q_LENS, CTX_LENS, 4, 2, 32, 16, torch.float32, device, seed=12)
+    order = torch.argsort(batch.seq_lens, descending=True).to(torch.int32)
+    listed = attention.paged_attention(*batch.args(), 0.125, config, 1)
+    ordered = attention.paged_attention(*batch.args(), 0.125, config, 1, seq_order=order)
+    torch.testing.assert_close(ordered, listed, rtol=0, atol=0)
+    _check(batch, ordered, torch.float32, 0.125)
+    with pytest.raises(ValueError, match="seq_order"):
+        attention.paged_attention(*batch.args(), 0.125, config, 1, seq_order=order[:2])
+
+    long_batch = make_batch([40, 1, 1], [10, 30, 5], 4, 2, 32, 16, torch.float32, device, seed=13)
+    out = attention.unified_attention(
+        *long_batch.args(), 0.125, max_seqlen_q=40, max_seqlen_k=long_batch.max_seqlen_k,
+        seq_order=torch.tensor([1, 0, 2], dtype=torch.int32, device=device),
+    )  # fmt: skip
+    _check(long_batch, out, torch.float32, 0.125)
+
+
 @pytest.mark.parametrize(
     ("window", "softcap", "num_splits"),
     [(5, None, 1), (16, None, 4), (None, 3.0, 1), (7, 2.0, 2)],

@@ -68,3 +68,32 @@ def test_cuda_graph_buckets() -> None:
     assert padded_batch_size(sizes, 40) == 40
     assert padded_batch_size(sizes, 41) is None
     assert capture_sizes(1) == [1]
+
+
+def test_a_decode_step_lists_its_sequences_longest_first() -> None:
+    states = {
+        "a": state("a", [1, 2], [3], [0], 2),  # context 3 this step
+        "b": state("b", [1, 2, 3, 4], [5, 6], [1, 2], 5),  # 6
+        "c": state("c", [1], [2, 3], [3], 2),  # 3: ties keep their listed order
+        "d": state("d", [1, 2, 3, 4], [5], [4, 5], 4),  # 5
+    }
+    plan = StepPlan(
+        num_scheduled_tokens={"a": 1, "b": 1, "c": 1, "d": 1}, total_num_scheduled_tokens=4
+    )
+    inputs = build_step_inputs(plan, states, BLOCK, HostStaging(torch.device("cpu")))
+    assert inputs.meta.seq_lens.tolist() == [3, 6, 3, 5]
+    assert inputs.meta.seq_order is not None
+    assert inputs.meta.seq_order.dtype == torch.int32
+    assert inputs.meta.seq_order.tolist() == [1, 3, 0, 2]
+
+
+def test_steps_with_a_prefill_or_one_request_keep_the_listed_order() -> None:
+    states = {
+        "p": state("p", list(range(100, 110)), [], [7, 8, 9], 3),
+        "d": state("d", [1, 2, 3, 4, 5], [42, 43], [2, 5], 6),
+    }
+    mixed = StepPlan(num_scheduled_tokens={"p": 5, "d": 1}, total_num_scheduled_tokens=6)
+    staging = HostStaging(torch.device("cpu"))
+    assert build_step_inputs(mixed, states, BLOCK, staging).meta.seq_order is None
+    lone = StepPlan(num_scheduled_tokens={"d": 1}, total_num_scheduled_tokens=1)
+    assert build_step_inputs(lone, states, BLOCK, staging).meta.seq_order is None
