@@ -139,6 +139,8 @@ class DecodeGraphs:
         # Padding values while capturing: nothing is written to the KV cache.
         self.slot_mapping[: size * self.query_len].fill_(-1)
         self.seq_lens[:size].fill_(self.query_len)
+        # A larger step's order may name requests past `size`.
+        self.seq_order[:size].copy_(self.identity_order[:size])
         return self.inputs(size)
 
     def run_each_size(self, sizes: list[int] | None = None) -> None:

@@ -48,3 +48,19 @@ def test_a_step_without_an_order_replays_the_listed_one() -> None:
     _, _, meta = graphs.inputs(size)
     assert meta.seq_order is not None
     assert meta.seq_order.tolist() == [0, 1]
+
+
+def test_padding_inputs_list_the_requests_in_order() -> None:
+    """The forward a capture runs first (on padding inputs) must not read a larger step's
+    order, which names requests past the captured size."""
+    seen: list[list[int]] = []
+
+    def forward(ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> tuple:
+        assert meta.seq_order is not None
+        seen.append(meta.seq_order.tolist())
+        return ()
+
+    graphs = DecodeGraphs(forward, 8, 64, 16, CPU)
+    graphs.fill(*_step([9, 30, 2, 7, 5, 3, 4, 8], [1, 0, 7, 3, 4, 6, 5, 2]))
+    graphs.run_each_size([4])
+    assert seen == [[0, 1, 2, 3]]
