@@ -87,6 +87,16 @@ def run_variant(
     return _ms(call), rel_err(call(), ref)
 
 
+def decode_batch(lens: list[int]) -> tuple[PagedBatch, torch.Tensor, int]:
+    """A decode batch of these contexts (one new token each), its reference output and the
+    bytes of K/V it reads."""
+    batch = make_batch(
+        [1] * len(lens), [n - 1 for n in lens], HEADS, KV_HEADS, HEAD_DIM, BLOCK, DTYPE, CUDA,
+        seed=len(lens),
+    )  # fmt: skip
+    return batch, reference.unified_attention(*batch.args(), SCALE), kv_bytes(batch)
+
+
 def bench_decode(
     num_seqs: int,
     ctx: int,
@@ -101,12 +111,7 @@ def bench_decode(
     if ragged:
         gen = torch.Generator().manual_seed(num_seqs)
         lens = torch.randint(ctx // 2, 3 * ctx // 2 + 1, (num_seqs,), generator=gen).tolist()
-    batch = make_batch(
-        [1] * num_seqs, [n - 1 for n in lens], HEADS, KV_HEADS, HEAD_DIM, BLOCK, DTYPE, CUDA,
-        seed=num_seqs,
-    )  # fmt: skip
-    ref = reference.unified_attention(*batch.args(), SCALE)
-    nbytes = kv_bytes(batch)
+    batch, ref, nbytes = decode_batch(lens)
     num_sms = torch.cuda.get_device_properties(CUDA).multi_processor_count
     config = attention.default_config(HEADS // KV_HEADS, 1, HEAD_DIM)
     max_len = max(lens)
@@ -171,12 +176,7 @@ def bench_order(num_seqs: int, lo: int, hi: int) -> None:
     gen = torch.Generator().manual_seed(num_seqs)
     lens = torch.randint(lo, hi + 1, (num_seqs,), generator=gen).tolist()
     print(f"\ndecode {num_seqs} seqs x {lo}-{hi} ctx (grid and sequence order)")
-    batch = make_batch(
-        [1] * num_seqs, [n - 1 for n in lens], HEADS, KV_HEADS, HEAD_DIM, BLOCK, DTYPE, CUDA,
-        seed=num_seqs,
-    )  # fmt: skip
-    ref = reference.unified_attention(*batch.args(), SCALE)
-    nbytes = kv_bytes(batch)
+    batch, ref, nbytes = decode_batch(lens)
     longest_first = torch.argsort(batch.seq_lens, descending=True).to(torch.int32)
     for name, order in (("listed", None), ("longest first", longest_first)):
         for heads_first in (False, True):

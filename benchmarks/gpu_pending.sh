@@ -461,6 +461,11 @@ case $1 in
     bash .peer/p1/install.sh | tail -1
     pair w4 100 200 --workloads w4 --model $QWEN
     PYTHONPATH=/tmp/site:/tmp/base TAIL=1 step w4_base 100 python3 /tmp/base/benchmarks/side_by_side.py --engine asyncserve --workloads w4 --model $QWEN ;;
+  pairs4)  # carry .peer/p1 after stage: W4 twice and W1b once beside vLLM on the tree with
+    # programmatic dependent launch and decodes longest first (18)
+    bash .peer/p1/install.sh | tail -1
+    for r in 1 2; do pair w4_$r 100 200 --workloads w4 --model $QWEN; done
+    pair w1b 150 250 --workloads w1b --model $L3 ;;
   int4gemm)  # carry .whl: the whole-group int4 GEMM on the GPU (tests; against the per-column
     # GEMM and bf16 with a tile sweep), then W2 W4A16 alone with its kernels summed (14)
     TAIL=4 step int4_tests 200 python3 -m pytest -q -p no:cacheprovider -rfs tests/kernels/test_int4_gemm.py tests/kernels/test_int4_gemv.py tests/quantization -k "int4 or gptq or awq or w4a16 or gemm"
