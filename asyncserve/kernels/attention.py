@@ -35,6 +35,7 @@ from asyncserve.kernels.attention_config import (
     _num_sms,
     choose_num_splits,
     default_config,
+    keeps_seq_order,
     large_shared_memory,
 )
 from asyncserve.kernels.pdl import pdl_enabled, pdl_launch, pdl_wait
@@ -295,29 +296,6 @@ def _merge_splits_kernel(
 # flips it to compare.
 HEADS_FIRST = True
 _MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis
-# A decode launch of fewer programs an SM ignores seq_order (keeps_seq_order).
-_ORDER_MIN_PROGRAMS_PER_SM = 4
-
-
-def _block_q(config: AttentionConfig, group: int) -> int:
-    """Query tokens a program takes: its rows (at least one token's GROUP heads) / GROUP."""
-    return max(config.block_m, triton.next_power_of_2(group)) // group
-
-
-def keeps_seq_order(
-    config: AttentionConfig, group: int, max_seqlen_q: int, programs: int, num_sms: int
-) -> bool:
-    """Whether a launch of `programs` programs takes a seq_order: every sequence's query tokens
-    must fit one q-block, and the grid must span several waves. Longest first lets the
-    last wave end together; when about one wave holds every program, a sorted order hands
-    each SM the longest of each rank instead (H200, 16 query / 8 KV heads, contexts of
-    100-2000, benchmarks/bench_kernels.py --order, 132 SMs: 64 sequences, 512 programs,
-    90.3 -> 103.7 us with the order; 24 sequences of 8 splits, 1,536 programs, 40.6 -> 37.6;
-    128 and 256 sequences 156.4 -> 125.0 and 274.7 -> 241.4). The threshold lies between
-    the 3.9 and 7.8 programs an SM measured."""
-    return (
-        max_seqlen_q <= _block_q(config, group) and programs >= _ORDER_MIN_PROGRAMS_PER_SM * num_sms
-    )
 
 
 def paged_attention(
@@ -366,7 +344,7 @@ def paged_attention(
 
     group = num_heads // num_kv_heads
     block_m = max(config.block_m, triton.next_power_of_2(group))
-    block_q = block_m // group  # as _block_q
+    block_q = block_m // group  # as attention_config.block_q
     if seq_order is not None and seq_order.shape != (num_seqs,):
         raise ValueError(f"seq_order of shape {tuple(seq_order.shape)} for {num_seqs} sequences")
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))

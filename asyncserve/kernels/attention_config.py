@@ -1,5 +1,6 @@
-"""Launch shapes of the unified paged attention kernel (kernels/attention.py): tile sizes
-and the split-KV factor, chosen from the step's shapes alone (no device read)."""
+"""Launch shapes of the unified paged attention kernel (kernels/attention.py): tile sizes,
+the split-KV factor and whether a decode batch's programs take their sequences longest
+first, chosen from the step's shapes alone (no device read)."""
 
 from __future__ import annotations
 
@@ -88,3 +89,28 @@ def choose_num_splits(
     if splits < 2:
         return 1
     return triton.next_power_of_2(splits)
+
+
+# A decode launch of fewer programs an SM ignores seq_order (keeps_seq_order).
+_ORDER_MIN_PROGRAMS_PER_SM = 4
+
+
+def block_q(config: AttentionConfig, group: int) -> int:
+    """Query tokens a program takes: its rows (at least one token's GROUP heads) / GROUP."""
+    return max(config.block_m, triton.next_power_of_2(group)) // group
+
+
+def keeps_seq_order(
+    config: AttentionConfig, group: int, max_seqlen_q: int, programs: int, num_sms: int
+) -> bool:
+    """Whether a launch of `programs` programs takes a seq_order: every sequence's query tokens
+    must fit one q-block, and the grid must span several waves. Longest first lets the
+    last wave end together; when about one wave holds every program, a sorted order hands
+    each SM the longest of each rank instead (H200, 16 query / 8 KV heads, contexts of
+    100-2000, benchmarks/bench_kernels.py --order, 132 SMs: 64 sequences, 512 programs,
+    90.3 -> 103.7 us with the order; 24 sequences of 8 splits, 1,536 programs, 40.6 -> 37.6;
+    128 and 256 sequences 156.4 -> 125.0 and 274.7 -> 241.4). The threshold lies between
+    the 3.9 and 7.8 programs an SM measured."""
+    return (
+        max_seqlen_q <= block_q(config, group) and programs >= _ORDER_MIN_PROGRAMS_PER_SM * num_sms
+    )
