@@ -466,6 +466,13 @@ case $1 in
     bash .peer/p1/install.sh | tail -1
     for r in 1 2; do pair w4_$r 100 200 --workloads w4 --model $QWEN; done
     pair w1b 150 250 --workloads w1b --model $L3 ;;
+  prefetch)  # carry .whl: how many weight lines the int4 GEMV prefetches into L2 before its PDL
+    # wait (tests; each shape's neighbourhood at 0, 4, 16 and 64 lines a row), then W2 W4A16
+    # (14)
+    TAIL=4 step gemv_tests 200 python3 -m pytest -q -p no:cacheprovider -rfs tests/kernels/test_int4_gemv.py tests/kernels/test_fp8_gemv.py tests/kernels/test_pdl.py
+    TAIL=8 step int4_prefetch 300 python3 benchmarks/int4_gemv_bench.py --sweep --narrow --prefetch 0,4,16,64
+    grep best $OUT/int4_prefetch.log
+    TAIL=1 step w4a16 120 python3 $SBS --engine asyncserve --workloads w2 --model $L3-w4a16 ;;
   int4gemm)  # carry .whl: the whole-group int4 GEMM on the GPU (tests; against the per-column
     # GEMM and bf16 with a tile sweep), then W2 W4A16 alone with its kernels summed (14)
     TAIL=4 step int4_tests 200 python3 -m pytest -q -p no:cacheprovider -rfs tests/kernels/test_int4_gemm.py tests/kernels/test_int4_gemv.py tests/quantization -k "int4 or gptq or awq or w4a16 or gemm"

@@ -8,7 +8,7 @@ the int4 kernels read (packed weight + scales + zeros). The new kernel's output 
 against quant_reference on the GPU first. --sweep also times a grid of launch shapes.
 Results as JSON lines on stdout and in $OUT/int4_gemv.json.
 Usage: OUT=/tmp/out python benchmarks/int4_gemv_bench.py [--m 1] [--sweep [--narrow]
-       [--stages 1,2,3,4]]
+       [--stages 1,2,3,4] [--prefetch 0,4,16,64]]
 """
 
 from __future__ import annotations
@@ -115,9 +115,16 @@ def main() -> None:
         default="0",
         help="registers a thread the sweep allows, e.g. 0,40,48 (0: the compiler's choice)",
     )
+    parser.add_argument(
+        "--prefetch",
+        default="",
+        help="weight lines a row the sweep prefetches before the PDL wait, e.g. 0,4,16,64 "
+        "(default: one loop step's)",
+    )
     args = parser.parse_args()
     stages = tuple(int(s) for s in args.stages.split(","))
     regs = tuple(int(r) or None for r in args.maxnreg.split(","))
+    prefetch = tuple(int(p) for p in args.prefetch.split(",")) if args.prefetch else (None,)
     sms = torch.cuda.get_device_properties(CUDA).multi_processor_count
     print(json.dumps({"device": torch.cuda.get_device_name(CUDA), "sms": sms}), flush=True)
     results = []
@@ -153,7 +160,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         results.append(row)
         if args.sweep:
-            grid = sweep_grid(config, k, stages, args.narrow, regs)
+            grid = sweep_grid(config, k, stages, args.narrow, regs, prefetch)
             results += sweep(n, k, args.m, nbytes, copies, args.reps, grid)
     out = Path(os.environ.get("OUT", "/tmp/out"))
     out.mkdir(parents=True, exist_ok=True)
@@ -166,21 +173,28 @@ def sweep_grid(
     stages: tuple[int, ...],
     narrow: bool,
     regs: tuple[int | None, ...] = (None,),
+    prefetch: tuple[int | None, ...] = (None,),
 ) -> list[GemvConfig]:
     """Launch shapes to time: a wide grid, or (narrow) the default's neighbours, each at every
-    pipeline depth in `stages` and register cap in `regs`."""
+    pipeline depth in `stages`, register cap in `regs` and prefetch depth in `prefetch`."""
     if narrow:
         splits = {default.split_k, max(1, default.split_k // 2), 2 * default.split_k}
         grid = itertools.product(
-            (default.block_n, 2 * default.block_n), (512, 1024), sorted(splits), (4,), stages, regs
+            (default.block_n, 2 * default.block_n),
+            (512, 1024),
+            sorted(splits),
+            (4,),
+            stages,
+            regs,
+            prefetch,
         )
     else:
         grid = itertools.product(
-            (16, 32, 64), (256, 512, 1024), (1, 2, 4, 7, 8, 16), (4, 8), stages, regs
+            (16, 32, 64), (256, 512, 1024), (1, 2, 4, 7, 8, 16), (4, 8), stages, regs, prefetch
         )
     return [
-        GemvConfig(block_n, block_k, split_k, warps, depth, nreg)
-        for block_n, block_k, split_k, warps, depth, nreg in grid
+        GemvConfig(block_n, block_k, split_k, warps, depth, nreg, lines)
+        for block_n, block_k, split_k, warps, depth, nreg, lines in grid
         if k // block_k >= split_k  # no empty splits
     ]
 

@@ -36,6 +36,7 @@ from asyncserve.kernels.split_k import (
     GemvConfig,
     gemv_program,
     pick_split_k,
+    prefetch_lines,
     sm_count,
     split_layout,
     sum_splits,
@@ -103,9 +104,10 @@ def _fp8_gemv_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rows[:, None] * stride_wn
     x_row = xq_ptr + row * stride_xm
-    # The first step's weight bytes into L2 while the kernel before still runs (kernels/pdl.py).
-    lines = tl.minimum(k_start + tl.arange(0, PREFETCH_LINES) * 128, k - 1)
-    pdl_prefetch_l2(w_rows + lines[None, :], PDL)
+    if PREFETCH_LINES > 0:
+        # Weight bytes into L2 while the kernel before still runs (kernels/pdl.py).
+        lines = tl.minimum(k_start + tl.arange(0, PREFETCH_LINES) * 128, k_end - 1)
+        pdl_prefetch_l2(w_rows + lines[None, :], PDL)
     pdl_wait(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
@@ -213,7 +215,7 @@ def fp8_gemv(
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         NUM_STAGES=config.num_stages,
-        PREFETCH_LINES=max(1, config.block_k // 128),  # 128-byte lines of a row's step
+        PREFETCH_LINES=prefetch_lines(config, max(1, config.block_k // 128)),
         PDL=pdl,
         num_warps=config.num_warps,
         maxnreg=config.maxnreg,

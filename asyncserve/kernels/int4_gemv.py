@@ -29,6 +29,7 @@ from asyncserve.kernels.split_k import (
     GemvConfig,
     gemv_program,
     pick_split_k,
+    prefetch_lines,
     sm_count,
     split_layout,
     sum_splits,
@@ -100,9 +101,10 @@ def _int4_gemv_kernel(
     offs_w = tl.arange(0, WORDS)
     qw_rows = qw_ptr + rows[:, None] * stride_qn
     x_row = x_ptr + row * stride_xm
-    # The first step's packed words into L2 while the kernel before still runs (kernels/pdl.py).
-    lines = tl.minimum(k_start // 8 + tl.arange(0, PREFETCH_LINES) * 32, (k - 1) // 8)
-    pdl_prefetch_l2(qw_rows + lines[None, :], PDL)
+    if PREFETCH_LINES > 0:
+        # Packed words into L2 while the kernel before still runs (kernels/pdl.py): 32 a line.
+        lines = tl.minimum(k_start // 8 + tl.arange(0, PREFETCH_LINES) * 32, (k_end - 1) // 8)
+        pdl_prefetch_l2(qw_rows + lines[None, :], PDL)
     pdl_wait(PDL)
     NSUB: tl.constexpr = BLOCK_K // SUB_K
     acc = tl.zeros([BLOCK_N, NSUB], dtype=tl.float32)
@@ -222,7 +224,7 @@ def int4_gemv(
         BLOCK_K=block_k,
         SUB_K=sub_k,
         NUM_STAGES=config.num_stages,
-        PREFETCH_LINES=max(1, block_k // 256),  # 128-byte lines of a row's step
+        PREFETCH_LINES=prefetch_lines(config, max(1, block_k // 256)),
         PDL=pdl,
         num_warps=config.num_warps,
         maxnreg=config.maxnreg,

@@ -39,6 +39,10 @@ class GemvConfig:
     # GEMV sweeps: caps of 40-56 were slower on every int4 shape on an H200 (spills cost
     # more than the extra programs an SM gained).
     maxnreg: int | None = None
+    # 128-byte lines of each weight row a program prefetches into L2 before it waits on the
+    # kernel before it (programmatic dependent launch, kernels/pdl.py), from the start of
+    # its K slice; None: its first loop step's; 0: none.
+    prefetch_lines: int | None = None
 
 
 @functools.lru_cache(maxsize=8)
@@ -62,6 +66,13 @@ def pick_split_k(tiles: int, steps: int, sms: int, programs_per_sm: int = _PROGR
             if tiles * candidate >= programs_per_sm * sms:
                 break
     return split_k
+
+
+def prefetch_lines(config: GemvConfig, step_lines: int) -> int:
+    """Lines of each weight row a GEMV program prefetches (a power of two, for tl.arange):
+    the config's, or one loop step's (`step_lines`)."""
+    lines = step_lines if config.prefetch_lines is None else config.prefetch_lines
+    return triton.next_power_of_2(lines) if lines > 0 else 0
 
 
 def split_layout(k: int, block_k: int, split_k: int) -> tuple[int, int, bool]:

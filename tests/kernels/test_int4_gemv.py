@@ -15,6 +15,7 @@ pytest.importorskip("triton", reason="triton is not installed")
 
 from asyncserve.kernels.int4_gemm import int4_matmul  # noqa: E402
 from asyncserve.kernels.int4_gemv import GemvConfig, gemv_config, int4_gemv  # noqa: E402
+from asyncserve.kernels.split_k import prefetch_lines  # noqa: E402
 from asyncserve.quantization.int4 import GPTQLinearMethod  # noqa: E402
 
 Weight = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -175,3 +176,24 @@ def test_gemv_config_for_llama_3_8b() -> None:
         gemv_config(4096, 4096, 128, False, 132).block_k,
     ) == (16, 1024)
     assert gemv_config(28672, 4096, 128, False, 132).split_k == 1
+
+
+@pytest.mark.parametrize("lines", [0, 3, 64])
+def test_gemv_prefetch_depths_give_the_same_result(device: torch.device, lines: int) -> None:
+    """How many weight lines a program prefetches before its PDL wait (none, a count rounded
+    up to a power of two, more than its K slice) changes no value; split K slices clamp it."""
+    n, k, group = 40, 512, 64
+    _, qweight, scales, zeros = _weight(n, k, group, device)
+    x = _x(2, k, torch.float32, device)
+    base = GemvConfig(block_n=16, block_k=128, split_k=2)
+    want = int4_gemv(x, qweight, scales, zeros, None, group, base)
+    config = GemvConfig(block_n=16, block_k=128, split_k=2, prefetch_lines=lines)
+    out = int4_gemv(x, qweight, scales, zeros, None, group, config)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+def test_prefetch_lines() -> None:
+    assert prefetch_lines(GemvConfig(16, 1024, 1), 4) == 4  # one loop step's
+    assert prefetch_lines(GemvConfig(16, 1024, 1, prefetch_lines=0), 4) == 0
+    assert prefetch_lines(GemvConfig(16, 1024, 1, prefetch_lines=3), 4) == 4
+    assert prefetch_lines(GemvConfig(16, 1024, 1, prefetch_lines=16), 4) == 16
