@@ -168,31 +168,60 @@ def bench_decode(
         )
 
 
+def serpentine(lens: list[int], row: int) -> list[int]:
+    """Longest first, in rows of `row` sequences taken alternately forwards and backwards, so
+    when one wave holds every program each SM is not handed the longest of every rank."""
+    ranked = sorted(range(len(lens)), key=lambda i: -lens[i])
+    rows = [ranked[i : i + row] for i in range(0, len(ranked), row)]
+    return [i for r, part in enumerate(rows) for i in (part[::-1] if r % 2 else part)]
+
+
 def bench_order(num_seqs: int, lo: int, hi: int) -> None:
-    """A decode batch of contexts uniform in [lo, hi]: the grid's axis order (KV heads first or
-    q-blocks first) against the programs' sequence order (as listed, or longest first through
-    seq_order as the runner passes it; unified_attention keeps it as
-    attention.keeps_seq_order says, so below 4 programs an SM both rows time the listed order)."""
+    """A decode batch of contexts uniform in [lo, hi], timed with the grid over q-blocks or KV
+    heads first and its programs' sequences as listed, longest first, or serpentine (rows of a
+    wave of programs, alternately reversed), each launched as given; then as the runner
+    launches it (longest first, which unified_attention keeps as keeps_seq_order says)."""
     gen = torch.Generator().manual_seed(num_seqs)
     lens = torch.randint(lo, hi + 1, (num_seqs,), generator=gen).tolist()
     print(f"\ndecode {num_seqs} seqs x {lo}-{hi} ctx (grid and sequence order)")
     batch, ref, nbytes = decode_batch(lens)
-    longest_first = torch.argsort(batch.seq_lens, descending=True).to(torch.int32)
-    for name, order in (("listed", None), ("longest first", longest_first)):
-        for heads_first in (False, True):
-            attention.HEADS_FIRST = heads_first
+    num_sms = torch.cuda.get_device_properties(CUDA).multi_processor_count
+    config = attention.default_config(HEADS // KV_HEADS, 1, HEAD_DIM)
+    splits = attention.choose_num_splits(num_seqs, KV_HEADS, 1, hi, config, num_sms)
+    true_lens = batch.seq_lens.tolist()
+    longest = sorted(range(num_seqs), key=lambda i: -true_lens[i])
+    snake = serpentine(true_lens, max(1, num_sms // (KV_HEADS * splits)))
+    cases: list[tuple[str, bool, list[int] | None]] = [
+        ("listed", False, None),
+        ("listed", True, None),
+        ("longest first", False, longest),
+        ("longest first", True, longest),
+        ("serpentine", True, snake),
+    ]
+    for name, heads_first, order in cases:
+        attention.HEADS_FIRST = heads_first
+        seq_order = None if order is None else torch.tensor(order, dtype=torch.int32, device=CUDA)
 
-            def call(order: torch.Tensor | None = order) -> torch.Tensor:
-                return attention.unified_attention(
-                    *batch.args(), SCALE, max_seqlen_q=1, max_seqlen_k=hi, seq_order=order
-                )
-
-            ms = _ms(call)
-            print(
-                f"  {name:13s} heads_first={int(heads_first)}: {ms * 1e3:8.1f} us  "
-                f"{nbytes / ms / 1e6:7.0f} GB/s  err {rel_err(call(), ref):.1e}"
+        def call(seq_order: torch.Tensor | None = seq_order) -> torch.Tensor:
+            return attention.paged_attention(
+                *batch.args(), SCALE, config, splits, seq_order=seq_order
             )
+
+        ms = _ms(call)
+        print(
+            f"  {name:13s} heads_first={int(heads_first)} splits={splits}: {ms * 1e3:8.1f} us  "
+            f"{nbytes / ms / 1e6:7.0f} GB/s  err {rel_err(call(), ref):.1e}"
+        )
     attention.HEADS_FIRST = True
+    order_t = torch.tensor(longest, dtype=torch.int32, device=CUDA)
+
+    def runner() -> torch.Tensor:
+        return attention.unified_attention(
+            *batch.args(), SCALE, max_seqlen_q=1, max_seqlen_k=hi, seq_order=order_t
+        )
+
+    ms = _ms(runner)
+    print(f"  as the runner launches it: {ms * 1e3:8.1f} us  {nbytes / ms / 1e6:7.0f} GB/s")
 
 
 def bench_mixed(sweep: bool) -> None:

@@ -473,6 +473,9 @@ case $1 in
     TAIL=8 step int4_prefetch 300 python3 benchmarks/int4_gemv_bench.py --sweep --narrow --prefetch 0,4,16,64
     grep best $OUT/int4_prefetch.log
     TAIL=1 step w4a16 120 python3 $SBS --engine asyncserve --workloads w2 --model $L3-w4a16 ;;
+  snake)  # carry .whl: decode attention's program orders on ragged batches of one to several
+    # waves: listed, longest first, serpentine, and as the runner launches them (18)
+    TAIL=50 step attn_snake 240 python3 benchmarks/bench_kernels.py --shape qwen3-0.6b --no-mixed --decode "" --order 32x100-2000,48x100-2000,64x100-2000,96x100-2000,128x100-2000,256x100-2000 ;;
   int4gemm)  # carry .whl: the whole-group int4 GEMM on the GPU (tests; against the per-column
     # GEMM and bf16 with a tile sweep), then W2 W4A16 alone with its kernels summed (14)
     TAIL=4 step int4_tests 200 python3 -m pytest -q -p no:cacheprovider -rfs tests/kernels/test_int4_gemm.py tests/kernels/test_int4_gemv.py tests/quantization -k "int4 or gptq or awq or w4a16 or gemm"
