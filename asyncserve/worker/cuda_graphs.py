@@ -109,6 +109,7 @@ class DecodeGraphs:
         # Attention's program order (AttentionMetadata.seq_order): the step's, or as listed.
         self.identity_order = torch.arange(n, dtype=torch.int32, device=device)
         self.seq_order = self.identity_order.clone()
+        self.permuted_rows = 0  # seq_order differs from identity_order only before this row
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
         self.pool = pool
         self.staging = HostStaging(device)
@@ -139,9 +140,19 @@ class DecodeGraphs:
         # Padding values while capturing: nothing is written to the KV cache.
         self.slot_mapping[: size * self.query_len].fill_(-1)
         self.seq_lens[:size].fill_(self.query_len)
-        # A larger step's order may name requests past `size`.
-        self.seq_order[:size].copy_(self.identity_order[:size])
+        self._set_order(None)  # a step's order may name requests past `size`
         return self.inputs(size)
+
+    def _set_order(self, order: torch.Tensor | None) -> None:
+        """seq_order = `order` on its rows and the listed order after them (the padding
+        requests, the shortest, last); copies only the rows that change."""
+        rows = 0 if order is None else order.shape[0]
+        if order is not None:
+            self.seq_order[:rows].copy_(order)
+        if self.permuted_rows > rows:
+            listed = slice(rows, self.permuted_rows)
+            self.seq_order[listed].copy_(self.identity_order[listed])
+        self.permuted_rows = rows
 
     def run_each_size(self, sizes: list[int] | None = None) -> None:
         """One eager forward of each size (default all) not yet captured, on padding inputs:
@@ -278,10 +289,5 @@ class DecodeGraphs:
         if size > n:
             self.slot_mapping[n * q : size * q].fill_(-1)
             self.seq_lens[n:size].fill_(q)
-        # The padding requests (the shortest) come last in either order.
-        if meta.seq_order is not None and layout is None:
-            self.seq_order[:n].copy_(meta.seq_order)
-            self.seq_order[n:size].copy_(self.identity_order[n:size])
-        else:
-            self.seq_order[:size].copy_(self.identity_order[:size])
+        self._set_order(meta.seq_order if layout is None else None)
         return size, rows

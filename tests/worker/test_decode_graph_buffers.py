@@ -39,6 +39,7 @@ def test_the_step_order_reaches_the_graph_buffers() -> None:
     assert meta.seq_order is not None
     assert meta.seq_order.tolist() == [1, 2, 0, 3]
     assert meta.seq_lens.tolist() == [4, 12, 7, 1]
+    assert graphs.seq_order.tolist() == [1, 2, 0, 3, 4, 5, 6, 7]
 
 
 def test_a_step_without_an_order_replays_the_listed_one() -> None:
