@@ -39,6 +39,7 @@ from asyncserve.kernels.attention_config import (
     large_shared_memory,
 )
 from asyncserve.kernels.pdl import pdl_enabled, pdl_launch, pdl_wait
+from asyncserve.kernels.split_kv_merge import merge_splits
 
 __all__ = ["AttentionConfig", "choose_num_splits", "default_config", "paged_attention",
            "unified_attention"]  # fmt: skip
@@ -255,42 +256,6 @@ def _unified_attention_kernel(
         tl.store(part_sum_ptr + part, l_i, mask=row_valid)
 
 
-@triton.jit
-def _merge_splits_kernel(
-    out_ptr,  # [T, H, D]
-    part_acc_ptr,  # [T, H, NUM_SPLITS, HEAD_DIM_PAD] fp32
-    part_max_ptr,  # [T, H, NUM_SPLITS] fp32, log2 domain
-    part_sum_ptr,  # [T, H, NUM_SPLITS] fp32
-    num_heads,
-    stride_o_tok,
-    stride_o_head,
-    NUM_SPLITS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    pdl_wait(PDL)
-    tok = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    base = (tok * num_heads + head) * NUM_SPLITS
-    offs_s = tl.arange(0, NUM_SPLITS)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    m = tl.load(part_max_ptr + base + offs_s)
-    l_s = tl.load(part_sum_ptr + base + offs_s)
-    # Some split holds each query's own key, which it always sees, so the max is finite;
-    # splits with no visible key carry -inf and get weight 0.
-    m_max = tl.max(m, 0)
-    w = tl.exp2(m - m_max)
-    denom = tl.sum(w * l_s, 0)
-    acc = tl.load(part_acc_ptr + (base + offs_s)[:, None] * HEAD_DIM_PAD + offs_d[None, :])
-    o = tl.sum(acc * w[:, None], 0) / denom
-    tl.store(
-        out_ptr + tok * stride_o_tok + head * stride_o_head + offs_d,
-        o.to(out_ptr.dtype.element_ty),
-        mask=offs_d < HEAD_DIM,
-    )
-
-
 # The grid runs over KV heads first: a sequence's heads start together, reading neighbouring
 # bytes of its cache blocks ([block, slot, head, dim]). benchmarks/bench_kernels.py --order
 # flips it to compare.
@@ -412,21 +377,7 @@ def paged_attention(
         **pdl_launch(pdl),
     )
     if num_splits > 1:
-        _merge_splits_kernel[(num_tokens, num_heads)](
-            out,  # [T, H, D]
-            part_acc,  # [T, H, S, Dp] fp32
-            part_max,  # [T, H, S] fp32
-            part_sum,  # [T, H, S] fp32
-            num_heads,  # H
-            out.stride(0),  # stride_o_tok
-            out.stride(1),  # stride_o_head
-            NUM_SPLITS=num_splits,  # S
-            HEAD_DIM=head_dim,  # D
-            HEAD_DIM_PAD=head_dim_pad,  # pow2 >= D
-            PDL=pdl,
-            num_warps=4,
-            **pdl_launch(pdl),
-        )
+        merge_splits(out, part_acc, part_max, part_sum, pdl)
     return out
 
 
