@@ -13,6 +13,8 @@ At batch 1 a layer's time is the weight's bytes read, so the kernel streams them
   4096 layer still runs several programs per SM; the slices' fp32 partial sums (scaled
   already: the scales distribute over the sum) are added in split order by a second small
   kernel (deterministic). Split 0 adds the bias.
+- Launched with programmatic dependent launch (kernels/pdl.py), a program prefetches its
+  first step's weight bytes into L2 before it waits for the kernel before it.
 
 The token's scale comes from the quantization kernel the GEMM path runs anyway (one launch
 before the GEMV), not from inside the GEMV: every FP8 element must be divided by a scale

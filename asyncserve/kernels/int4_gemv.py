@@ -11,6 +11,9 @@ to stream them:
   [splits, M, N] buffer that a second small kernel adds in a fixed order (deterministic;
   kernels/split_k.py, shared with the FP8 GEMV).
 - A program's packed words are read along K (contiguous), each thread a few adjacent words.
+- Launched with programmatic dependent launch (kernels/pdl.py), a program prefetches its
+  first step's words into L2 (GemvConfig.prefetch_lines) before it waits for the kernel
+  before it: the weight does not depend on that kernel, x does.
 
 Act-order weights (a g_idx) whose groups the layer could not make contiguous (a row-parallel
 rank's slice, quantization/int4.py) and group sizes that are not a power of two take a slower
