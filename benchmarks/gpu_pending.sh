@@ -473,6 +473,32 @@ case $1 in
     TAIL=8 step int4_prefetch 300 python3 benchmarks/int4_gemv_bench.py --sweep --narrow --prefetch 0,4,16,64
     grep best $OUT/int4_prefetch.log
     TAIL=1 step w4a16 120 python3 $SBS --engine asyncserve --workloads w2 --model $L3-w4a16 ;;
+  w2fuse)  # carry .whl .base .base2 .smol/a (.base: `git archive HEAD asyncserve benchmarks`
+    # of the commit before the gated down GEMV; .base2: it with the int4 GEMV's prefetch off):
+    # tests of the gated down GEMV, then W2 W4A16 alternating the three trees (14)
+    mkdir -p /tmp/smol && cp .smol/a/part /tmp/smol/part_a
+    rm -rf /tmp/base /tmp/base2 && cp -r .base /tmp/base && cp -r .base2 /tmp/base2
+    TAIL=4 step fuse_tests 200 python3 -m pytest -q -p no:cacheprovider -rfs tests/kernels/test_int4_gemv.py tests/kernels/test_activation.py tests/quantization/test_int4_gated_mlp.py
+    for t in base base2 new new base2 base; do
+      if [ $t = new ]; then TAIL=1 step w2_${t}_$SECONDS 100 python3 $SBS --engine asyncserve --workloads w2 --model $L3-w4a16
+      else PYTHONPATH=/tmp/site:/tmp/$t TAIL=1 step w2_${t}_$SECONDS 100 python3 /tmp/$t/$SBS --engine asyncserve --workloads w2 --model $L3-w4a16; fi
+    done ;;
+  smoltests)  # carry .smol/b after w2fuse: the engine's GPU tests on SmolLM2 (18: GPU fp32
+    # equals CPU fp32; bf16 agreement)
+    cat /tmp/smol/part_a .smol/b/part > $SMOL && sha256sum $SMOL | cut -c1-64 | diff - .smol/b/sha256 && echo "SmolLM2 assembled"
+    ASYNCSERVE_TEST_GGUF=$SMOL TAIL=25 step gpu_tests_engine 400 python3 -m pytest -q -p no:cacheprovider -rfs -s tests/engine/test_gpu_engine.py tests/engine/test_gpu_agreement.py tests/engine/test_async_scheduling_gpu.py tests/worker ;;
+  w4pair2)  # carry .peer/p1 after stage: two W4 pairs (18)
+    bash .peer/p1/install.sh | tail -1
+    for r in 1 2; do pair w4_$r 100 200 --workloads w4 --model $QWEN; done ;;
+  w1bpair)  # after w4pair2 (vLLM installed): the W1b pair (18)
+    pair w1b 150 250 --workloads w1b --model $L3 ;;
+  burst1)  # carry .whl: prefetch's tests and sweep, snake's orders, then W2 W4A16 with its
+    # kernels summed (14, 18)
+    TAIL=4 step gemv_tests 150 python3 -m pytest -q -p no:cacheprovider -rfs tests/kernels/test_int4_gemv.py tests/kernels/test_pdl.py
+    TAIL=8 step int4_prefetch 200 python3 benchmarks/int4_gemv_bench.py --sweep --narrow --prefetch 0,4,16,64
+    grep best $OUT/int4_prefetch.log
+    TAIL=50 step attn_snake 120 python3 benchmarks/bench_kernels.py --shape qwen3-0.6b --no-mixed --decode "" --order 32x100-2000,64x100-2000,96x100-2000,128x100-2000,256x100-2000
+    TAIL=2 step w4a16_as_kernels 100 python3 $SBS --engine asyncserve --workloads w2 --model $L3-w4a16 --kernel-summary $OUT/w4a16_as_kernels.tsv ;;
   snake)  # carry .whl: decode attention's program orders on ragged batches of one to several
     # waves: listed, longest first, serpentine, and as the runner launches them (18)
     TAIL=50 step attn_snake 240 python3 benchmarks/bench_kernels.py --shape qwen3-0.6b --no-mixed --decode "" --order 32x100-2000,48x100-2000,64x100-2000,96x100-2000,128x100-2000,256x100-2000 ;;

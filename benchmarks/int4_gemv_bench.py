@@ -179,9 +179,11 @@ def sweep_grid(
     pipeline depth in `stages`, register cap in `regs` and prefetch depth in `prefetch`."""
     if narrow:
         splits = {default.split_k, max(1, default.split_k // 2), 2 * default.split_k}
+        # several prefetch depths: the default tile only, so the sweep stays a few minutes
+        several = len(prefetch) > 1
         grid = itertools.product(
-            (default.block_n, 2 * default.block_n),
-            (512, 1024),
+            (default.block_n,) if several else (default.block_n, 2 * default.block_n),
+            (default.block_k,) if several else (512, 1024),
             sorted(splits),
             (4,),
             stages,

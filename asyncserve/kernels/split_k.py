@@ -41,7 +41,8 @@ class GemvConfig:
     maxnreg: int | None = None
     # 128-byte lines of each weight row a program prefetches into L2 before it waits on the
     # kernel before it (programmatic dependent launch, kernels/pdl.py), from the start of
-    # its K slice; None: its first loop step's; 0: none.
+    # its K slice; None: the kernel's default (the FP8 GEMV: its first loop step's; the
+    # int4 GEMV: none); 0: none.
     prefetch_lines: int | None = None
 
 
@@ -68,10 +69,10 @@ def pick_split_k(tiles: int, steps: int, sms: int, programs_per_sm: int = _PROGR
     return split_k
 
 
-def prefetch_lines(config: GemvConfig, step_lines: int) -> int:
+def prefetch_lines(config: GemvConfig, default_lines: int) -> int:
     """Lines of each weight row a GEMV program prefetches (a power of two, for tl.arange):
-    the config's, or one loop step's (`step_lines`)."""
-    lines = step_lines if config.prefetch_lines is None else config.prefetch_lines
+    the config's, or the kernel's default (`default_lines`)."""
+    lines = default_lines if config.prefetch_lines is None else config.prefetch_lines
     return triton.next_power_of_2(lines) if lines > 0 else 0
 
 

@@ -193,7 +193,47 @@ def test_gemv_prefetch_depths_give_the_same_result(device: torch.device, lines: 
 
 
 def test_prefetch_lines() -> None:
-    assert prefetch_lines(GemvConfig(16, 1024, 1), 4) == 4  # one loop step's
+    assert prefetch_lines(GemvConfig(16, 1024, 1), 4) == 4  # the kernel's default
     assert prefetch_lines(GemvConfig(16, 1024, 1, prefetch_lines=0), 4) == 0
     assert prefetch_lines(GemvConfig(16, 1024, 1, prefetch_lines=3), 4) == 4
     assert prefetch_lines(GemvConfig(16, 1024, 1, prefetch_lines=16), 4) == 16
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
+@pytest.mark.parametrize(
+    ("k", "block_k", "split_k", "dtype"),
+    [
+        (256, 64, 2, torch.bfloat16),  # split K, whole steps
+        (96, 64, 1, torch.float32),  # a ragged tail: masked loads of both halves
+        (512, 128, 1, torch.float16),
+    ],
+)
+def test_gemv_applies_the_gated_activation(
+    device: torch.device, activation: str, k: int, block_k: int, split_k: int, dtype: torch.dtype
+) -> None:
+    """A gated MLP's down projection from its gate_up output [M, 2K]: the same bits as the
+    activation kernel followed by the GEMV, with several tokens and either activation."""
+    from asyncserve.kernels.activation import act_and_mul
+
+    n, group = 24, 32
+    _, qweight, scales, zeros = _weight(n, k, group, device)
+    scales, zeros = scales.to(dtype), zeros.to(dtype)
+    gate_up = _x(3, 2 * k, dtype, device) * 3  # gates past the activations' bends
+    config = GemvConfig(block_n=16, block_k=block_k, split_k=split_k)
+    want = int4_gemv(act_and_mul(gate_up, activation), qweight, scales, zeros, None, group, config)
+    out = int4_gemv(gate_up, qweight, scales, zeros, None, group, config, activation=activation)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("m", [1, 9])  # the GEMV, then a GEMM after the activation kernel
+def test_matmul_with_activation_on_either_path(device: torch.device, m: int) -> None:
+    from asyncserve.kernels.activation import act_and_mul
+
+    n, k, group = 40, 128, 32
+    _, qweight, scales, zeros = _weight(n, k, group, device)
+    gate_up = _x(m, 2 * k, torch.float32, device)
+    want = int4_matmul(act_and_mul(gate_up, "silu"), qweight, scales, zeros, None, group)
+    out = int4_matmul(gate_up, qweight, scales, zeros, None, group, activation="silu")
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="does not match"):
+        int4_matmul(gate_up, qweight, scales, zeros, None, group)  # 2K columns, no activation
