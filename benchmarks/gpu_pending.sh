@@ -492,6 +492,10 @@ case $1 in
     for r in 1 2; do pair w4_$r 100 200 --workloads w4 --model $QWEN; done ;;
   w1bpair)  # after w4pair2 (vLLM installed): the W1b pair (18)
     pair w1b 150 250 --workloads w1b --model $L3 ;;
+  pairs5)  # carry .peer/p1 after stage: a W4 pair and a W1b pair (18)
+    bash .peer/p1/install.sh | tail -1
+    pair w4 90 180 --workloads w4 --model $QWEN
+    pair w1b 110 200 --workloads w1b --model $L3 ;;
   burst1)  # carry .whl: prefetch's tests and sweep, snake's orders, then W2 W4A16 with its
     # kernels summed (14, 18)
     TAIL=4 step gemv_tests 150 python3 -m pytest -q -p no:cacheprovider -rfs tests/kernels/test_int4_gemv.py tests/kernels/test_pdl.py
