@@ -474,8 +474,9 @@ case $1 in
     grep best $OUT/int4_prefetch.log
     TAIL=1 step w4a16 120 python3 $SBS --engine asyncserve --workloads w2 --model $L3-w4a16 ;;
   w2fuse)  # carry .whl .base .base2 .smol/a (.base: `git archive HEAD asyncserve benchmarks`
-    # of the commit before the gated down GEMV; .base2: it with the int4 GEMV's prefetch off):
-    # tests of the gated down GEMV, then W2 W4A16 alternating the three trees (14)
+    # of 2c9195d; .base2: it with the int4 GEMV's prefetch off; this tree: a gated MLP's down
+    # GEMV applying the activation, since reverted): its tests, then W2 W4A16 alternating
+    # the three trees (14)
     mkdir -p /tmp/smol && cp .smol/a/part /tmp/smol/part_a
     rm -rf /tmp/base /tmp/base2 && cp -r .base /tmp/base && cp -r .base2 /tmp/base2
     TAIL=4 step fuse_tests 200 python3 -m pytest -q -p no:cacheprovider -rfs tests/kernels/test_int4_gemv.py tests/kernels/test_activation.py tests/quantization/test_int4_gated_mlp.py
@@ -483,7 +484,11 @@ case $1 in
       if [ $t = new ]; then TAIL=1 step w2_${t}_$SECONDS 100 python3 $SBS --engine asyncserve --workloads w2 --model $L3-w4a16
       else PYTHONPATH=/tmp/site:/tmp/$t TAIL=1 step w2_${t}_$SECONDS 100 python3 /tmp/$t/$SBS --engine asyncserve --workloads w2 --model $L3-w4a16; fi
     done ;;
-  smoltests)  # carry .smol/b after w2fuse: the engine's GPU tests on SmolLM2 (18: GPU fp32
+  w2check)  # carry .whl .smol/a: W2 W4A16 and FP8 on this tree (14)
+    mkdir -p /tmp/smol && cp .smol/a/part /tmp/smol/part_a
+    TAIL=1 step w2_w4a16 100 python3 $SBS --engine asyncserve --workloads w2 --model $L3-w4a16
+    TAIL=1 step w2_fp8 100 python3 $SBS --engine asyncserve --workloads w2 --model $L3 --quantization fp8 ;;
+  smoltests)  # carry .smol/b after w2fuse or w2check: the engine's GPU tests on SmolLM2 (18: GPU fp32
     # equals CPU fp32; bf16 agreement)
     cat /tmp/smol/part_a .smol/b/part > $SMOL && sha256sum $SMOL | cut -c1-64 | diff - .smol/b/sha256 && echo "SmolLM2 assembled"
     ASYNCSERVE_TEST_GGUF=$SMOL TAIL=25 step gpu_tests_engine 400 python3 -m pytest -q -p no:cacheprovider -rfs -s tests/engine/test_gpu_engine.py tests/engine/test_gpu_agreement.py tests/engine/test_async_scheduling_gpu.py tests/worker ;;

@@ -12,9 +12,6 @@ from asyncserve.kernels.pdl import pdl_enabled, pdl_launch, pdl_wait
 # sqrt(2 / pi), as torch's tanh-approximated GELU uses it (constexpr: kernels read no other
 # globals).
 _GELU_BETA = tl.constexpr(0.7978845608028654)
-# The gated activations by the names models give them, as the codes of kernels that apply
-# one to their input (0: none).
-ACTIVATIONS = {"silu": 1, "gelu_pytorch_tanh": 2}
 
 
 @triton.jit
@@ -32,27 +29,19 @@ def _act_and_mul_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
-    gate = tl.load(x_ptr + row * stride_x_row + cols, mask=mask, other=0.0)
+    gate = tl.load(x_ptr + row * stride_x_row + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x_row + d + cols, mask=mask, other=0.0)
-    out = act_and_mul_values(gate, up, GELU_TANH)
-    tl.store(out_ptr + row * stride_out_row + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def act_and_mul_values(gate, up, GELU_TANH: tl.constexpr):
-    """act(gate) * up in fp32 from the two halves as loaded; the int4 GEMV calls it too, on
-    the gate_up rows it reads in place of the activation's output (kernels/int4_gemv.py)."""
-    g = gate.to(tl.float32)
     if GELU_TANH:
-        inner = _GELU_BETA * (g + 0.044715 * g * g * g)
+        inner = _GELU_BETA * (gate + 0.044715 * gate * gate * gate)
         # tanh from exp(-2|inner|) <= 1: no overflow for large gates.
         e = tl.exp(-2.0 * tl.abs(inner))
         tanh = tl.where(inner >= 0, 1.0, -1.0) * (1.0 - e) / (1.0 + e)
-        act = 0.5 * g * (1.0 + tanh)
+        act = 0.5 * gate * (1.0 + tanh)
     else:
-        act = g / (1.0 + tl.exp(-g))
-    # Rounded to the input's dtype between the two ops, as torch's act(gate) * up is.
-    return act.to(gate.dtype).to(tl.float32) * up.to(tl.float32)
+        act = gate / (1.0 + tl.exp(-gate))
+    # Rounded to x's dtype between the two ops, as torch's act(gate) * up is.
+    out = act.to(x_ptr.dtype.element_ty).to(tl.float32) * up.to(tl.float32)
+    tl.store(out_ptr + row * stride_out_row + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _act_and_mul(x: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
@@ -90,11 +79,6 @@ def _act_and_mul(x: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(x[..., :d]) * x[..., d:] with d = x.shape[-1] // 2."""
     return _act_and_mul(x, gelu_tanh=False)
-
-
-def act_and_mul(x: torch.Tensor, activation: str) -> torch.Tensor:
-    """act(x[..., :d]) * x[..., d:] for an activation named as in ACTIVATIONS."""
-    return _act_and_mul(x, gelu_tanh=ACTIVATIONS[activation] == 2)
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:

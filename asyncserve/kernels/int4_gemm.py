@@ -22,7 +22,6 @@ import torch
 import triton
 import triton.language as tl
 
-from asyncserve.kernels.activation import act_and_mul
 from asyncserve.kernels.int4_gemv import int4_gemv
 from asyncserve.kernels.split_k import GEMV_MAX_TOKENS
 
@@ -229,24 +228,17 @@ def int4_matmul(
     g_idx: torch.Tensor | None,
     group_size: int,
     config: GroupGemmConfig | None = None,
-    activation: str | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ dequant(W)^T -> [M, N] in x's dtype; the GEMV for M <= GEMV_MAX_TOKENS;
-    `config` overrides group_gemm_config's tile for the whole-group GEMM. With an
-    `activation` (activation.ACTIVATIONS), x is a gated MLP's gate_up output [M, 2K] and the
-    input is act(x[:, :K]) * x[:, K:]: the GEMV applies it as it reads x, a GEMM after the
-    activation kernel."""
-    m = x.shape[0]
-    k = qweight.shape[1] * 8
+    `config` overrides group_gemm_config's tile for the whole-group GEMM."""
+    m, k = x.shape
     n = qweight.shape[0]
-    if x.shape[1] != (k if activation is None else 2 * k) or x.stride(1) != 1:
+    if qweight.shape[1] * 8 != k or x.stride(1) != 1:
         raise ValueError(f"x {tuple(x.shape)} does not match an int4 weight of {n} x {k}")
     if scales.stride() != zeros.stride() or scales.stride(1) != 1:
         raise ValueError("int4 scales and zeros must be contiguous [N, groups] matrices")
     if m <= GEMV_MAX_TOKENS:
-        return int4_gemv(x, qweight, scales, zeros, g_idx, group_size, activation=activation)
-    if activation is not None:
-        x = act_and_mul(x, activation)
+        return int4_gemv(x, qweight, scales, zeros, g_idx, group_size)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if g_idx is None and group_size & (group_size - 1) == 0 and group_size >= 16:
         _group_gemm(x, qweight, scales, zeros, group_size, out, config)

@@ -29,7 +29,6 @@ import torch
 import triton
 import triton.language as tl
 
-from asyncserve.kernels.activation import ACTIVATIONS, act_and_mul_values
 from asyncserve.kernels.pdl import pdl_enabled, pdl_launch, pdl_prefetch_l2, pdl_wait
 from asyncserve.kernels.split_k import (
     GemvConfig,
@@ -73,24 +72,6 @@ def gemv_config(n: int, k: int, group_size: int, per_column: bool, sms: int) -> 
 
 
 @triton.jit
-def _load_x(x_row, cols, k, mask, EVEN_K: tl.constexpr, ACT: tl.constexpr):
-    """x[row, cols] in fp32; with ACT, the activation of the gate_up row's two halves,
-    rounded as the activation kernel's output is (the same bits as act_and_mul, then the
-    GEMV), so a gated MLP's down projection skips that kernel."""
-    if EVEN_K:
-        x = tl.load(x_row + cols)
-    else:
-        x = tl.load(x_row + cols, mask=mask, other=0.0)
-    if ACT == 0:
-        return x.to(tl.float32)
-    if EVEN_K:
-        up = tl.load(x_row + k + cols)
-    else:
-        up = tl.load(x_row + k + cols, mask=mask, other=0.0)
-    return act_and_mul_values(x, up, ACT == 2).to(x.dtype).to(tl.float32)
-
-
-@triton.jit
 def _int4_gemv_kernel(
     x_ptr,
     qw_ptr,
@@ -117,7 +98,6 @@ def _int4_gemv_kernel(
     NUM_STAGES: tl.constexpr,
     PREFETCH_LINES: tl.constexpr,
     PDL: tl.constexpr,
-    ACT: tl.constexpr,  # 0: x as given; 1 / 2: x = silu / gelu_tanh(x[:, :K]) * x[:, K:]
 ):
     """out[split, row, n-block] = the split's K slice of x[row] @ W[n-block]^T (fp32 sums);
     the grid as split_k.gemv_program says."""
@@ -146,7 +126,10 @@ def _int4_gemv_kernel(
         wu = words.to(tl.uint32, bitcast=True)
         for i in tl.static_range(8):
             # Nibble i of each word is column 8j + i (a strided load of x, from L1).
-            xi = _load_x(x_row, cols + i, k, cols < k_end, EVEN_K, ACT)
+            if EVEN_K:
+                xi = tl.load(x_row + cols + i).to(tl.float32)
+            else:
+                xi = tl.load(x_row + cols + i, mask=cols < k_end, other=0.0).to(tl.float32)
             if PER_COLUMN:
                 # Columns past K (a ragged tail) read group 0; their x is 0.
                 if HAS_GIDX:
@@ -198,14 +181,10 @@ def int4_gemv(
     g_idx: torch.Tensor | None,
     group_size: int,
     config: GemvConfig | None = None,
-    activation: str | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ dequant(W)^T -> [M, N] in x's dtype; `config` overrides gemv_config's pick.
-    With an `activation` (a name in activation.ACTIVATIONS), x is a gated MLP's gate_up
-    output [M, 2K] and the product is act(x[:, :K]) * x[:, K:] @ dequant(W)^T.
     The caller (int4_gemm.int4_matmul) has checked the shapes and strides."""
-    m = x.shape[0]
-    k = qweight.shape[1] * 8
+    m, k = x.shape
     n = qweight.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
@@ -252,7 +231,6 @@ def int4_gemv(
         NUM_STAGES=config.num_stages,
         PREFETCH_LINES=prefetch_lines(config, 0),
         PDL=pdl,
-        ACT=0 if activation is None else ACTIVATIONS[activation],
         num_warps=config.num_warps,
         maxnreg=config.maxnreg,
         **pdl_launch(pdl),

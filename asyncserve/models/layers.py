@@ -212,7 +212,6 @@ class GatedMLP(nn.Module):
             self.down_proj = Linear(intermediate_size, hidden_size)
         else:
             self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp)
-        self.activation = activation
         if activation == "silu":
             self.act_and_mul = ops.silu_and_mul
         elif activation == "gelu_pytorch_tanh":
@@ -221,16 +220,7 @@ class GatedMLP(nn.Module):
             raise ValueError(f"MLP activation {activation!r} is not supported")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        # A quantized down projection whose kernel applies the activation itself (the int4
-        # GEMV of decode steps): one kernel fewer a layer. Not under LoRA or tensor
-        # parallelism, whose wrappers need the activation's output.
-        down = self.down_proj
-        if type(down) is Linear and down.quant_method is not None:
-            out = down.quant_method.apply_gated(down, gate_up, self.activation)
-            if out is not None:
-                return out
-        return down(self.act_and_mul(gate_up))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 class VocabEmbedding(nn.Module):

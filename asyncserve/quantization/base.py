@@ -91,14 +91,6 @@ class LinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
-    def apply_gated(
-        self, layer: nn.Module, gate_up: torch.Tensor, activation: str
-    ) -> torch.Tensor | None:
-        """A gated MLP's down projection straight from its gate_up output [..., 2K], where
-        the scheme has a kernel that applies act(gate) * up as it reads its input; None
-        where it has not (the MLP then runs the activation kernel and apply)."""
-        return None
-
 
 class QuantConfig:
     """A parsed quantization scheme."""

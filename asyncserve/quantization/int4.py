@@ -133,29 +133,6 @@ class Int4LinearMethod(LinearMethod):
             out = out + bias
         return out.view(*shape[:-1], out.shape[-1])
 
-    def apply_gated(
-        self, layer: nn.Module, gate_up: torch.Tensor, activation: str
-    ) -> torch.Tensor | None:
-        from asyncserve.kernels.int4_gemm import GEMV_MAX_TOKENS, int4_matmul
-
-        x2 = gate_up.reshape(-1, gate_up.shape[-1])
-        # The GEMV applies the activation as it reads x (decode); act-order layers whose
-        # columns were sorted read x permuted, which the activation must precede.
-        if (
-            not gate_up.is_cuda
-            or x2.shape[0] > GEMV_MAX_TOKENS
-            or getattr(layer, "w4_perm", None) is not None
-        ):
-            return None
-        qweight, scales = _param(layer, "w4_qweight"), _param(layer, "w4_scales")
-        zeros = _param(layer, "w4_zeros")
-        g_idx: torch.Tensor | None = getattr(layer, "w4_g_idx", None)
-        out = int4_matmul(x2, qweight, scales, zeros, g_idx, self.group_size, activation=activation)
-        bias: torch.Tensor | None = getattr(layer, "bias", None)
-        if bias is not None:
-            out = out + bias
-        return out.view(*gate_up.shape[:-1], out.shape[-1])
-
 
 class PackQuantizedLinearMethod(Int4LinearMethod):
     """compressed-tensors W4A16, symmetric (pack-quantized)."""
