@@ -119,7 +119,7 @@ def main() -> None:
         "--prefetch",
         default="",
         help="weight lines a row the sweep prefetches before the PDL wait, e.g. 0,4,16,64 "
-        "(default: one loop step's)",
+        "(default: the kernel's, none)",
     )
     args = parser.parse_args()
     stages = tuple(int(s) for s in args.stages.split(","))

@@ -38,6 +38,7 @@ from asyncserve.kernels.attention_config import (
     keeps_seq_order,
     large_shared_memory,
 )
+from asyncserve.kernels.attention_config import block_q as query_tokens_per_program
 from asyncserve.kernels.pdl import pdl_enabled, pdl_launch, pdl_wait
 from asyncserve.kernels.split_kv_merge import merge_splits
 
@@ -308,8 +309,8 @@ def paged_attention(
         return out
 
     group = num_heads // num_kv_heads
-    block_m = max(config.block_m, triton.next_power_of_2(group))
-    block_q = block_m // group  # as attention_config.block_q
+    block_m = max(config.block_m, triton.next_power_of_2(group))  # rows of a program
+    block_q = query_tokens_per_program(config, group)
     if seq_order is not None and seq_order.shape != (num_seqs,):
         raise ValueError(f"seq_order of shape {tuple(seq_order.shape)} for {num_seqs} sequences")
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
