@@ -517,6 +517,12 @@ case $1 in
     TAIL=30 step int4_gemm 300 python3 benchmarks/int4_gemm_bench.py --sweep
     grep best $OUT/int4_gemm.log
     TAIL=2 step w4a16_as_kernels 200 python3 $SBS --engine asyncserve --workloads w2 --model benchmarks/configs/llama3-8b-w4a16 --kernel-summary $OUT/w4a16_as_kernels.tsv ;;
+  dotsplit)  # carry .whl: the whole-group int4 GEMM with K splits at 1, 4 and 16 tokens (tests;
+    # a sweep of narrow tiles, pipeline depths and splits beside the GEMV at 1 and 4) (14)
+    TAIL=4 step int4_tests 150 python3 -m pytest -q -p no:cacheprovider -rfs tests/kernels/test_int4_gemm.py
+    TAIL=12 step int4_split 400 python3 benchmarks/int4_gemm_bench.py --m 1 4 16 --sweep --split --no-per-column --reps 30
+    grep -h '"m"' $OUT/int4_split.log | grep -v sweep
+    grep best $OUT/int4_split.log ;;
   w4a16)  # carry .peer/p1 after stage: the W4A16 batch-1 pair (14)
     bash .peer/p1/install.sh | tail -1
     j_w4a16_pair ;;

@@ -6,7 +6,9 @@ also times a grid of whole-group tiles at each.
 Device time per call as int4_gemv_bench.py measures it (a CUDA graph of 20 calls over weight
 copies larger than L2; median of --reps replays). Outputs are checked against
 quant_reference first. JSON lines on stdout and in $OUT/int4_gemm.json.
-Usage: OUT=/tmp/out python benchmarks/int4_gemm_bench.py [--m 16 128 1024] [--sweep]
+At up to GEMV_MAX_TOKENS tokens the default row (group_ms) is the GEMV, which int4_matmul
+takes there; `--sweep --split --m 1 4 16` times the whole-group GEMM with K splits beside it.
+Usage: OUT=/tmp/out python benchmarks/int4_gemm_bench.py [--m 16 128 1024] [--sweep [--split]]
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import itertools
 import json
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -30,12 +33,14 @@ from asyncserve.kernels.int4_gemm import (  # noqa: E402
     GroupGemmConfig,
     _int4_gemm_kernel,
     group_gemm_config,
+    int4_group_gemm,
     int4_matmul,
 )
 from benchmarks.graph_timing import time_ms  # noqa: E402
 from benchmarks.int4_gemv_bench import GROUP, ROTATE_BYTES, SHAPES, make_weight  # noqa: E402
 
 CUDA = torch.device("cuda")
+SPLITS = (1, 2, 4, 8, 16)
 
 
 def per_column_gemm(x: torch.Tensor, qweight: torch.Tensor, s: torch.Tensor, z: torch.Tensor):  # type: ignore[no-untyped-def]
@@ -57,6 +62,9 @@ def main() -> None:
     parser.add_argument("--m", type=int, nargs="+", default=[16, 128, 1024])
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument(
+        "--split", action="store_true", help="sweep few-token tiles with K splits (with --sweep)"
+    )
     parser.add_argument("--no-per-column", action="store_true", help="skip the old kernel")
     parser.add_argument("--variants", action="store_true", help="the layout experiments only")
     args = parser.parse_args()
@@ -97,23 +105,47 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         results.append(row)
         if args.sweep:
-            results += sweep(x, weights, n, k, m, args.reps)
+            results += sweep(x, weights, n, k, m, args.reps, args.split)
         del weights
     out = Path(os.environ.get("OUT", "/tmp/out"))
     out.mkdir(parents=True, exist_ok=True)
     (out / "int4_gemm.json").write_text(json.dumps(results, indent=1))
 
 
-def sweep(x: torch.Tensor, weights: list, n: int, k: int, m: int, reps: int) -> list[dict]:  # type: ignore[type-arg]
-    rows = []
+def sweep_grid(m: int, split: bool) -> Iterator[GroupGemmConfig]:
+    """Tiles to time at m tokens; with `split`, the few-token grid: narrow N tiles, deeper
+    pipelines and K splits (1-16)."""
+    if split:
+        block_m = max(16, triton.next_power_of_2(m))
+        for block_n, stages, split_k in itertools.product((16, 32, 64, 128), (3, 4, 6), SPLITS):
+            yield GroupGemmConfig(block_m, block_n, 128, 4, stages, split_k)
+        return
     block_ms = sorted(
         {min(64, max(16, triton.next_power_of_2(m))), min(128, max(16, triton.next_power_of_2(m)))}
     )
-    grid = itertools.product(block_ms, (64, 128), (64, 128), (4, 8), (3, 4))
-    for block_m, block_n, block_k, warps, stages in grid:
-        config = GroupGemmConfig(block_m, block_n, block_k, warps, stages)
+    for block_m, block_n, block_k, warps, stages in itertools.product(
+        block_ms, (64, 128), (64, 128), (4, 8), (3, 4)
+    ):
+        yield GroupGemmConfig(block_m, block_n, block_k, warps, stages)
+
+
+Weight = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def sweep(
+    x: torch.Tensor, weights: list[Weight], n: int, k: int, m: int, reps: int, split: bool
+) -> list[dict[str, object]]:
+    rows: list[dict[str, object]] = []
+    ref = reference.int4_matmul(x.float(), *weights[0], None, GROUP)
+    for config in sweep_grid(m, split):
+        out = torch.empty((m, n), dtype=x.dtype, device=CUDA)
         try:
-            fns = [lambda w=w, c=config: int4_matmul(x, *w, None, GROUP, c) for w in weights]
+            int4_group_gemm(x, *weights[0], GROUP, out, config)
+            err = float((out.float() - ref).abs().max() / ref.abs().max())
+            assert err < 1e-2, f"{config} differs from the reference: {err:.3g}"
+            fns = [
+                lambda w=w, c=config, o=out: int4_group_gemm(x, *w, GROUP, o, c) for w in weights
+            ]
             ms = time_ms(fns, reps // 2)
         except Exception as exc:  # noqa: BLE001  (a tile past shared memory)
             print(json.dumps({"config": dataclasses.asdict(config), "error": str(exc)[:80]}))

@@ -23,12 +23,18 @@ import triton
 import triton.language as tl
 
 from asyncserve.kernels.int4_gemv import int4_gemv
-from asyncserve.kernels.split_k import GEMV_MAX_TOKENS
+from asyncserve.kernels.split_k import GEMV_MAX_TOKENS, split_layout, sum_splits
 
 # The interpreter (CPU tests) mis-converts a computed fp32 tile to bf16 before a dot; there
 # the tiles are multiplied in fp32 instead (x widened), which the reference also does.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-__all__ = ["GEMV_MAX_TOKENS", "GroupGemmConfig", "group_gemm_config", "int4_matmul"]
+__all__ = [
+    "GEMV_MAX_TOKENS",
+    "GroupGemmConfig",
+    "group_gemm_config",
+    "int4_group_gemm",
+    "int4_matmul",
+]
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,9 @@ class GroupGemmConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    # K splits (grid axis 2), their fp32 partial sums added by split_k.sum_splits: more
+    # programs when a few tokens' tiles alone leave SMs idle.
+    split_k: int = 1
 
 
 def group_gemm_config(m: int, n: int, group_size: int) -> GroupGemmConfig:
@@ -171,10 +180,12 @@ def _int4_group_gemm_kernel(
     m,
     n,
     k,
+    k_split,
     stride_xm,
     stride_qn,
     stride_sn,
     stride_om,
+    stride_osplit,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -182,10 +193,13 @@ def _int4_group_gemm_kernel(
     EVEN_K: tl.constexpr,
     IEEE_DOT: tl.constexpr,
 ):
-    """out tile = sum over K steps of scale * (x @ q^T - zero * sum x): BLOCK_K divides GROUP,
-    so a step's columns share one scale and zero per output row."""
+    """out[split] tile = sum over the split's K steps of scale * (x @ q^T - zero * sum x):
+    BLOCK_K divides GROUP, so a step's columns share one scale and zero per output row."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    k_start = pid_k * k_split
+    k_end = tl.minimum(k_start + k_split, k)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < m
@@ -193,7 +207,7 @@ def _int4_group_gemm_kernel(
     offs_w = tl.arange(0, BLOCK_K // 8)
     shifts = tl.arange(0, 8) * 4
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, k, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         x_ptrs = x_ptr + offs_m[:, None] * stride_xm + ks[None, :]
         w_ptrs = qw_ptr + rows[:, None] * stride_qn + (k0 // 8 + offs_w)[None, :]
@@ -201,8 +215,8 @@ def _int4_group_gemm_kernel(
             x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
             words = tl.load(w_ptrs)
         else:
-            x = tl.load(x_ptrs, mask=mask_m[:, None] & (ks < k)[None, :], other=0.0)
-            words = tl.load(w_ptrs, mask=((k0 + offs_w * 8) < k)[None, :], other=0)
+            x = tl.load(x_ptrs, mask=mask_m[:, None] & (ks < k_end)[None, :], other=0.0)
+            words = tl.load(w_ptrs, mask=((k0 + offs_w * 8) < k_end)[None, :], other=0)
         # Nibble i of word j is column 8j + i: a row-major reshape.
         q = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 0xF, [BLOCK_N, BLOCK_K])
         if IEEE_DOT:
@@ -216,7 +230,7 @@ def _int4_group_gemm_kernel(
         zero = tl.load(z_ptr + group).to(tl.float32)
         x_sum = tl.sum(xf, axis=1)
         acc += part * scale[None, :] - x_sum[:, None] * (zero * scale)[None, :]
-    out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    out = out_ptr + pid_k * stride_osplit + offs_m[:, None] * stride_om + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & (offs_n < n)[None, :])
 
 
@@ -241,7 +255,7 @@ def int4_matmul(
         return int4_gemv(x, qweight, scales, zeros, g_idx, group_size)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if g_idx is None and group_size & (group_size - 1) == 0 and group_size >= 16:
-        _group_gemm(x, qweight, scales, zeros, group_size, out, config)
+        int4_group_gemm(x, qweight, scales, zeros, group_size, out, config)
         return out
     gidx = g_idx if g_idx is not None else scales  # unused when HAS_GIDX is False
     common = (qweight, scales, zeros, gidx, out)
@@ -266,15 +280,17 @@ def int4_matmul(
     return out
 
 
-def _group_gemm(
+def int4_group_gemm(
     x: torch.Tensor,
     qweight: torch.Tensor,
     scales: torch.Tensor,
     zeros: torch.Tensor,
     group_size: int,
     out: torch.Tensor,
-    config: GroupGemmConfig | None,
+    config: GroupGemmConfig | None = None,
 ) -> None:
+    """out [M, N] = x @ dequant(W)^T through the whole-group GEMM at any number of tokens
+    (int4_matmul sends it only past the GEMV's); groups of a power of two, no g_idx."""
     m, k = x.shape
     n = qweight.shape[0]
     if config is None:
@@ -283,26 +299,34 @@ def _group_gemm(
         raise ValueError(
             f"int4 GEMM block_k {config.block_k} does not divide groups of {group_size}"
         )
-    grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n))
+    k_split, splits, even_k = split_layout(k, config.block_k, config.split_k)
+    target = out
+    if splits > 1:
+        target = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n), splits)
     _int4_group_gemm_kernel[grid](
         x,
         qweight,
         scales,
         zeros,
-        out,
+        target,
         m,
         n,
         k,
+        k_split,
         x.stride(0),
         qweight.stride(0),
         scales.stride(0),
-        out.stride(0),
+        target.stride(-2),
+        target.stride(0) if splits > 1 else 0,
         GROUP=group_size,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
-        EVEN_K=k % config.block_k == 0,
+        EVEN_K=even_k,
         IEEE_DOT=x.dtype == torch.float32 or _INTERPRET,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
+    if splits > 1:
+        sum_splits(target, out)

@@ -15,6 +15,7 @@ from asyncserve.kernels.int4_gemm import (  # noqa: E402
     GEMV_MAX_TOKENS,
     GroupGemmConfig,
     group_gemm_config,
+    int4_group_gemm,
     int4_matmul,
 )
 
@@ -79,6 +80,8 @@ def test_int4_matmul_matches_reference(
         (5, 40, 80, 32, None),  # K ends inside a group: the masked last step
         (33, 64, 256, 128, GroupGemmConfig(16, 32, 64)),  # steps of half a group
         (17, 48, 128, 64, GroupGemmConfig(32, 16, 64, num_warps=2, num_stages=2)),
+        (5, 40, 512, 128, GroupGemmConfig(16, 32, 64, split_k=3)),  # a shorter last split
+        (6, 32, 400, 16, GroupGemmConfig(16, 16, 16, split_k=4)),  # K ends inside a split
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -122,3 +125,21 @@ def test_int4_matmul_rejects_a_mismatched_weight(device: torch.device) -> None:
     qweight, scales, zeros, _ = _weight(64, 128, 64, False, device)
     with pytest.raises(ValueError, match="does not match an int4 weight"):
         int4_matmul(torch.randn(2, 64, device=device), qweight, scales, zeros, None, 64)
+
+
+@pytest.mark.parametrize("split_k", [1, 2, 8])
+def test_group_gemm_one_token_in_splits(device: torch.device, split_k: int) -> None:
+    """The whole-group GEMM at one token (a tile of 16 rows, one of them real), K split."""
+    g = torch.Generator().manual_seed(split_k)
+    n, k, group = 40, 1024, 128
+    values = torch.randint(0, 16, (n, k), generator=g)
+    scales = (torch.rand(n, k // group, generator=g) * 0.02 + 0.001).to(device)
+    zeros = torch.randint(0, 16, (n, k // group), generator=g).float().to(device)
+    qweight = reference.pack_int4(values).to(device)
+    x = torch.randn(1, k, generator=g).to(device)
+    out = torch.full((1, n), float("nan"), device=device)
+    int4_group_gemm(
+        x, qweight, scales, zeros, group, out, GroupGemmConfig(16, 16, 128, split_k=split_k)
+    )
+    ref = reference.int4_matmul(x, qweight, scales, zeros, None, group)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
