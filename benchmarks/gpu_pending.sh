@@ -517,6 +517,14 @@ case $1 in
     TAIL=30 step int4_gemm 300 python3 benchmarks/int4_gemm_bench.py --sweep
     grep best $OUT/int4_gemm.log
     TAIL=2 step w4a16_as_kernels 200 python3 $SBS --engine asyncserve --workloads w2 --model benchmarks/configs/llama3-8b-w4a16 --kernel-summary $OUT/w4a16_as_kernels.tsv ;;
+  gated)  # carry .whl .base (.base: `git archive 7872ac0 asyncserve benchmarks`, before the
+    # gated gate_up GEMV): its tests, then W2 W4A16 alternating base and this tree (14)
+    rm -rf /tmp/base && cp -r .base /tmp/base
+    TAIL=4 step gated_tests 200 python3 -m pytest -q -p no:cacheprovider -rfs tests/kernels/test_int4_gemv.py tests/kernels/test_activation.py tests/quantization/test_int4_gated_mlp.py
+    for t in base new new base; do
+      if [ $t = new ]; then TAIL=1 step w2_${t}_$SECONDS 100 python3 $SBS --engine asyncserve --workloads w2 --model $L3-w4a16
+      else PYTHONPATH=/tmp/site:/tmp/$t TAIL=1 step w2_${t}_$SECONDS 100 python3 /tmp/$t/$SBS --engine asyncserve --workloads w2 --model $L3-w4a16; fi
+    done ;;
   dotsplit)  # carry .whl: the whole-group int4 GEMM with K splits at 1, 4 and 16 tokens (tests;
     # a sweep of narrow tiles, pipeline depths and splits beside the GEMV at 1 and 4) (14)
     TAIL=4 step int4_tests 150 python3 -m pytest -q -p no:cacheprovider -rfs tests/kernels/test_int4_gemm.py

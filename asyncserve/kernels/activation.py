@@ -15,6 +15,18 @@ _GELU_BETA = tl.constexpr(0.7978845608028654)
 
 
 @triton.jit
+def gated_activation(gate, GELU_TANH: tl.constexpr):
+    """act(gate) for fp32 `gate`: SiLU, or GELU with the tanh approximation."""
+    if GELU_TANH:
+        inner = _GELU_BETA * (gate + 0.044715 * gate * gate * gate)
+        # tanh from exp(-2|inner|) <= 1: no overflow for large gates.
+        e = tl.exp(-2.0 * tl.abs(inner))
+        tanh = tl.where(inner >= 0, 1.0, -1.0) * (1.0 - e) / (1.0 + e)
+        return 0.5 * gate * (1.0 + tanh)
+    return gate / (1.0 + tl.exp(-gate))
+
+
+@triton.jit
 def _act_and_mul_kernel(
     out_ptr,  # [N, d]
     x_ptr,  # [N, 2 * d]
@@ -31,14 +43,7 @@ def _act_and_mul_kernel(
     mask = cols < d
     gate = tl.load(x_ptr + row * stride_x_row + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x_row + d + cols, mask=mask, other=0.0)
-    if GELU_TANH:
-        inner = _GELU_BETA * (gate + 0.044715 * gate * gate * gate)
-        # tanh from exp(-2|inner|) <= 1: no overflow for large gates.
-        e = tl.exp(-2.0 * tl.abs(inner))
-        tanh = tl.where(inner >= 0, 1.0, -1.0) * (1.0 - e) / (1.0 + e)
-        act = 0.5 * gate * (1.0 + tanh)
-    else:
-        act = gate / (1.0 + tl.exp(-gate))
+    act = gated_activation(gate, GELU_TANH)
     # Rounded to x's dtype between the two ops, as torch's act(gate) * up is.
     out = act.to(x_ptr.dtype.element_ty).to(tl.float32) * up.to(tl.float32)
     tl.store(out_ptr + row * stride_out_row + cols, out.to(out_ptr.dtype.element_ty), mask=mask)

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from asyncserve.kernels.activation import gated_activation
 from asyncserve.kernels.pdl import pdl_enabled, pdl_launch, pdl_prefetch_l2, pdl_wait
 from asyncserve.kernels.split_k import (
     GemvConfig,
@@ -40,7 +41,10 @@ from asyncserve.kernels.split_k import (
     sum_splits,
 )
 
-__all__ = ["GemvConfig", "gemv_config", "int4_gemv"]
+__all__ = ["GATED_ACTIVATIONS", "GemvConfig", "gemv_config", "int4_gemv"]
+
+# The gated GEMV's activations (the kernel's GATED): none, SiLU, GELU (tanh approximation).
+GATED_ACTIVATIONS = {None: 0, "silu": 1, "gelu_pytorch_tanh": 2}
 
 
 def _per_column_groups(g_idx: torch.Tensor | None, group_size: int) -> bool:
@@ -98,10 +102,19 @@ def _int4_gemv_kernel(
     NUM_STAGES: tl.constexpr,
     PREFETCH_LINES: tl.constexpr,
     PDL: tl.constexpr,
+    GATED: tl.constexpr = 0,
 ):
     """out[split, row, n-block] = the split's K slice of x[row] @ W[n-block]^T (fp32 sums);
-    the grid as split_k.gemv_program says."""
-    row, offs_n, mask_n, rows, pid_k, k_start, k_end = gemv_program(m, n, k, k_split, BLOCK_N)
+    the grid as split_k.gemv_program says. GATED (1 SiLU, 2 GELU-tanh; one split only): W is
+    a gated MLP's gate and up halves (n rows) and out[row] = act(gate) * up ([m, n / 2]): a
+    program reads BLOCK_N / 2 gate rows and the up rows n / 2 further, interleaved."""
+    if GATED:
+        row, offs_n, mask_n, half_rows, pid_k, k_start, k_end = gemv_program(
+            m, n // 2, k, k_split, BLOCK_N // 2
+        )
+        rows = tl.reshape(tl.join(half_rows, half_rows + n // 2), [BLOCK_N])
+    else:
+        row, offs_n, mask_n, rows, pid_k, k_start, k_end = gemv_program(m, n, k, k_split, BLOCK_N)
     WORDS: tl.constexpr = BLOCK_K // 8
     offs_w = tl.arange(0, WORDS)
     qw_rows = qw_ptr + rows[:, None] * stride_qn
@@ -170,7 +183,16 @@ def _int4_gemv_kernel(
                 zero = tl.load(z_ptr + s_off, mask=in_k, other=0.0).to(tl.float32)
             acc += scale * (qg - zero * xg)
     out = out_ptr + pid_k * stride_osplit + row * stride_om + offs_n
-    tl.store(out, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=mask_n)
+    total = tl.sum(acc, axis=1)
+    if GATED:
+        # Rounded to the output dtype where the unfused MLP rounds (the gate_up output, the
+        # activation), so both give the same values.
+        dtype = out_ptr.dtype.element_ty
+        gate, up = tl.split(tl.reshape(total.to(dtype).to(tl.float32), [BLOCK_N // 2, 2]))
+        act = gated_activation(gate, GATED == 2).to(dtype).to(tl.float32)
+        tl.store(out, (act * up).to(dtype), mask=mask_n)
+    else:
+        tl.store(out, total.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
 def int4_gemv(
@@ -181,18 +203,26 @@ def int4_gemv(
     g_idx: torch.Tensor | None,
     group_size: int,
     config: GemvConfig | None = None,
+    activation: str | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ dequant(W)^T -> [M, N] in x's dtype; `config` overrides gemv_config's pick.
-    The caller (int4_gemm.int4_matmul) has checked the shapes and strides."""
+    With `activation` ("silu" or "gelu_pytorch_tanh") W is a gated MLP's gate and up halves
+    and the result act(gate) * up, [M, N / 2], from one program per output block (no K
+    splits). The caller (int4_gemm.int4_matmul) has checked the shapes and strides."""
     m, k = x.shape
     n = qweight.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    gated = GATED_ACTIVATIONS[activation]
+    if gated and n % 2:
+        raise ValueError(f"a gated int4 GEMV needs an even number of rows, got {n}")
+    out = torch.empty((m, n // 2 if gated else n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
     per_column = _per_column_groups(g_idx, group_size)
     if config is None:
         config = gemv_config(n, k, group_size, per_column, sm_count(x.device))
     block_k, split_k = config.block_k, config.split_k
+    if gated:
+        split_k = 1  # the activation needs whole sums
     if per_column:
         sub_k = block_k
     else:
@@ -204,6 +234,7 @@ def int4_gemv(
     partial = out
     if split_k > 1:
         partial = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    # Gated: block_n / 2 outputs a program (as many programs: cdiv(2d, 2b) = cdiv(d, b)).
     grid = (m * triton.cdiv(n, config.block_n), split_k)
     _int4_gemv_kernel[grid](
         x,
@@ -219,7 +250,7 @@ def int4_gemv(
         x.stride(0),
         qweight.stride(0),
         scales.stride(0),
-        n,
+        out.shape[1],
         m * n,
         GROUP=group_size,
         PER_COLUMN=per_column,
@@ -231,6 +262,7 @@ def int4_gemv(
         NUM_STAGES=config.num_stages,
         PREFETCH_LINES=prefetch_lines(config, 0),
         PDL=pdl,
+        GATED=gated,
         num_warps=config.num_warps,
         maxnreg=config.maxnreg,
         **pdl_launch(pdl),

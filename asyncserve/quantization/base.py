@@ -91,6 +91,14 @@ class LinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
+    def apply_act_and_mul(
+        self, layer: nn.Module, x: torch.Tensor, activation: str
+    ) -> torch.Tensor | None:
+        """A gated MLP's act(gate) * up straight from x, for a gate_up layer whose scheme has
+        a kernel that applies the activation to its own sums; None where it has not (the MLP
+        then runs apply and the activation kernel)."""
+        return None
+
 
 class QuantConfig:
     """A parsed quantization scheme."""

@@ -133,6 +133,28 @@ class Int4LinearMethod(LinearMethod):
             out = out + bias
         return out.view(*shape[:-1], out.shape[-1])
 
+    def apply_act_and_mul(
+        self, layer: nn.Module, x: torch.Tensor, activation: str
+    ) -> torch.Tensor | None:
+        from asyncserve.kernels.int4_gemm import GEMV_MAX_TOKENS
+
+        x2 = x.reshape(-1, x.shape[-1])
+        # Decode steps only (the GEMV); a bias would come before the activation.
+        if not x.is_cuda or x2.shape[0] > GEMV_MAX_TOKENS or layer.bias is not None:
+            return None
+        from asyncserve.kernels.int4_gemv import int4_gemv
+
+        perm: torch.Tensor | None = getattr(layer, "w4_perm", None)
+        if perm is not None:
+            x2 = x2.index_select(1, perm)
+        qweight, scales = _param(layer, "w4_qweight"), _param(layer, "w4_scales")
+        zeros = _param(layer, "w4_zeros")
+        g_idx: torch.Tensor | None = getattr(layer, "w4_g_idx", None)
+        if x2.stride(1) != 1:
+            x2 = x2.contiguous()
+        out = int4_gemv(x2, qweight, scales, zeros, g_idx, self.group_size, activation=activation)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
 
 class PackQuantizedLinearMethod(Int4LinearMethod):
     """compressed-tensors W4A16, symmetric (pack-quantized)."""

@@ -197,3 +197,41 @@ def test_prefetch_lines() -> None:
     assert prefetch_lines(GemvConfig(16, 1024, 1, prefetch_lines=0), 4) == 0
     assert prefetch_lines(GemvConfig(16, 1024, 1, prefetch_lines=3), 4) == 4
     assert prefetch_lines(GemvConfig(16, 1024, 1, prefetch_lines=16), 4) == 16
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
+@pytest.mark.parametrize(("m", "d", "g_idx"), [(1, 24, False), (3, 40, False), (2, 24, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_gemv_equals_gemv_then_activation(
+    device: torch.device, activation: str, m: int, d: int, g_idx: bool, dtype: torch.dtype
+) -> None:
+    """act(gate) * up from one kernel equals the GEMV's [M, 2d] output through the activation
+    kernel, value for value (ragged output blocks: d = 24 and 40 against 8 a program;
+    per-column groups with a g_idx)."""
+    from asyncserve.kernels.activation import gelu_tanh_and_mul, silu_and_mul
+
+    group, k = 32, 128
+    _, qweight, scales, zeros = _weight(2 * d, k, group, device, seed=m)
+    scales, zeros = scales.to(dtype), zeros.to(dtype)
+    gidx = None
+    if g_idx:
+        gidx = (torch.randperm(k, generator=torch.Generator().manual_seed(d)) // group).to(
+            device, torch.int32
+        )
+    x = _x(m, k, dtype, device)
+    config = GemvConfig(block_n=16, block_k=64, split_k=2)  # the gated GEMV takes one split
+    unfused = int4_gemv(x, qweight, scales, zeros, gidx, group, GemvConfig(16, 64, 1))
+    act_and_mul = silu_and_mul if activation == "silu" else gelu_tanh_and_mul
+    fused = int4_gemv(x, qweight, scales, zeros, gidx, group, config, activation=activation)
+    assert fused.shape == (m, d) and fused.dtype == dtype
+    torch.testing.assert_close(fused, act_and_mul(unfused), rtol=0, atol=0)
+    dense = reference.int4_matmul(x.float(), qweight, scales.float(), zeros.float(), gidx, group)
+    ref = act_and_mul(dense).to(dtype)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(fused, ref, rtol=tol, atol=tol)
+
+
+def test_gated_gemv_needs_even_rows(device: torch.device) -> None:
+    _, qweight, scales, zeros = _weight(9, 64, 32, device)
+    with pytest.raises(ValueError, match="even number of rows"):
+        int4_gemv(_x(1, 64, torch.float32, device), qweight, scales, zeros, None, 32, None, "silu")
