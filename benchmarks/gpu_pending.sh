@@ -479,7 +479,7 @@ case $1 in
     # the three trees (14)
     mkdir -p /tmp/smol && cp .smol/a/part /tmp/smol/part_a
     rm -rf /tmp/base /tmp/base2 && cp -r .base /tmp/base && cp -r .base2 /tmp/base2
-    TAIL=4 step fuse_tests 200 python3 -m pytest -q -p no:cacheprovider -rfs tests/kernels/test_int4_gemv.py tests/kernels/test_activation.py tests/quantization/test_int4_gated_mlp.py
+    TAIL=4 step fuse_tests 200 python3 -m pytest -q -p no:cacheprovider -rfs tests/kernels/test_int4_gemv.py tests/kernels/test_activation.py tests/quantization/test_int4_decode_fusions.py
     for t in base base2 new new base2 base; do
       if [ $t = new ]; then TAIL=1 step w2_${t}_$SECONDS 100 python3 $SBS --engine asyncserve --workloads w2 --model $L3-w4a16
       else PYTHONPATH=/tmp/site:/tmp/$t TAIL=1 step w2_${t}_$SECONDS 100 python3 /tmp/$t/$SBS --engine asyncserve --workloads w2 --model $L3-w4a16; fi
@@ -517,18 +517,20 @@ case $1 in
     TAIL=30 step int4_gemm 300 python3 benchmarks/int4_gemm_bench.py --sweep
     grep best $OUT/int4_gemm.log
     TAIL=2 step w4a16_as_kernels 200 python3 $SBS --engine asyncserve --workloads w2 --model benchmarks/configs/llama3-8b-w4a16 --kernel-summary $OUT/w4a16_as_kernels.tsv ;;
-  gated)  # carry .whl .base (.base: `git archive 7872ac0 asyncserve benchmarks`, before the
-    # gated gate_up GEMV): its tests, then W2 W4A16 alternating base and this tree (14)
-    rm -rf /tmp/base && cp -r .base /tmp/base
-    TAIL=4 step gated_tests 200 python3 -m pytest -q -p no:cacheprovider -rfs tests/kernels/test_int4_gemv.py tests/kernels/test_activation.py tests/quantization/test_int4_gated_mlp.py
-    for t in base new new base; do
+  w2trees)  # carry .whl .base .base2 (`git archive C asyncserve benchmarks | tar -x -C .base`:
+    # .base 7872ac0, before the decode fusions; .base2 10f0b06, the gated gate_up GEMV): the
+    # fusions' tests, then W2 W4A16 alternating base, base2 and this tree (split sums left to
+    # the fused add-norms) (14)
+    rm -rf /tmp/base /tmp/base2 && cp -r .base /tmp/base && cp -r .base2 /tmp/base2
+    TAIL=4 step fusion_tests 200 python3 -m pytest -q -p no:cacheprovider -rfs tests/kernels/test_int4_gemv.py tests/kernels/test_norm.py tests/kernels/test_activation.py tests/quantization/test_int4_decode_fusions.py
+    for t in base base2 new new base2 base; do
       if [ $t = new ]; then TAIL=1 step w2_${t}_$SECONDS 100 python3 $SBS --engine asyncserve --workloads w2 --model $L3-w4a16
       else PYTHONPATH=/tmp/site:/tmp/$t TAIL=1 step w2_${t}_$SECONDS 100 python3 /tmp/$t/$SBS --engine asyncserve --workloads w2 --model $L3-w4a16; fi
     done ;;
-  dotsplit)  # carry .whl: the whole-group int4 GEMM with K splits at 1, 4 and 16 tokens (tests;
+  dotsplit)  # carry .whl: the whole-group int4 GEMM with K splits at 1, 4, 16, 128 tokens (tests;
     # a sweep of narrow tiles, pipeline depths and splits beside the GEMV at 1 and 4) (14)
     TAIL=4 step int4_tests 150 python3 -m pytest -q -p no:cacheprovider -rfs tests/kernels/test_int4_gemm.py
-    TAIL=12 step int4_split 400 python3 benchmarks/int4_gemm_bench.py --m 1 4 16 --sweep --split --no-per-column --reps 30
+    TAIL=12 step int4_split 400 python3 benchmarks/int4_gemm_bench.py --m 1 4 16 128 --sweep --split --no-per-column --reps 30
     grep -h '"m"' $OUT/int4_split.log | grep -v sweep
     grep best $OUT/int4_split.log ;;
   w4a16)  # carry .peer/p1 after stage: the W4A16 batch-1 pair (14)

@@ -7,7 +7,7 @@ Device time per call as int4_gemv_bench.py measures it (a CUDA graph of 20 calls
 copies larger than L2; median of --reps replays). Outputs are checked against
 quant_reference first. JSON lines on stdout and in $OUT/int4_gemm.json.
 At up to GEMV_MAX_TOKENS tokens the default row (group_ms) is the GEMV, which int4_matmul
-takes there; `--sweep --split --m 1 4 16` times the whole-group GEMM with K splits beside it.
+takes there; `--sweep --split --m 1 4 16 128` times the whole-group GEMM with K splits beside it.
 Usage: OUT=/tmp/out python benchmarks/int4_gemm_bench.py [--m 16 128 1024] [--sweep [--split]]
 """
 
@@ -116,8 +116,8 @@ def sweep_grid(m: int, split: bool) -> Iterator[GroupGemmConfig]:
     """Tiles to time at m tokens; with `split`, the few-token grid: narrow N tiles, deeper
     pipelines and K splits (1-16)."""
     if split:
-        block_m = max(16, triton.next_power_of_2(m))
-        for block_n, stages, split_k in itertools.product((16, 32, 64, 128), (3, 4, 6), SPLITS):
+        block_m = min(64, max(16, triton.next_power_of_2(m)))
+        for block_n, stages, split_k in itertools.product((16, 32, 64, 128), (3, 5), SPLITS):
             yield GroupGemmConfig(block_m, block_n, 128, 4, stages, split_k)
         return
     block_ms = sorted(

@@ -204,19 +204,22 @@ def int4_gemv(
     group_size: int,
     config: GemvConfig | None = None,
     activation: str | None = None,
+    keep_splits: bool = False,
 ) -> torch.Tensor:
     """x [M, K] @ dequant(W)^T -> [M, N] in x's dtype; `config` overrides gemv_config's pick.
     With `activation` ("silu" or "gelu_pytorch_tanh") W is a gated MLP's gate and up halves
     and the result act(gate) * up, [M, N / 2], from one program per output block (no K
-    splits). The caller (int4_gemm.int4_matmul) has checked the shapes and strides."""
+    splits). With `keep_splits` the result is the K splits' fp32 partial sums [splits, M, N]
+    (one or more), for a consumer that adds them itself (norm.add_parts_rms_norm): no kernel
+    of their own. The caller (int4_gemm.int4_matmul) has checked the shapes and strides."""
     m, k = x.shape
     n = qweight.shape[0]
     gated = GATED_ACTIVATIONS[activation]
-    if gated and n % 2:
-        raise ValueError(f"a gated int4 GEMV needs an even number of rows, got {n}")
+    if gated and (n % 2 or keep_splits):
+        raise ValueError(f"a gated int4 GEMV needs an even number of rows and no splits, got {n}")
     out = torch.empty((m, n // 2 if gated else n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
-        return out
+        return out.new_zeros((1, m, n), dtype=torch.float32) if keep_splits else out
     per_column = _per_column_groups(g_idx, group_size)
     if config is None:
         config = gemv_config(n, k, group_size, per_column, sm_count(x.device))
@@ -232,7 +235,7 @@ def int4_gemv(
     k_split, split_k, even_k = split_layout(k, block_k, split_k)
     pdl = pdl_enabled(x.device)
     partial = out
-    if split_k > 1:
+    if split_k > 1 or keep_splits:
         partial = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
     # Gated: block_n / 2 outputs a program (as many programs: cdiv(2d, 2b) = cdiv(d, b)).
     grid = (m * triton.cdiv(n, config.block_n), split_k)
@@ -267,6 +270,8 @@ def int4_gemv(
         maxnreg=config.maxnreg,
         **pdl_launch(pdl),
     )
+    if keep_splits:
+        return partial
     if split_k > 1:
         sum_splits(partial, out)
     return out

@@ -18,6 +18,7 @@ class KernelOps:
     unified_attention: Callable[..., torch.Tensor]
     rms_norm: Callable[..., torch.Tensor]
     fused_add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    add_parts_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rope_store_kv: Callable[..., torch.Tensor]
     silu_and_mul: Callable[..., torch.Tensor]

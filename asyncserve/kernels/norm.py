@@ -18,7 +18,7 @@ from asyncserve.kernels.pdl import pdl_enabled, pdl_launch, pdl_wait
 def _rms_norm_kernel(
     out_ptr,  # [N, hidden]
     sum_out_ptr,  # [N, hidden] x + residual (HAS_RESIDUAL only)
-    x_ptr,  # [N / heads, heads, hidden]
+    x_ptr,  # [N / heads, heads, hidden], or NUM_PARTS fp32 partial sums [parts, N, hidden]
     residual_ptr,  # [N, hidden] (HAS_RESIDUAL only)
     weight_ptr,  # [hidden]
     eps,
@@ -29,24 +29,34 @@ def _rms_norm_kernel(
     stride_r_row,
     stride_out_row,
     stride_sum_row,
+    stride_part,
     BLOCK: tl.constexpr,  # pow2 >= hidden
     HAS_RESIDUAL: tl.constexpr,  # fused residual add
     PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py)
+    NUM_PARTS: tl.constexpr = 0,  # x is this many partial sums (HAS_RESIDUAL only)
 ):
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     x_row = (row // heads) * stride_x_outer + (row % heads) * stride_x_head
-    x = tl.load(x_ptr + x_row + cols, mask=mask, other=0.0)
+    if NUM_PARTS > 0:
+        # A split-K projection's output: its parts added in order and rounded to the
+        # residual's dtype, as split_k.sum_splits writes it.
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for p in tl.static_range(NUM_PARTS):
+            acc += tl.load(x_ptr + p * stride_part + x_row + cols, mask=mask, other=0.0)
+        x = acc.to(residual_ptr.dtype.element_ty)
+    else:
+        x = tl.load(x_ptr + x_row + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r_row + cols, mask=mask, other=0.0)
         # The sum is rounded to x's dtype, as torch's x + residual is; the norm reads it back.
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
         tl.store(sum_out_ptr + row * stride_sum_row + cols, x, mask=mask)
     xf = x.to(tl.float32)
     mean_sq = tl.sum(xf * xf, 0) / hidden
-    normed = (xf * tl.rsqrt(mean_sq + eps)).to(x_ptr.dtype.element_ty)
+    normed = (xf * tl.rsqrt(mean_sq + eps)).to(x.dtype)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     out = w.to(tl.float32) * normed.to(tl.float32)
     tl.store(out_ptr + row * stride_out_row + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -60,8 +70,13 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    parts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`parts` [P, N, hidden] fp32 stand for x (then x is the residual, for shapes)."""
     hidden = x.shape[-1]
     if weight.shape != (hidden,):
         raise ValueError(f"weight of shape {tuple(weight.shape)} for hidden size {hidden}")
@@ -74,7 +89,9 @@ def _launch(
     )
     if x.numel() == 0:
         return out, summed
-    if residual is None and x.dim() == 3 and x.stride(-1) == 1:
+    if parts is not None:
+        x2, heads, stride_outer, stride_head = parts, 1, parts.stride(1), 0
+    elif residual is None and x.dim() == 3 and x.stride(-1) == 1:
         # [tokens, heads, head_dim], e.g. the query slice of a fused qkv projection's rows
         # (per-head norms): read in place, where flattening it to rows would copy it.
         x2, heads, stride_outer, stride_head = x, x.shape[1], x.stride(0), x.stride(1)
@@ -100,9 +117,11 @@ def _launch(
         r2.stride(0) if residual is not None else 0,  # stride_r_row
         out2.stride(0),  # stride_out_row
         sum2.stride(0),  # stride_sum_row
+        parts.stride(0) if parts is not None else 0,  # stride_part
         BLOCK=block,  # pow2 >= hidden
         HAS_RESIDUAL=residual is not None,  # fused add
         PDL=pdl,  # launched with PDL
+        NUM_PARTS=parts.shape[0] if parts is not None else 0,  # partial sums for x
         num_warps=min(16, max(1, block // 256)),
         **pdl_launch(pdl),
     )
@@ -122,5 +141,25 @@ def fused_add_rms_norm(
     if residual.dtype != x.dtype:
         raise ValueError(f"residual dtype {residual.dtype} differs from x dtype {x.dtype}")
     out, summed = _launch(x, residual, weight, eps)
+    assert summed is not None
+    return out, summed
+
+
+def add_parts_rms_norm(
+    parts: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fused_add_rms_norm with x given as a split-K projection's fp32 partial sums [P, ..., hidden]
+    (x = their sum in order, rounded to the residual's dtype): the split sum, the residual add
+    and the norm in one kernel."""
+    if parts.dtype != torch.float32 or parts.shape[1:] != residual.shape:
+        raise ValueError(
+            f"partial sums {tuple(parts.shape)} {parts.dtype} do not match residual "
+            f"{tuple(residual.shape)} (fp32 [parts, *residual.shape] expected)"
+        )
+    hidden = residual.shape[-1]
+    flat = parts.reshape(parts.shape[0], -1, hidden)
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    out, summed = _launch(residual, residual, weight, eps, flat)
     assert summed is not None
     return out, summed

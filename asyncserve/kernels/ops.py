@@ -16,6 +16,7 @@ REFERENCE_OPS = KernelOps(
     unified_attention=reference.unified_attention,
     rms_norm=reference.rms_norm,
     fused_add_rms_norm=reference.fused_add_rms_norm,
+    add_parts_rms_norm=reference.add_parts_rms_norm,
     rotary_embedding=reference.rotary_embedding,
     rope_store_kv=reference.rope_store_kv,
     silu_and_mul=reference.silu_and_mul,

@@ -253,6 +253,17 @@ def fused_add_rms_norm(
     return rms_norm(summed, weight, eps), summed
 
 
+def add_parts_rms_norm(
+    parts: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fused_add_rms_norm of x = the fp32 partial sums `parts` [P, ...] added in order and
+    rounded to the residual's dtype."""
+    x = parts[0].clone()
+    for part in parts[1:]:
+        x += part
+    return fused_add_rms_norm(x.to(residual.dtype), residual, weight, eps)
+
+
 def rotary_embedding(
     positions: torch.Tensor,
     query: torch.Tensor,

@@ -7,7 +7,7 @@ from asyncserve.kernels.attention import unified_attention
 from asyncserve.kernels.interface import KernelOps
 from asyncserve.kernels.kv_store import store_kv
 from asyncserve.kernels.moe import fused_moe, moe_route
-from asyncserve.kernels.norm import fused_add_rms_norm, rms_norm
+from asyncserve.kernels.norm import add_parts_rms_norm, fused_add_rms_norm, rms_norm
 from asyncserve.kernels.rope import rotary_embedding
 from asyncserve.kernels.rope_store import rope_store_kv
 
@@ -17,6 +17,7 @@ TRITON_OPS = KernelOps(
     unified_attention=unified_attention,
     rms_norm=rms_norm,
     fused_add_rms_norm=fused_add_rms_norm,
+    add_parts_rms_norm=add_parts_rms_norm,
     rotary_embedding=rotary_embedding,
     rope_store_kv=rope_store_kv,
     silu_and_mul=silu_and_mul,

@@ -17,6 +17,7 @@ from torch import nn
 
 from asyncserve.kernels.ops import KernelOps
 from asyncserve.models.parallel import SINGLE, RowParallelLinear, TensorParallel
+from asyncserve.models.split_sums import SplitSums, linear_parts
 from asyncserve.quantization.base import LinearMethod, in_quantized_build
 
 
@@ -54,16 +55,20 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
 
     @overload
-    def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
+    def forward(self, x: torch.Tensor | SplitSums, residual: None = None) -> torch.Tensor: ...
 
     @overload
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor
+        self, x: torch.Tensor | SplitSums, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self, x: torch.Tensor | SplitSums, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(x, SplitSums):
+            if residual is not None:  # the projection's split sum in this kernel
+                return self.ops.add_parts_rms_norm(x.parts, residual, self.weight, self.eps)
+            x = x.dense()
         if residual is None:
             return self.ops.rms_norm(x, self.weight, self.eps)
         return self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
@@ -219,17 +224,23 @@ class GatedMLP(nn.Module):
             self.act_and_mul = ops.gelu_tanh_and_mul
         else:
             raise ValueError(f"MLP activation {activation!r} is not supported")
+        # Set where a fused add-norm takes down_proj's output (models/split_sums.py).
+        self.split_output = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | SplitSums:
         gate_up = self.gate_up_proj
         # A quantized gate_up whose decode kernel applies the activation to its own sums (the
         # int4 GEMV): one kernel fewer a layer. Not under LoRA, whose wrapper adds to gate_up's
         # output.
+        act = None
         if type(gate_up) is Linear and gate_up.quant_method is not None:
             act = gate_up.quant_method.apply_act_and_mul(gate_up, x, self.activation)
-            if act is not None:
-                return self.down_proj(act)
-        return self.down_proj(self.act_and_mul(gate_up(x)))
+        if act is None:
+            act = self.act_and_mul(gate_up(x))
+        if self.split_output:
+            return linear_parts(self.down_proj, act)
+        out: torch.Tensor = self.down_proj(act)
+        return out
 
 
 class VocabEmbedding(nn.Module):

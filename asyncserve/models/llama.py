@@ -35,6 +35,7 @@ from asyncserve.models.parallel import (
     VocabParallelEmbedding,
 )
 from asyncserve.models.pipeline import MissingLayer, PipelineStage
+from asyncserve.models.split_sums import SplitSums, dense, linear_parts
 from asyncserve.models.weights import Target, load_checkpoint
 
 # HF name fragment -> (fused parameter fragment, shard index within the fused rows).
@@ -91,6 +92,8 @@ class LlamaAttention(nn.Module):
             ops,
             sliding_window=config.layer_window(layer),
         )
+        # Set where a fused add-norm takes o_proj's output (models/split_sums.py).
+        self.split_output = False
 
     def forward(
         self,
@@ -98,7 +101,7 @@ class LlamaAttention(nn.Module):
         hidden: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | SplitSums:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         # Views of the fused projection's rows: no copies (the per-head norms read them too).
@@ -122,13 +125,19 @@ class LlamaAttention(nn.Module):
                 attn.k_scale,
                 attn.v_scale,
             )
-            return self.o_proj(attn.attend(q, kv_cache, meta))
+            return self._project(attn.attend(q, kv_cache, meta))
         if self.q_norm is not None and self.k_norm is not None:
             # Qwen3 and Gemma 3 normalise each head's query and key before rotary.
             q = self.q_norm(q)
             k = self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+        return self._project(self.attn(q, k, v, kv_cache, meta))
+
+    def _project(self, attn_out: torch.Tensor) -> torch.Tensor | SplitSums:
+        if self.split_output:
+            return linear_parts(self.o_proj, attn_out)
+        out: torch.Tensor = self.o_proj(attn_out)
+        return out
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -149,28 +158,38 @@ class LlamaDecoderLayer(nn.Module):
         # Granite scales each branch before it joins the residual stream.
         self.residual_multiplier = config.residual_multiplier
 
+    def leave_split_sums(self) -> None:
+        """o_proj's and a gated MLP's down_proj's split-K partial sums go to the next fused
+        add-norm unsummed (models/split_sums.py): this layer's post-attention norm and the
+        next layer's input norm (or the model's final norm). Not under a branch multiplier,
+        which scales the sums first."""
+        if self.residual_multiplier == 1.0:
+            self.self_attn.split_output = True
+            if isinstance(self.mlp, GatedMLP):
+                self.mlp.split_output = True
+
     def forward(
         self,
         positions: torch.Tensor,
-        hidden: torch.Tensor,
+        hidden: torch.Tensor | SplitSums,
         residual: torch.Tensor | None,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor | SplitSums, torch.Tensor]:
         # The residual add is fused into the next norm, so hidden leaves un-added.
         if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
+            residual = dense(hidden)
+            hidden = self.input_layernorm(residual)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        out = self.self_attn(positions, hidden, kv_cache, meta)
+        if self.residual_multiplier != 1.0:  # no split sums then (leave_split_sums)
+            out = dense(out) * self.residual_multiplier
+        hidden, residual = self.post_attention_layernorm(out, residual)
+        out = self.mlp(hidden)
         if self.residual_multiplier != 1.0:
-            hidden = hidden * self.residual_multiplier
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        hidden = self.mlp(hidden)
-        if self.residual_multiplier != 1.0:
-            hidden = hidden * self.residual_multiplier
-        return hidden, residual
+            out = dense(out) * self.residual_multiplier
+        return out, residual
 
 
 class LlamaModel(nn.Module):
@@ -216,6 +235,9 @@ class LlamaModel(nn.Module):
         # Empty unless an EAGLE-3 head is configured.
         self.aux_hidden_state_layers: frozenset[int] = frozenset()
         self.aux_hidden_states: list[torch.Tensor] = []
+        for layer in self.local_layers:
+            if isinstance(layer, LlamaDecoderLayer):
+                layer.leave_split_sums()
 
     def forward(
         self,
@@ -246,7 +268,7 @@ class LlamaModel(nn.Module):
                 hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
         if pp is not None and not pp.is_last:
             assert residual is not None
-            pp.send(hidden, residual)
+            pp.send(dense(hidden), residual)
             return hidden  # not final: only the last stage's output is read
         if residual is None:
             return self.norm(hidden)
@@ -266,7 +288,7 @@ class LlamaModel(nn.Module):
         captured: list[torch.Tensor] = []
         for i, (layer, kv_cache) in enumerate(zip(self.local_layers, kv_caches, strict=True)):
             if i in self.aux_hidden_state_layers:
-                captured.append(hidden if residual is None else hidden + residual)
+                captured.append(dense(hidden) if residual is None else dense(hidden) + residual)
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
         self.aux_hidden_states = captured
         return hidden, residual

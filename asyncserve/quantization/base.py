@@ -91,6 +91,12 @@ class LinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
+    def apply_parts(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """The product's K splits' fp32 partial sums [splits, ..., N] where the scheme's kernel
+        for x splits K (a consumer adds them: models/split_sums.py); None elsewhere (the
+        caller runs apply)."""
+        return None
+
     def apply_act_and_mul(
         self, layer: nn.Module, x: torch.Tensor, activation: str
     ) -> torch.Tensor | None:

@@ -112,9 +112,7 @@ class Int4LinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        qweight, scales = _param(layer, "w4_qweight"), _param(layer, "w4_scales")
-        zeros = _param(layer, "w4_zeros")
-        g_idx: torch.Tensor | None = getattr(layer, "w4_g_idx", None)
+        qweight, scales, zeros, g_idx = self._weights(layer)
         perm: torch.Tensor | None = getattr(layer, "w4_perm", None)
         if perm is not None:
             x2 = x2.index_select(1, perm)  # the input order of the sorted columns
@@ -133,27 +131,53 @@ class Int4LinearMethod(LinearMethod):
             out = out + bias
         return out.view(*shape[:-1], out.shape[-1])
 
-    def apply_act_and_mul(
-        self, layer: nn.Module, x: torch.Tensor, activation: str
-    ) -> torch.Tensor | None:
-        from asyncserve.kernels.int4_gemm import GEMV_MAX_TOKENS
-
-        x2 = x.reshape(-1, x.shape[-1])
-        # Decode steps only (the GEMV); a bias would come before the activation.
-        if not x.is_cuda or x2.shape[0] > GEMV_MAX_TOKENS or layer.bias is not None:
+    def apply_parts(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        x2 = self._gemv_input(layer, x)
+        if x2 is None:
             return None
         from asyncserve.kernels.int4_gemv import int4_gemv
 
+        qweight, scales, zeros, g_idx = self._weights(layer)
+        parts = int4_gemv(x2, qweight, scales, zeros, g_idx, self.group_size, keep_splits=True)
+        return parts.view(parts.shape[0], *x.shape[:-1], parts.shape[-1])
+
+    def apply_act_and_mul(
+        self, layer: nn.Module, x: torch.Tensor, activation: str
+    ) -> torch.Tensor | None:
+        # A bias would come before the activation.
+        x2 = self._gemv_input(layer, x) if layer.bias is None else None
+        if x2 is None:
+            return None
+        from asyncserve.kernels.int4_gemv import int4_gemv
+
+        qweight, scales, zeros, g_idx = self._weights(layer)
+        out = int4_gemv(x2, qweight, scales, zeros, g_idx, self.group_size, activation=activation)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    def _gemv_input(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """x as the GEMV reads it ([M, K], columns in the layer's order), on the GEMV's
+        path (CUDA, a decode step's few tokens); None elsewhere."""
+        from asyncserve.kernels.int4_gemm import GEMV_MAX_TOKENS
+
+        x2 = x.reshape(-1, x.shape[-1])
+        if not x.is_cuda or x2.shape[0] > GEMV_MAX_TOKENS:
+            return None
         perm: torch.Tensor | None = getattr(layer, "w4_perm", None)
         if perm is not None:
             x2 = x2.index_select(1, perm)
-        qweight, scales = _param(layer, "w4_qweight"), _param(layer, "w4_scales")
-        zeros = _param(layer, "w4_zeros")
+        return x2 if x2.stride(1) == 1 else x2.contiguous()
+
+    @staticmethod
+    def _weights(
+        layer: nn.Module,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         g_idx: torch.Tensor | None = getattr(layer, "w4_g_idx", None)
-        if x2.stride(1) != 1:
-            x2 = x2.contiguous()
-        out = int4_gemv(x2, qweight, scales, zeros, g_idx, self.group_size, activation=activation)
-        return out.view(*x.shape[:-1], out.shape[-1])
+        return (
+            _param(layer, "w4_qweight"),
+            _param(layer, "w4_scales"),
+            _param(layer, "w4_zeros"),
+            g_idx,
+        )
 
 
 class PackQuantizedLinearMethod(Int4LinearMethod):

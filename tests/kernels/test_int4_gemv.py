@@ -235,3 +235,19 @@ def test_gated_gemv_needs_even_rows(device: torch.device) -> None:
     _, qweight, scales, zeros = _weight(9, 64, 32, device)
     with pytest.raises(ValueError, match="even number of rows"):
         int4_gemv(_x(1, 64, torch.float32, device), qweight, scales, zeros, None, 32, None, "silu")
+
+
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_gemv_keeps_its_splits(device: torch.device, split_k: int) -> None:
+    """keep_splits returns the fp32 parts [splits, M, N] that the summed result adds."""
+    from asyncserve.kernels.split_k import sum_splits
+
+    _, qweight, scales, zeros = _weight(40, 384, 32, device)
+    x = _x(2, 384, torch.bfloat16, device)
+    scales, zeros = scales.bfloat16(), zeros.bfloat16()
+    config = GemvConfig(block_n=16, block_k=64, split_k=split_k)
+    parts = int4_gemv(x, qweight, scales, zeros, None, 32, config, keep_splits=True)
+    assert parts.shape == (split_k, 2, 40) and parts.dtype == torch.float32
+    summed = torch.empty((2, 40), dtype=torch.bfloat16, device=device)
+    sum_splits(parts, summed)
+    assert torch.equal(summed, int4_gemv(x, qweight, scales, zeros, None, 32, config))

@@ -1,4 +1,4 @@
-"""rms_norm and fused_add_rms_norm (Triton) equal their references."""
+"""rms_norm, fused_add_rms_norm and add_parts_rms_norm (Triton) equal their references."""
 
 from __future__ import annotations
 
@@ -9,7 +9,12 @@ from asyncserve.kernels import reference
 
 pytest.importorskip("triton", reason="triton is not installed")
 
-from asyncserve.kernels.norm import fused_add_rms_norm, rms_norm  # noqa: E402
+from asyncserve.kernels.norm import (  # noqa: E402
+    add_parts_rms_norm,
+    fused_add_rms_norm,
+    rms_norm,
+)
+from asyncserve.kernels.split_k import sum_splits  # noqa: E402
 
 # fp32 statistics summed in another order: fp32 agrees to rounding; bf16 / fp16 outputs
 # may differ by one unit in the last place where the fp32 value sits on a rounding edge
@@ -84,3 +89,35 @@ def test_rms_norm_per_head_view_of_fused_rows(device: torch.device) -> None:
     out = rms_norm(q, weight, 1e-6)
     assert out.shape == (5, 4, 32) and out.is_contiguous()
     torch.testing.assert_close(out, reference.rms_norm(q, weight, 1e-6), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_parts", [1, 3])
+def test_add_parts_rms_norm_equals_split_sum_then_fused_add(
+    device: torch.device, bf16_rtne: bool, dtype: torch.dtype, num_parts: int
+) -> None:
+    """A split-K projection's fp32 parts added inside the norm give the same outputs as
+    split_k.sum_splits' sum followed by fused_add_rms_norm (the path they replace)."""
+    gen = torch.Generator().manual_seed(num_parts)
+    parts = torch.randn((num_parts, 3, 96), generator=gen).to(device)
+    residual = (5 * torch.randn((3, 96), generator=gen)).to(dtype).to(device)
+    weight = (1 + 0.1 * torch.randn(96, generator=gen)).to(dtype).to(device)
+    summed_x = torch.empty((3, 96), dtype=dtype, device=device)
+    sum_splits(parts, summed_x)
+    want_out, want_summed = fused_add_rms_norm(summed_x, residual, weight, 1e-6)
+    out, summed = add_parts_rms_norm(parts, residual, weight, 1e-6)
+    assert torch.equal(summed, want_summed) and torch.equal(out, want_out)
+    ref_out, ref_summed = reference.add_parts_rms_norm(parts, residual, weight, 1e-6)
+    if dtype == torch.float32 or bf16_rtne:
+        assert torch.equal(summed, ref_summed)
+    torch.testing.assert_close(summed, ref_summed, atol=TOL[dtype], rtol=TOL[dtype])
+    _close(out, ref_out, bf16_rtne)
+
+
+def test_add_parts_rms_norm_checks_its_parts(device: torch.device) -> None:
+    residual = torch.zeros((2, 64), device=device)
+    weight = torch.ones(64, device=device)
+    with pytest.raises(ValueError, match="partial sums"):
+        add_parts_rms_norm(torch.zeros((2, 3, 64), device=device), residual, weight, 1e-6)
+    with pytest.raises(ValueError, match="partial sums"):
+        add_parts_rms_norm(torch.zeros((2, 2, 64), device=device).half(), residual, weight, 1e-6)
