@@ -253,15 +253,19 @@ def fused_add_rms_norm(
     return rms_norm(summed, weight, eps), summed
 
 
+def _sum_parts(parts: torch.Tensor) -> torch.Tensor:
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total += part
+    return total
+
+
 def add_parts_rms_norm(
     parts: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fused_add_rms_norm of x = the fp32 partial sums `parts` [P, ...] added in order and
     rounded to the residual's dtype."""
-    x = parts[0].clone()
-    for part in parts[1:]:
-        x += part
-    return fused_add_rms_norm(x.to(residual.dtype), residual, weight, eps)
+    return fused_add_rms_norm(_sum_parts(parts).to(residual.dtype), residual, weight, eps)
 
 
 def rotary_embedding(
@@ -305,10 +309,15 @@ def rope_store_kv(
     slot_mapping: torch.Tensor,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Per-head RMSNorm of query and key (when the weights are given), rotary on both, then
     key and value into the cache: rms_norm, rotary_embedding and store_kv in turn. Returns
-    the rotated query."""
+    the rotated query. [P, T, heads, D] fp32 partial sums for query, key and value stand for
+    their in-order sums rounded to `dtype`."""
+    if query.dim() == 4:
+        assert dtype is not None
+        query, key, value = (_sum_parts(t).to(dtype) for t in (query, key, value))
     if q_norm_weight is not None and k_norm_weight is not None:
         query = rms_norm(query, q_norm_weight, eps)
         key = rms_norm(key, k_norm_weight, eps)

@@ -57,15 +57,39 @@ def _norm_rotate(
 
 
 @triton.jit
-def _load_head_parts(ptr, heads, dims, rest, num_heads, HALF, HEAD_DIM, HAS_REST: tl.constexpr):
+def _load(ptr, mask, stride_part, NUM_PARTS: tl.constexpr, DTYPE: tl.constexpr):
+    """fp32 values at ptr; with NUM_PARTS, the sum of that many split-K partial sums
+    stride_part apart, in order, rounded to DTYPE as split_k.sum_splits writes it."""
+    if NUM_PARTS > 0:
+        acc = tl.load(ptr, mask=mask, other=0.0)
+        for p in tl.static_range(1, NUM_PARTS):
+            acc += tl.load(ptr + p * stride_part, mask=mask, other=0.0)
+        return acc.to(DTYPE).to(tl.float32)
+    return tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _load_head_parts(
+    ptr,
+    heads,
+    dims,
+    rest,
+    num_heads,
+    stride_part,
+    HALF,
+    HEAD_DIM,
+    HAS_REST: tl.constexpr,
+    NUM_PARTS: tl.constexpr,
+    DTYPE: tl.constexpr,
+):
     """A token's heads [heads, head_dim] (base pointer at the token, heads' stride applied by
     the caller) as fp32 parts: rotary halves and the dims past rotary."""
     mask = (heads < num_heads)[:, None] & (dims < HALF)[None, :]
-    x1 = tl.load(ptr + dims[None, :], mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(ptr + HALF + dims[None, :], mask=mask, other=0.0).to(tl.float32)
+    x1 = _load(ptr + dims[None, :], mask, stride_part, NUM_PARTS, DTYPE)
+    x2 = _load(ptr + HALF + dims[None, :], mask, stride_part, NUM_PARTS, DTYPE)
     rest_mask = (heads < num_heads)[:, None] & (rest < HEAD_DIM - 2 * HALF)[None, :]
     if HAS_REST:
-        x3 = tl.load(ptr + 2 * HALF + rest[None, :], mask=rest_mask, other=0.0).to(tl.float32)
+        x3 = _load(ptr + 2 * HALF + rest[None, :], rest_mask, stride_part, NUM_PARTS, DTYPE)
     else:
         x3 = tl.zeros(rest_mask.shape, dtype=tl.float32)
     return x1, x2, x3, mask, rest_mask
@@ -77,6 +101,7 @@ def _rope_store_kernel(
     query_ptr,  # [T, H, D]
     key_ptr,  # [T, Hkv, D]
     value_ptr,  # [T, Hkv, D]
+    q_out_ptr,  # [T, H, D]: query_ptr itself (in place) unless NUM_PARTS
     cos_sin_ptr,  # [max_position, 2 * HALF]: cos then sin
     q_norm_ptr,  # [D] (HAS_NORM only)
     k_norm_ptr,  # [D] (HAS_NORM only)
@@ -92,6 +117,9 @@ def _rope_store_kernel(
     stride_k_head,
     stride_v_tok,
     stride_v_head,
+    stride_part,  # between the partial sums of query, key and value (NUM_PARTS only)
+    stride_qo_tok,
+    stride_qo_head,
     stride_cs_pos,
     stride_kc_block,
     stride_kc_slot,
@@ -112,6 +140,7 @@ def _rope_store_kernel(
     HAS_REST: tl.constexpr,
     FP8: tl.constexpr,  # the caches are e4m3
     PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py)
+    NUM_PARTS: tl.constexpr = 0,  # query, key and value are fp32 split-K partial sums
 ):
     pdl_wait(PDL)
     tok = tl.program_id(0).to(tl.int64)
@@ -122,20 +151,21 @@ def _rope_store_kernel(
     cs_row = cos_sin_ptr + pos * stride_cs_pos
     cos = tl.load(cs_row + dims, mask=dims < HALF, other=0.0).to(tl.float32)
     sin = tl.load(cs_row + HALF + dims, mask=dims < HALF, other=0.0).to(tl.float32)
-    dtype = query_ptr.dtype.element_ty
+    dtype = q_out_ptr.dtype.element_ty
 
-    # Query: normed and rotated in place.
+    # Query: normed and rotated (in place, or from partial sums into q_out).
     q_ptr = query_ptr + tok * stride_q_tok + heads[:, None] * stride_q_head
     q1, q2, q3, q_mask, q_rest_mask = _load_head_parts(
-        q_ptr, heads, dims, rest, NUM_HEADS, HALF, HEAD_DIM, HAS_REST
+        q_ptr, heads, dims, rest, NUM_HEADS, stride_part, HALF, HEAD_DIM, HAS_REST, NUM_PARTS, dtype
     )
     q1, q2, q3 = _norm_rotate(
         q1, q2, q3, q_norm_ptr, dims, rest, eps, cos, sin, HALF, HEAD_DIM, HAS_NORM, dtype
     )
-    tl.store(q_ptr + dims[None, :], q1.to(dtype), mask=q_mask)
-    tl.store(q_ptr + HALF + dims[None, :], q2.to(dtype), mask=q_mask)
-    if HAS_REST and HAS_NORM:
-        tl.store(q_ptr + 2 * HALF + rest[None, :], q3.to(dtype), mask=q_rest_mask)
+    qo_ptr = q_out_ptr + tok * stride_qo_tok + heads[:, None] * stride_qo_head
+    tl.store(qo_ptr + dims[None, :], q1.to(dtype), mask=q_mask)
+    tl.store(qo_ptr + HALF + dims[None, :], q2.to(dtype), mask=q_mask)
+    if HAS_REST and (HAS_NORM or NUM_PARTS > 0):
+        tl.store(qo_ptr + 2 * HALF + rest[None, :], q3.to(dtype), mask=q_rest_mask)
 
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
     if slot >= 0:
@@ -143,7 +173,17 @@ def _rope_store_kernel(
         # as the unfused rotary leaves it, then to the cache's).
         k_ptr = key_ptr + tok * stride_k_tok + heads[:, None] * stride_k_head
         k1, k2, k3, k_mask, k_rest_mask = _load_head_parts(
-            k_ptr, heads, dims, rest, NUM_KV_HEADS, HALF, HEAD_DIM, HAS_REST
+            k_ptr,
+            heads,
+            dims,
+            rest,
+            NUM_KV_HEADS,
+            stride_part,
+            HALF,
+            HEAD_DIM,
+            HAS_REST,
+            NUM_PARTS,
+            dtype,
         )
         k1, k2, k3 = _norm_rotate(
             k1, k2, k3, k_norm_ptr, dims, rest, eps, cos, sin, HALF, HEAD_DIM, HAS_NORM, dtype
@@ -171,7 +211,10 @@ def _rope_store_kernel(
         all_dims = tl.arange(0, BLOCK_D)
         v_mask = (heads < NUM_KV_HEADS)[:, None] & (all_dims < HEAD_DIM)[None, :]
         v_src = value_ptr + tok * stride_v_tok + heads[:, None] * stride_v_head
-        v = tl.load(v_src + all_dims[None, :], mask=v_mask, other=0.0)
+        if NUM_PARTS > 0:
+            v = _load(v_src + all_dims[None, :], v_mask, stride_part, NUM_PARTS, dtype)
+        else:
+            v = tl.load(v_src + all_dims[None, :], mask=v_mask, other=0.0)
         if FP8:
             v = tl.clamp(v.to(tl.float32) / v_scale, -448.0, 448.0)
         vc_ptr = (
@@ -197,10 +240,28 @@ def rope_store_kv(
     slot_mapping: torch.Tensor,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Per-head RMSNorm of query and key (when the weights are given), NeoX rotary on both,
     then key and value into their cache slots (slot -1: not stored). Returns query, rotated
-    in place. The same result as reference.rope_store_kv."""
+    in place. The same result as reference.rope_store_kv.
+
+    Query, key and value may instead be [P, T, heads, D] fp32 views of a split-K
+    projection's partial sums (one tensor, models/split_sums.py), with `dtype` the
+    activations': each is their in-order sum rounded to `dtype`, and the rotated query comes
+    back in a new [T, H, D] tensor."""
+    parts = query.dim() == 4
+    stride_part = 0
+    if parts:
+        if dtype is None or query.dtype != torch.float32:
+            raise ValueError("partial sums for query, key and value need fp32 and a dtype")
+        if not (query.stride(0) == key.stride(0) == value.stride(0)):
+            raise ValueError("query, key and value partial sums must be views of one tensor")
+        num_parts, stride_part = query.shape[0], query.stride(0)
+        q_out = torch.empty(query.shape[1:], dtype=dtype, device=query.device)
+        query, key, value = query[0], key[0], value[0]
+    else:
+        num_parts, q_out = 0, query
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, cache_dim = key_cache.shape
     rotary_dim = cos_sin_cache.shape[-1]
@@ -217,9 +278,9 @@ def rope_store_kv(
         raise ValueError("q_norm_weight and k_norm_weight come together")
     if q_norm_weight is not None and k_norm_weight is not None:
         for weight in (q_norm_weight, k_norm_weight):
-            if weight.shape != (head_dim,) or weight.dtype != query.dtype:
+            if weight.shape != (head_dim,) or weight.dtype != q_out.dtype:
                 raise ValueError(
-                    f"a q/k norm weight must be [{head_dim}] of {query.dtype}, got "
+                    f"a q/k norm weight must be [{head_dim}] of {q_out.dtype}, got "
                     f"{tuple(weight.shape)} of {weight.dtype}"
                 )
     for name, t in (("query", query), ("key", key), ("value", value)):
@@ -230,7 +291,7 @@ def rope_store_kv(
     if slot_mapping.shape[0] != num_tokens:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} slots for {num_tokens} tokens")
     if num_tokens == 0:
-        return query
+        return q_out
     half = rotary_dim // 2
     block_h = triton.next_power_of_2(max(num_heads, num_kv_heads))
     block_half = triton.next_power_of_2(half)
@@ -241,6 +302,7 @@ def rope_store_kv(
         query,
         key,
         value,
+        q_out,
         cos_sin_cache,
         q_norm_weight if has_norm else cos_sin_cache,  # unread without a norm
         k_norm_weight if has_norm else cos_sin_cache,
@@ -256,6 +318,9 @@ def rope_store_kv(
         key.stride(1),
         value.stride(0),
         value.stride(1),
+        stride_part,
+        q_out.stride(0),
+        q_out.stride(1),
         cos_sin_cache.stride(0),
         key_cache.stride(0),  # may exceed 2**31
         key_cache.stride(1),
@@ -276,7 +341,8 @@ def rope_store_kv(
         HAS_REST=rotary_dim < head_dim,
         FP8=key_cache.dtype == torch.float8_e4m3fn,
         PDL=pdl,
+        NUM_PARTS=num_parts,
         num_warps=4 if block_h * block_half >= 1024 else 1,
         **pdl_launch(pdl),
     )
-    return query
+    return q_out

@@ -92,7 +92,8 @@ class LlamaAttention(nn.Module):
             ops,
             sliding_window=config.layer_window(layer),
         )
-        # Set where a fused add-norm takes o_proj's output (models/split_sums.py).
+        # Set where a fused add-norm takes o_proj's output (models/split_sums.py); then the
+        # rope-store kernel also adds qkv_proj's split sums.
         self.split_output = False
 
     def forward(
@@ -102,12 +103,23 @@ class LlamaAttention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor | SplitSums:
-        num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        sizes = [self.q_size, self.kv_size, self.kv_size]
+        if self.fuse_rope_store and self.split_output:
+            # The projection's split-K partial sums, where it leaves them, are added by the
+            # rope-store kernel (models/split_sums.py).
+            qkv = linear_parts(self.qkv_proj, hidden)
+        else:
+            qkv = self.qkv_proj(hidden)
+        dtype = None
+        if isinstance(qkv, SplitSums):
+            q, k, v = qkv.parts.split(sizes, dim=-1)  # [parts, tokens, size] each
+            dtype = qkv.dtype
+        else:
+            q, k, v = qkv.split(sizes, dim=-1)
         # Views of the fused projection's rows: no copies (the per-head norms read them too).
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        q = q.unflatten(-1, (self.num_heads, self.head_dim))
+        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         if self.fuse_rope_store:
             # One kernel: the per-head norms (Qwen3, Gemma 3), rotary and the KV store.
             attn = self.attn
@@ -124,6 +136,7 @@ class LlamaAttention(nn.Module):
                 meta.slot_mapping,
                 attn.k_scale,
                 attn.v_scale,
+                dtype=dtype,
             )
             return self._project(attn.attend(q, kv_cache, meta))
         if self.q_norm is not None and self.k_norm is not None:
@@ -161,8 +174,8 @@ class LlamaDecoderLayer(nn.Module):
     def leave_split_sums(self) -> None:
         """o_proj's and a gated MLP's down_proj's split-K partial sums go to the next fused
         add-norm unsummed (models/split_sums.py): this layer's post-attention norm and the
-        next layer's input norm (or the model's final norm). Not under a branch multiplier,
-        which scales the sums first."""
+        next layer's input norm (or the model's final norm); qkv_proj's to the rope-store
+        kernel. Not under a branch multiplier, which scales the sums first."""
         if self.residual_multiplier == 1.0:
             self.self_attn.split_output = True
             if isinstance(self.mlp, GatedMLP):

@@ -11,6 +11,7 @@ from asyncserve.kernels import reference
 pytest.importorskip("triton", reason="triton is not installed")
 
 from asyncserve.kernels.rope_store import rope_store_kv  # noqa: E402
+from asyncserve.kernels.split_k import sum_splits  # noqa: E402
 
 NUM_BLOCKS, BLOCK_SIZE = 6, 16
 
@@ -167,3 +168,53 @@ def test_rope_store_rejects_bad_input(device: torch.device) -> None:
         )
     with pytest.raises(ValueError, match="rotary_dim"):
         rope_store_kv(case["positions"], q, k, v, _cos_sin_cache(8, 40), None, None, 1e-6, *caches)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "rotary_dim", "norm"),
+    [(torch.bfloat16, 64, False), (torch.float32, 32, True), (torch.bfloat16, 32, False)],
+)
+def test_rope_store_from_split_sums(
+    device: torch.device, dtype: torch.dtype, rotary_dim: int, norm: bool
+) -> None:
+    """q, k and v given as a split-K projection's fp32 partial sums: the same query, key
+    cache and value cache as their sum (split order, rounded to dtype) given as it is; the
+    query comes back in a tensor of its own (every dim written, those past rotary too)."""
+    num_heads, num_kv_heads, head_dim, num_tokens = 4, 2, 64, 6
+    case = _case(device, dtype, dtype, num_heads, num_kv_heads, head_dim, num_tokens, 7)
+    gen = torch.Generator().manual_seed(rotary_dim)
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    parts = torch.randn((3, num_tokens, width), generator=gen).to(device)
+    total = torch.empty((num_tokens, width), dtype=dtype, device=device)
+    sum_splits(parts, total)  # the kernel the split sums replace
+    case["qkv"] = total.view(num_tokens, -1, head_dim)
+    kw = {
+        "cache": _cos_sin_cache(256, rotary_dim).to(device),
+        "q_norm": case["q_norm"] if norm else None,
+        "k_norm": case["k_norm"] if norm else None,
+    }
+    want_q, _, want_kc, want_vc = _run(rope_store_kv, case, num_heads, num_kv_heads, **kw)
+    key_cache, value_cache = case["key_cache"].clone(), case["value_cache"].clone()
+    sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+    q, k, v = (t.unflatten(-1, (-1, head_dim)) for t in parts.split(sizes, dim=-1))
+    args = (kw["cache"], kw["q_norm"], kw["k_norm"], 1e-6, key_cache, value_cache, case["slots"])
+    out_q = rope_store_kv(case["positions"], q, k, v, *args, dtype=dtype)
+    assert out_q.shape == (num_tokens, num_heads, head_dim) and out_q.dtype == dtype
+    assert torch.equal(out_q, want_q)
+    assert torch.equal(key_cache, want_kc) and torch.equal(value_cache, want_vc)
+    ref_q = reference.rope_store_kv(
+        case["positions"], q, k, v, *args[:4], case["key_cache"].clone(),
+        case["value_cache"].clone(), case["slots"], dtype=dtype,
+    )  # fmt: skip
+    _close(out_q, ref_q, dtype)
+
+
+def test_rope_store_split_sums_need_a_dtype(device: torch.device) -> None:
+    parts = torch.zeros((2, 1, 4, 8), device=device)
+    cache = torch.zeros((1, 16, 2, 8), device=device)
+    with pytest.raises(ValueError, match="dtype"):
+        rope_store_kv(
+            torch.zeros(1, dtype=torch.long, device=device), parts, parts[:, :, :2],
+            parts[:, :, 2:], _cos_sin_cache(4, 8).to(device), None, None, 1e-6, cache, cache,
+            torch.zeros(1, dtype=torch.long, device=device),
+        )  # fmt: skip
