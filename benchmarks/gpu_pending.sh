@@ -533,6 +533,11 @@ case $1 in
     TAIL=12 step int4_split 400 python3 benchmarks/int4_gemm_bench.py --m 1 4 16 128 --sweep --split --no-per-column --reps 30
     grep -h '"m"' $OUT/int4_split.log | grep -v sweep
     grep best $OUT/int4_split.log ;;
+  tma)  # carry .whl: the int4 GEMV loading its words through a TMA descriptor, pipelined
+    # (benchmarks/int4_gemv_tma.py: a check, then tiles x stages x splits beside int4_gemv) (14)
+    TAIL=2 step tma_check 120 python3 benchmarks/int4_gemv_tma.py --check
+    TAIL=12 step tma_sweep 400 python3 benchmarks/int4_gemv_tma.py
+    grep -h -e int4_gemv_ms -e best $OUT/tma_sweep.log ;;
   w4a16)  # carry .peer/p1 after stage: the W4A16 batch-1 pair (14)
     bash .peer/p1/install.sh | tail -1
     j_w4a16_pair ;;
