@@ -479,7 +479,7 @@ case $1 in
     # the three trees (14)
     mkdir -p /tmp/smol && cp .smol/a/part /tmp/smol/part_a
     rm -rf /tmp/base /tmp/base2 && cp -r .base /tmp/base && cp -r .base2 /tmp/base2
-    TAIL=4 step fuse_tests 200 python3 -m pytest -q -p no:cacheprovider -rfs tests/kernels/test_int4_gemv.py tests/kernels/test_activation.py tests/kernels/test_rope_store.py tests/quantization/test_int4_decode_fusions.py
+    TAIL=4 step fuse_tests 200 python3 -m pytest -q -p no:cacheprovider -rfs tests/kernels/test_int4_gemv.py tests/kernels/test_activation.py tests/kernels/test_rope_store.py tests/kernels/test_argmax.py tests/quantization/test_int4_decode_fusions.py
     for t in base base2 new new base2 base; do
       if [ $t = new ]; then TAIL=1 step w2_${t}_$SECONDS 100 python3 $SBS --engine asyncserve --workloads w2 --model $L3-w4a16
       else PYTHONPATH=/tmp/site:/tmp/$t TAIL=1 step w2_${t}_$SECONDS 100 python3 /tmp/$t/$SBS --engine asyncserve --workloads w2 --model $L3-w4a16; fi
@@ -520,7 +520,8 @@ case $1 in
   w2trees)  # carry .whl .base .base2 (`git archive C asyncserve benchmarks | tar -x -C .base`:
     # .base 7872ac0, before the decode fusions; .base2 438ce0e, the gated gate_up GEMV and
     # o_proj's and down_proj's split sums in the add-norms): the fusions' tests, then W2
-    # W4A16 alternating base, base2 and this tree (qkv_proj's split sums in rope-store) (14)
+    # W4A16 alternating base, base2 and this tree (qkv_proj's split sums in rope-store, the
+    # two-pass greedy argmax) (14)
     rm -rf /tmp/base /tmp/base2 && cp -r .base /tmp/base && cp -r .base2 /tmp/base2
     TAIL=4 step fusion_tests 200 python3 -m pytest -q -p no:cacheprovider -rfs tests/kernels/test_int4_gemv.py tests/kernels/test_norm.py tests/kernels/test_activation.py tests/quantization/test_int4_decode_fusions.py
     for t in base base2 new new base2 base; do

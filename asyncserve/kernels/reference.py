@@ -326,6 +326,11 @@ def rope_store_kv(
     return query
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """The first index of each row's maximum (a NaN above any number): kernels/argmax.py."""
+    return x.argmax(dim=-1)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(x[..., :d]) * x[..., d:] with d = x.shape[-1] // 2."""
     d = x.shape[-1] // 2
