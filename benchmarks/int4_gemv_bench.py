@@ -19,6 +19,7 @@ import itertools
 import json
 import os
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from asyncserve.kernels import quant_reference as reference  # noqa: E402
 from asyncserve.kernels.int4_gemm import _dequant_tile  # noqa: E402
 from asyncserve.kernels.int4_gemv import GemvConfig, gemv_config, int4_gemv  # noqa: E402
+from asyncserve.kernels.split_k import sm_count  # noqa: E402
 from benchmarks.graph_timing import time_ms  # noqa: E402
 
 CUDA = torch.device("cuda")
@@ -84,6 +86,46 @@ def make_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, 
     scales = (torch.rand(n, k // GROUP, device=CUDA, generator=g) * 0.02).bfloat16()
     zeros = torch.randint(0, 16, (n, k // GROUP), device=CUDA, generator=g).bfloat16()
     return reference.pack_int4(values), scales, zeros
+
+
+def rotated_weights(n: int, k: int) -> tuple[list[tuple[torch.Tensor, ...]], int]:
+    """Copies of a random N x K weight holding at least ROTATE_BYTES together (a call then
+    reads its weight from memory, not L2), and the bytes of one (packed words, scales,
+    zeros)."""
+    nbytes = n * k // 2 + 2 * n * (k // GROUP) * 2
+    return [make_weight(n, k, seed) for seed in range(max(2, -(-ROTATE_BYTES // nbytes)))], nbytes
+
+
+@dataclasses.dataclass
+class OneTokenCase:
+    """A Llama-3-8B shape at one token: its rotated weights (rotated_weights), x, int4_gemv's
+    output on the first weight and its launch config, the GPU's SMs."""
+
+    n: int
+    k: int
+    weights: list[tuple[torch.Tensor, ...]]
+    nbytes: int
+    x: torch.Tensor
+    ref: torch.Tensor
+    base: GemvConfig
+    sms: int
+
+
+def experiment_cases(check: Callable[[torch.device], bool]) -> Iterator[OneTokenCase]:
+    """A GEMV experiment's command line: with --check, `check` on the GPU (or on the CPU
+    under TRITON_INTERPRET=1) and exit with its verdict; else each shape's case to time."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--check", action="store_true", help="correctness only (small shapes)")
+    if parser.parse_args().check:
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        sys.exit(0 if check(device) else 1)
+    print(json.dumps({"device": torch.cuda.get_device_name(CUDA)}), flush=True)
+    for n, k in SHAPES:
+        weights, nbytes = rotated_weights(n, k)
+        x = torch.randn(1, k, device=CUDA, dtype=torch.bfloat16)
+        ref = int4_gemv(x, *weights[0], None, GROUP).float()
+        sms = sm_count(CUDA)
+        yield OneTokenCase(n, k, weights, nbytes, x, ref, gemv_config(n, k, GROUP, False, sms), sms)
 
 
 def check(n: int, k: int, m: int) -> float:

@@ -17,7 +17,6 @@ Usage: python benchmarks/int4_gemv_tma.py            (GPU: a sweep of tiles, sta
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import sys
@@ -30,11 +29,14 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from asyncserve.kernels.int4_gemv import GemvConfig, gemv_config, int4_gemv  # noqa: E402
+from asyncserve.kernels.int4_gemv import (  # noqa: E402
+    GemvConfig,
+    int4_gemv,
+    whole_group_step,
+)
 from asyncserve.kernels.split_k import (  # noqa: E402
     gemv_program,
     pick_split_k,
-    sm_count,
     split_layout,
     sum_splits,
 )
@@ -52,35 +54,17 @@ def _tma_gemv_kernel(
     whole and inside the split; BLOCK_K a multiple of GROUP or a divisor of it)."""
     row, offs_n, mask_n, rows, pid_k, k_start, k_end = gemv_program(m, n, k, k_split, BLOCK_N)
     n0 = (tl.program_id(0) // m) * BLOCK_N
-    WORDS: tl.constexpr = BLOCK_K // 8
     SUB_K: tl.constexpr = BLOCK_K if BLOCK_K < GROUP else GROUP
     NSUB: tl.constexpr = BLOCK_K // SUB_K
-    offs_w = tl.arange(0, WORDS)
     x_row = x_ptr + row * stride_xm
     acc = tl.zeros([BLOCK_N, NSUB], dtype=tl.float32)
     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
         # Rows past N come back as zeros (the descriptor's bounds); their store is masked.
         wu = qw_desc.load([n0, k0 // 8]).to(tl.uint32, bitcast=True)
-        cols = k0 + offs_w * 8
-        qx = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
-        xs = tl.zeros([WORDS], dtype=tl.float32)
-        for i in tl.static_range(8):
-            xi = tl.load(x_row + cols + i).to(tl.float32)
-            q_at = (wu & (0xF << (4 * i))).to(tl.float32)
-            qx += q_at * (xi * (1.0 / (1 << (4 * i))))[None, :]
-            xs += xi
-        if NSUB == 1:
-            qg = tl.sum(qx, axis=1)[:, None]
-            xg = tl.sum(xs, axis=0)
-            starts = k0 + tl.arange(0, 1) * SUB_K
-        else:
-            qg = tl.sum(tl.reshape(qx, [BLOCK_N, NSUB, WORDS // NSUB]), axis=2)
-            xg = tl.sum(tl.reshape(xs, [NSUB, WORDS // NSUB]), axis=1)[None, :]
-            starts = k0 + tl.arange(0, NSUB) * SUB_K
-        s_off = rows[:, None] * stride_sn + (starts // GROUP)[None, :]
-        scale = tl.load(s_ptr + s_off).to(tl.float32)
-        zero = tl.load(z_ptr + s_off).to(tl.float32)
-        acc += scale * (qg - zero * xg)
+        acc += whole_group_step(
+            wu, x_row, k0, k_end, rows, s_ptr, z_ptr, stride_sn, GROUP, True, BLOCK_N, BLOCK_K,
+            SUB_K,
+        )  # fmt: skip
     out = out_ptr + pid_k * stride_osplit + row * stride_om + offs_n
     tl.store(out, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=mask_n)
 
@@ -139,40 +123,26 @@ def check(device: torch.device) -> bool:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--check", action="store_true", help="correctness only (small shapes)")
-    args = parser.parse_args()
-    if args.check:
-        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        sys.exit(0 if check(device) else 1)
-
     from benchmarks.graph_timing import time_ms
-    from benchmarks.int4_gemv_bench import ROTATE_BYTES, SHAPES, make_weight
+    from benchmarks.int4_gemv_bench import experiment_cases
 
-    cuda = torch.device("cuda")
-    sms = sm_count(cuda)
-    print(json.dumps({"device": torch.cuda.get_device_name(cuda)}), flush=True)
-    for n, k in SHAPES:
-        nbytes = n * k // 2 + 2 * n * (k // GROUP) * 2
-        weights = [make_weight(n, k, seed) for seed in range(max(2, -(-ROTATE_BYTES // nbytes)))]
-        x = torch.randn(1, k, device=cuda, dtype=torch.bfloat16)
-        ref = int4_gemv(x, *weights[0], None, GROUP).float()
-        base = gemv_config(n, k, GROUP, False, sms)
+    for case in experiment_cases(check):
+        n, k, weights, x = case.n, case.k, case.weights, case.x
         ms = time_ms(
-            [lambda w=w, x=x, c=base: int4_gemv(x, *w, None, GROUP, c) for w in weights], 100
+            [lambda w=w, x=x, c=case.base: int4_gemv(x, *w, None, GROUP, c) for w in weights], 100
         )
         print(json.dumps({"n": n, "k": k, "int4_gemv_ms": round(ms, 4)}), flush=True)
         rows = []
         for block_n, block_k, stages in itertools.product((16, 32), (256, 512, 1024), (2, 3, 4)):
             steps = triton.cdiv(k, block_k)
-            for split in sorted({pick_split_k(triton.cdiv(n, block_n), steps, sms), 1}):
+            for split in sorted({pick_split_k(triton.cdiv(n, block_n), steps, case.sms), 1}):
                 config = GemvConfig(block_n, block_k, split, 4, stages)
                 try:
                     descs = [
                         TensorDescriptor.from_tensor(w[0], [block_n, block_k // 8]) for w in weights
                     ]
                     out = tma_gemv(x, *weights[0], config, descs[0]).float()
-                    err = float((out - ref).abs().max() / ref.abs().max())
+                    err = float((out - case.ref).abs().max() / case.ref.abs().max())
                     fns = [
                         lambda w=w, d=d, c=config, x=x: tma_gemv(x, *w, c, d)
                         for w, d in zip(weights, descs, strict=True)
@@ -183,7 +153,8 @@ def main() -> None:
                                       "error": str(exc)[:200]}), flush=True)  # fmt: skip
                     continue
                 row = {"n": n, "k": k, "config": [block_n, block_k, split, stages]}
-                row.update(ms=round(ms, 4), gb_s=round(nbytes / ms / 1e6), rel_err=round(err, 5))
+                gb_s = round(case.nbytes / ms / 1e6)
+                row.update(ms=round(ms, 4), gb_s=gb_s, rel_err=round(err, 5))
                 print(json.dumps(row), flush=True)
                 rows.append(row)
         if rows:

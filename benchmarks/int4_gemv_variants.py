@@ -43,7 +43,6 @@ Usage: python benchmarks/int4_gemv_variants.py            (GPU benchmark, JSON r
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -54,7 +53,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from asyncserve.kernels.int4_gemv import GemvConfig, gemv_config, int4_gemv  # noqa: E402
+from asyncserve.kernels.int4_gemv import GemvConfig, int4_gemv  # noqa: E402
 from asyncserve.kernels.split_k import (  # noqa: E402
     gemv_program,
     pick_split_k,
@@ -258,27 +257,14 @@ def check(device: torch.device) -> bool:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--check", action="store_true", help="correctness only (small shapes)")
-    args = parser.parse_args()
-    if args.check:
-        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        sys.exit(0 if check(device) else 1)
-
     from benchmarks.graph_timing import time_ms
-    from benchmarks.int4_gemv_bench import ROTATE_BYTES, SHAPES, make_weight
+    from benchmarks.int4_gemv_bench import experiment_cases
 
-    cuda = torch.device("cuda")
-    sms = sm_count(cuda)
-    for n, k in SHAPES:
-        nbytes = n * k // 2 + 2 * n * (k // GROUP) * 2
-        weights = [make_weight(n, k, seed) for seed in range(max(2, -(-ROTATE_BYTES // nbytes)))]
-        x = torch.randn(1, k, device=cuda, dtype=torch.bfloat16)
-        ref = int4_gemv(x, *weights[0], None, GROUP).float()
-        base = gemv_config(n, k, GROUP, False, sms)
+    for case in experiment_cases(check):
+        x, base = case.x, case.base
         runs = [("int4_gemv", base, lambda w, c=base, x=x: int4_gemv(x, *w, None, GROUP, c))]
         for name in VARIANTS:
-            config = variant_config(name, n, k, sms)
+            config = variant_config(name, case.n, case.k, case.sms)
             runs.append((name, config, lambda w, c=config, v=name, x=x: variant_gemv(x, *w, v, c)))
             # the same variant at int4_gemv's launch (its split-K), when that differs
             same = GemvConfig(config.block_n, config.block_k, base.split_k, config.num_warps)
@@ -286,18 +272,19 @@ def main() -> None:
                 runs.append((name, same, lambda w, c=same, v=name, x=x: variant_gemv(x, *w, v, c)))
         for name, config, fn in runs:
             try:
-                err = float((fn(weights[0]).float() - ref).abs().max() / ref.abs().max())
-                ms = time_ms([lambda w=w, f=fn: f(w) for w in weights], 100)
+                out = fn(case.weights[0]).float()
+                err = float((out - case.ref).abs().max() / case.ref.abs().max())
+                ms = time_ms([lambda w=w, f=fn: f(w) for w in case.weights], 100)
             except Exception as exc:  # noqa: BLE001
                 print(json.dumps({"variant": name, "error": str(exc)[:300]}), flush=True)
                 continue
             row = {
-                "n": n,
-                "k": k,
+                "n": case.n,
+                "k": case.k,
                 "variant": name,
                 "config": [config.block_n, config.block_k, config.split_k, config.num_warps],
             }
-            row.update(ms=round(ms, 4), gb_s=round(nbytes / ms / 1e6), rel_err=round(err, 5))
+            row.update(ms=round(ms, 4), gb_s=round(case.nbytes / ms / 1e6), rel_err=round(err, 5))
             print(json.dumps(row), flush=True)
 
 

@@ -41,7 +41,7 @@ from asyncserve.kernels.split_k import (
     sum_splits,
 )
 
-__all__ = ["GATED_ACTIVATIONS", "GemvConfig", "gemv_config", "int4_gemv"]
+__all__ = ["GATED_ACTIVATIONS", "GemvConfig", "gemv_config", "int4_gemv", "whole_group_step"]
 
 # The gated GEMV's activations (the kernel's GATED): none, SiLU, GELU (tanh approximation).
 GATED_ACTIVATIONS = {None: 0, "silu": 1, "gelu_pytorch_tanh": 2}
@@ -73,6 +73,61 @@ def gemv_config(n: int, k: int, group_size: int, per_column: bool, sms: int) -> 
         block_k = max(block_k, min(group_size, 1024))  # whole groups a step
     split_k = pick_split_k(triton.cdiv(n, block_n), triton.cdiv(k, block_k), sms)
     return GemvConfig(block_n, block_k, split_k)
+
+
+@triton.jit
+def whole_group_step(
+    wu,
+    x_row,
+    k0,
+    k_end,
+    rows,
+    s_ptr,
+    z_ptr,
+    stride_sn,
+    GROUP: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SUB_K: tl.constexpr,
+):
+    """One loop step of whole groups: wu [BLOCK_N, BLOCK_K / 8] packed words (uint32) of
+    columns k0.. -> [BLOCK_N, BLOCK_K / SUB_K] sums scale * (sum q * x - zero * sum x), one
+    per row and group (or part of a group) of the step."""
+    WORDS: tl.constexpr = BLOCK_K // 8
+    NSUB: tl.constexpr = BLOCK_K // SUB_K
+    cols = k0 + tl.arange(0, WORDS) * 8  # first column of each word
+    qx = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
+    xs = tl.zeros([WORDS], dtype=tl.float32)
+    for i in tl.static_range(8):
+        # Nibble i of each word is column 8j + i (a strided load of x, from L1).
+        if EVEN_K:
+            xi = tl.load(x_row + cols + i).to(tl.float32)
+        else:
+            xi = tl.load(x_row + cols + i, mask=cols < k_end, other=0.0).to(tl.float32)
+        # q * 16^i is the nibble masked in place, converted exactly; times x / 16^i (exact
+        # too, and once per column, not per element) it is q * x. Per element: a mask, a
+        # conversion and a multiply-add.
+        q_at = (wu & (0xF << (4 * i))).to(tl.float32)
+        qx += q_at * (xi * (1.0 / (1 << (4 * i))))[None, :]
+        xs += xi
+    if NSUB == 1:
+        qg = tl.sum(qx, axis=1)[:, None]
+        xg = tl.sum(xs, axis=0)
+        starts = k0 + tl.arange(0, 1) * SUB_K
+    else:
+        qg = tl.sum(tl.reshape(qx, [BLOCK_N, NSUB, WORDS // NSUB]), axis=2)
+        xg = tl.sum(tl.reshape(xs, [NSUB, WORDS // NSUB]), axis=1)[None, :]
+        starts = k0 + tl.arange(0, NSUB) * SUB_K
+    s_off = rows[:, None] * stride_sn + (starts // GROUP)[None, :]
+    if EVEN_K:
+        scale = tl.load(s_ptr + s_off).to(tl.float32)
+        zero = tl.load(z_ptr + s_off).to(tl.float32)
+    else:
+        in_k = (starts < k_end)[None, :]
+        scale = tl.load(s_ptr + s_off, mask=in_k, other=0.0).to(tl.float32)
+        zero = tl.load(z_ptr + s_off, mask=in_k, other=0.0).to(tl.float32)
+    return scale * (qg - zero * xg)
 
 
 @triton.jit
@@ -134,17 +189,16 @@ def _int4_gemv_kernel(
             words = tl.load(
                 qw_rows + (k0 // 8 + offs_w)[None, :], mask=(cols < k_end)[None, :], other=0
             )
-        qx = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
-        xs = tl.zeros([WORDS], dtype=tl.float32)
         wu = words.to(tl.uint32, bitcast=True)
-        for i in tl.static_range(8):
-            # Nibble i of each word is column 8j + i (a strided load of x, from L1).
-            if EVEN_K:
-                xi = tl.load(x_row + cols + i).to(tl.float32)
-            else:
-                xi = tl.load(x_row + cols + i, mask=cols < k_end, other=0.0).to(tl.float32)
-            if PER_COLUMN:
-                # Columns past K (a ragged tail) read group 0; their x is 0.
+        if PER_COLUMN:
+            qx = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
+            for i in tl.static_range(8):
+                # Nibble i of each word is column 8j + i; columns past K (a ragged tail) read
+                # group 0 and x 0.
+                if EVEN_K:
+                    xi = tl.load(x_row + cols + i).to(tl.float32)
+                else:
+                    xi = tl.load(x_row + cols + i, mask=cols < k_end, other=0.0).to(tl.float32)
                 if HAS_GIDX:
                     grp = tl.load(gidx_ptr + cols + i, mask=cols < k_end, other=0)
                 else:
@@ -154,34 +208,12 @@ def _int4_gemv_kernel(
                 zero = tl.load(z_ptr + s_off).to(tl.float32)
                 q = ((wu >> (4 * i)) & 0xF).to(tl.float32)
                 qx += (q - zero) * scale * xi[None, :]
-            else:
-                # q * 16^i is the nibble masked in place, converted exactly; times x / 16^i
-                # (exact too, and once per column, not per element) it is q * x. Per element:
-                # a mask, a conversion and a multiply-add.
-                q_at = (wu & (0xF << (4 * i))).to(tl.float32)
-                qx += q_at * (xi * (1.0 / (1 << (4 * i))))[None, :]
-                xs += xi
-        if PER_COLUMN:
             acc += tl.sum(qx, axis=1)[:, None]
         else:
-            # Per (row, group): scale * (sum q * x - zero * sum x).
-            if NSUB == 1:
-                qg = tl.sum(qx, axis=1)[:, None]
-                xg = tl.sum(xs, axis=0)
-                starts = k0 + tl.arange(0, 1) * SUB_K
-            else:
-                qg = tl.sum(tl.reshape(qx, [BLOCK_N, NSUB, WORDS // NSUB]), axis=2)
-                xg = tl.sum(tl.reshape(xs, [NSUB, WORDS // NSUB]), axis=1)[None, :]
-                starts = k0 + tl.arange(0, NSUB) * SUB_K
-            s_off = rows[:, None] * stride_sn + (starts // GROUP)[None, :]
-            if EVEN_K:
-                scale = tl.load(s_ptr + s_off).to(tl.float32)
-                zero = tl.load(z_ptr + s_off).to(tl.float32)
-            else:
-                in_k = (starts < k_end)[None, :]
-                scale = tl.load(s_ptr + s_off, mask=in_k, other=0.0).to(tl.float32)
-                zero = tl.load(z_ptr + s_off, mask=in_k, other=0.0).to(tl.float32)
-            acc += scale * (qg - zero * xg)
+            acc += whole_group_step(
+                wu, x_row, k0, k_end, rows, s_ptr, z_ptr, stride_sn, GROUP, EVEN_K, BLOCK_N,
+                BLOCK_K, SUB_K,
+            )  # fmt: skip
     out = out_ptr + pid_k * stride_osplit + row * stride_om + offs_n
     total = tl.sum(acc, axis=1)
     if GATED:
