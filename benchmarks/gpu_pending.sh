@@ -488,7 +488,7 @@ case $1 in
     mkdir -p /tmp/smol && cp .smol/a/part /tmp/smol/part_a
     TAIL=1 step w2_w4a16 100 python3 $SBS --engine asyncserve --workloads w2 --model $L3-w4a16
     TAIL=1 step w2_fp8 100 python3 $SBS --engine asyncserve --workloads w2 --model $L3 --quantization fp8 ;;
-  smoltests)  # carry .smol/b after w2fuse or w2check: the engine's GPU tests on SmolLM2 (18: GPU fp32
+  smoltests)  # carry .smol/b after w2fuse, w2check or w2trees: the engine's GPU tests on SmolLM2 (18: GPU fp32
     # equals CPU fp32; bf16 agreement)
     cat /tmp/smol/part_a .smol/b/part > $SMOL && sha256sum $SMOL | cut -c1-64 | diff - .smol/b/sha256 && echo "SmolLM2 assembled"
     ASYNCSERVE_TEST_GGUF=$SMOL TAIL=25 step gpu_tests_engine 400 python3 -m pytest -q -p no:cacheprovider -rfs -s tests/engine/test_gpu_engine.py tests/engine/test_gpu_agreement.py tests/engine/test_async_scheduling_gpu.py tests/worker ;;
@@ -517,11 +517,12 @@ case $1 in
     TAIL=30 step int4_gemm 300 python3 benchmarks/int4_gemm_bench.py --sweep
     grep best $OUT/int4_gemm.log
     TAIL=2 step w4a16_as_kernels 200 python3 $SBS --engine asyncserve --workloads w2 --model benchmarks/configs/llama3-8b-w4a16 --kernel-summary $OUT/w4a16_as_kernels.tsv ;;
-  w2trees)  # carry .whl .base .base2 (`git archive C asyncserve benchmarks | tar -x -C .base`:
+  w2trees)  # carry .whl .base .base2 .smol/a (`git archive C asyncserve benchmarks | tar -x -C .base`:
     # .base 7872ac0, before the decode fusions; .base2 438ce0e, the gated gate_up GEMV and
     # o_proj's and down_proj's split sums in the add-norms): the fusions' tests, then W2
     # W4A16 alternating base, base2 and this tree (qkv_proj's split sums in rope-store, the
     # two-pass greedy argmax) (14)
+    mkdir -p /tmp/smol && cp .smol/a/part /tmp/smol/part_a  # for smoltests next
     rm -rf /tmp/base /tmp/base2 && cp -r .base /tmp/base && cp -r .base2 /tmp/base2
     TAIL=4 step fusion_tests 200 python3 -m pytest -q -p no:cacheprovider -rfs tests/kernels/test_int4_gemv.py tests/kernels/test_norm.py tests/kernels/test_activation.py tests/quantization/test_int4_decode_fusions.py
     for t in base base2 new new base2 base; do
