@@ -17,7 +17,7 @@ from torch import nn
 
 from asyncserve.kernels.ops import KernelOps
 from asyncserve.models.parallel import SINGLE, RowParallelLinear, TensorParallel
-from asyncserve.models.split_sums import SplitSums, linear_parts
+from asyncserve.models.split_sums import SplitSums
 from asyncserve.quantization.base import LinearMethod, in_quantized_build
 
 
@@ -43,6 +43,18 @@ class Linear(nn.Module):
         if self.quant_method is not None:
             return self.quant_method.apply(self, x, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+def linear_parts(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | SplitSums:
+    """layer(x), or its split-K partial sums where its quantization scheme leaves them
+    (apply_parts; models/split_sums.py); plain Linear layers only (LoRA and tensor-parallel
+    wrappers add to or reduce the output)."""
+    if type(layer) is Linear and layer.quant_method is not None and layer.bias is None:
+        parts = layer.quant_method.apply_parts(layer, x)
+        if parts is not None:
+            return SplitSums(parts, x.dtype)
+    out: torch.Tensor = layer(x)
+    return out
 
 
 class RMSNorm(nn.Module):

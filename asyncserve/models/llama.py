@@ -25,6 +25,7 @@ from asyncserve.models.layers import (
     RotaryEmbedding,
     VocabEmbedding,
     compute_logits,
+    linear_parts,
 )
 from asyncserve.models.moe import ExpertPlacement
 from asyncserve.models.mrope import MRotaryEmbedding
@@ -35,7 +36,7 @@ from asyncserve.models.parallel import (
     VocabParallelEmbedding,
 )
 from asyncserve.models.pipeline import MissingLayer, PipelineStage
-from asyncserve.models.split_sums import SplitSums, dense, linear_parts
+from asyncserve.models.split_sums import SplitSums, dense
 from asyncserve.models.weights import Target, load_checkpoint
 
 # HF name fragment -> (fused parameter fragment, shard index within the fused rows).

@@ -2,9 +2,10 @@
 
 A decode step's split-K GEMV (kernels/int4_gemv.py) ends in a small kernel that adds its
 splits. Where the output goes straight into a residual add + RMSNorm (o_proj and a gated
-MLP's down_proj, then the next norm), that norm adds the splits itself
-(norm.add_parts_rms_norm), in the same order and with the same rounding: one kernel fewer
-per projection. Any other consumer takes `dense()`.
+MLP's down_proj, then the next norm) or into the rotary + KV-store kernel (qkv_proj), that
+kernel adds the splits itself (norm.add_parts_rms_norm, rope_store.rope_store_kv), in the
+same order and with the same rounding: one kernel fewer per projection. Any other consumer
+takes `dense()`. layers.linear_parts asks a projection for them.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 
 @dataclass(frozen=True)
@@ -31,17 +31,3 @@ class SplitSums:
 
 def dense(hidden: torch.Tensor | SplitSums) -> torch.Tensor:
     return hidden.dense() if isinstance(hidden, SplitSums) else hidden
-
-
-def linear_parts(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | SplitSums:
-    """layer(x), or its split-K partial sums where its quantization scheme leaves them
-    (apply_parts); plain Linear layers only (LoRA and tensor-parallel wrappers add to or
-    reduce the output)."""
-    from asyncserve.models.layers import Linear
-
-    if type(layer) is Linear and layer.quant_method is not None and layer.bias is None:
-        parts = layer.quant_method.apply_parts(layer, x)
-        if parts is not None:
-            return SplitSums(parts, x.dtype)
-    out: torch.Tensor = layer(x)
-    return out

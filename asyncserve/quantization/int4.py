@@ -157,10 +157,12 @@ class Int4LinearMethod(LinearMethod):
     def _gemv_input(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         """x as the GEMV reads it ([M, K], columns in the layer's order), on the GEMV's
         path (CUDA, a decode step's few tokens); None elsewhere."""
-        from asyncserve.kernels.int4_gemm import GEMV_MAX_TOKENS
+        if not x.is_cuda:
+            return None  # (nor Triton imported: CPU-only installs may lack it)
+        from asyncserve.kernels.split_k import GEMV_MAX_TOKENS
 
         x2 = x.reshape(-1, x.shape[-1])
-        if not x.is_cuda or x2.shape[0] > GEMV_MAX_TOKENS:
+        if x2.shape[0] > GEMV_MAX_TOKENS:
             return None
         perm: torch.Tensor | None = getattr(layer, "w4_perm", None)
         if perm is not None:
