@@ -253,7 +253,8 @@ def fused_add_rms_norm(
     return rms_norm(summed, weight, eps), summed
 
 
-def _sum_parts(parts: torch.Tensor) -> torch.Tensor:
+def sum_parts(parts: torch.Tensor) -> torch.Tensor:
+    """Split-K partial sums [P, ...] added in split order (as split_k.sum_splits adds them)."""
     total = parts[0].clone()
     for part in parts[1:]:
         total += part
@@ -265,7 +266,7 @@ def add_parts_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fused_add_rms_norm of x = the fp32 partial sums `parts` [P, ...] added in order and
     rounded to the residual's dtype."""
-    return fused_add_rms_norm(_sum_parts(parts).to(residual.dtype), residual, weight, eps)
+    return fused_add_rms_norm(sum_parts(parts).to(residual.dtype), residual, weight, eps)
 
 
 def rotary_embedding(
@@ -317,7 +318,7 @@ def rope_store_kv(
     their in-order sums rounded to `dtype`."""
     if query.dim() == 4:
         assert dtype is not None
-        query, key, value = (_sum_parts(t).to(dtype) for t in (query, key, value))
+        query, key, value = (sum_parts(t).to(dtype) for t in (query, key, value))
     if q_norm_weight is not None and k_norm_weight is not None:
         query = rms_norm(query, q_norm_weight, eps)
         key = rms_norm(key, k_norm_weight, eps)

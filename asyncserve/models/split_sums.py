@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from asyncserve.kernels import reference
+
 
 @dataclass(frozen=True)
 class SplitSums:
@@ -23,10 +25,7 @@ class SplitSums:
     dtype: torch.dtype
 
     def dense(self) -> torch.Tensor:
-        total = self.parts[0].clone()
-        for part in self.parts[1:]:
-            total += part
-        return total.to(self.dtype)
+        return reference.sum_parts(self.parts).to(self.dtype)
 
 
 def dense(hidden: torch.Tensor | SplitSums) -> torch.Tensor:
