@@ -32,9 +32,12 @@ def new_kv_caches(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     c = model.config
     shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
-    dtype = next(model.parameters()).dtype
+    param = next(model.parameters())
     return [
-        (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+        (
+            torch.zeros(shape, dtype=param.dtype, device=param.device),
+            torch.zeros(shape, dtype=param.dtype, device=param.device),
+        )
         for _ in range(c.num_hidden_layers)
     ]
 
@@ -48,6 +51,7 @@ def paged_step(
     """One step over a batch. Each entry is (token ids so far, tokens already in the cache,
     block table); computes ids[cached:] and returns each sequence's logits for those rows."""
     block_size = kv_caches[0][0].shape[1]
+    device = kv_caches[0][0].device  # the model's: a CUDA model takes CUDA inputs
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -60,18 +64,18 @@ def paged_step(
         cu.append(len(ids))
     width = max(len(t) for _, _, t in seqs)
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
-        seq_lens=torch.tensor([len(t) for t, _, _ in seqs], dtype=torch.int32),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([len(t) for t, _, _ in seqs], dtype=torch.int32, device=device),
         block_tables=torch.tensor(
-            [t + [0] * (width - len(t)) for _, _, t in seqs], dtype=torch.int32
+            [t + [0] * (width - len(t)) for _, _, t in seqs], dtype=torch.int32, device=device
         ),
         max_seqlen_q=max(cu[i + 1] - cu[i] for i in range(len(seqs))),
         max_seqlen_k=max(len(t) for t, _, _ in seqs),
     )
     hidden = model(
-        torch.tensor(ids, dtype=torch.int64),
-        torch.tensor(positions, dtype=torch.int64),
+        torch.tensor(ids, dtype=torch.int64, device=device),
+        torch.tensor(positions, dtype=torch.int64, device=device),
         kv_caches,
         meta,
     )
