@@ -23,7 +23,13 @@ import triton
 import triton.language as tl
 
 from asyncserve.kernels.int4_gemv import int4_gemv
-from asyncserve.kernels.split_k import GEMV_MAX_TOKENS, split_layout, sum_splits
+from asyncserve.kernels.split_k import (
+    GEMV_MAX_TOKENS,
+    pick_split_k,
+    sm_count,
+    split_layout,
+    sum_splits,
+)
 
 # The interpreter (CPU tests) mis-converts a computed fp32 tile to bf16 before a dot; there
 # the tiles are multiplied in fp32 instead (x widened), which the reference also does.
@@ -51,20 +57,33 @@ class GroupGemmConfig:
     split_k: int = 1
 
 
-def group_gemm_config(m: int, n: int, group_size: int) -> GroupGemmConfig:
-    """The tile for M tokens and N outputs, from a sweep on an H200 over Llama-3-8B's four
-    shapes at 16, 128 and 1024 tokens (benchmarks/int4_gemm_bench.py --sweep): 64 outputs a
-    tile, 4 warps and 3 stages were best or within 1% at every token count (the sums 0.48,
-    0.51 and 2.50 ms against 0.56, 0.70 and 3.16 ms at 128 outputs); M tiles of up to 64
-    rows, 128 past 128 tokens or when N alone fills the GPU (gate_up at 128 tokens: 0.20
-    against 0.24 ms). K steps of a whole group up to 128 columns (a step never spans two)."""
+def group_gemm_config(m: int, n: int, group_size: int, k: int = 0, sms: int = 1) -> GroupGemmConfig:
+    """The tile for M tokens, N outputs and K inputs on a device of `sms` SMs, from sweeps on
+    an H200 over Llama-3-8B's four shapes (benchmarks/int4_gemm_bench.py --sweep [--split]).
+
+    Tiles: 64 outputs, 4 warps and 3 stages were best or within 1% at 16, 128 and 1024 tokens
+    (the sums 0.48, 0.51 and 2.50 ms against 0.56, 0.70 and 3.16 ms at 128 outputs); M tiles
+    of up to 64 rows, 128 past 128 tokens or when N alone fills the GPU (gate_up at 128
+    tokens: 0.20 against 0.24 ms). K steps of a whole group up to 128 columns.
+
+    K splits: the fewest that give the grid 1.5 programs an SM. At 16 tokens 128-output tiles
+    with splits beat the unsplit 64-output tiles on every shape (--m 16 --split: qkv 0.032
+    against 0.057 ms at 8 splits, o_proj 0.023 against 0.056, down_proj 0.064 against 0.183;
+    gate_up 0.133 unsplit, its 224 tiles already 1.7 an SM; down_proj's 112 steps take 7, the
+    fewest dividing them); at 128 tokens two splits take o_proj from 0.049 to 0.040 ms and
+    down_proj from 0.153 to 0.120. On the CPU (sms=1) K stays whole."""
     block_m = min(64, max(16, triton.next_power_of_2(m)))
     if m > 128 or (m > 64 and n >= 16384):
         block_m = 128
-    # A wide layer at a few tokens: 128 outputs a tile (gate_up at 16 tokens: 0.125 against
-    # 0.18 ms).
-    block_n = 128 if m <= 16 and n >= 16384 else 64
-    return GroupGemmConfig(block_m, block_n, min(128, group_size), 4, 3)
+    block_k = min(128, group_size)
+    # A few tokens: 128 outputs a tile (gate_up at 16 tokens: 0.125 against 0.18 ms; the
+    # others with their K splits, above).
+    block_n = 128 if m <= 16 else 64
+    split_k = 1
+    if sms > 1 and k % block_k == 0:
+        tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+        split_k = pick_split_k(tiles, k // block_k, sms, programs_per_sm=1.5)
+    return GroupGemmConfig(block_m, block_n, block_k, 4, 3, split_k)
 
 
 @triton.jit
@@ -294,7 +313,7 @@ def int4_group_gemm(
     m, k = x.shape
     n = qweight.shape[0]
     if config is None:
-        config = group_gemm_config(m, n, group_size)
+        config = group_gemm_config(m, n, group_size, k, sm_count(x.device))
     if group_size % config.block_k:
         raise ValueError(
             f"int4 GEMM block_k {config.block_k} does not divide groups of {group_size}"

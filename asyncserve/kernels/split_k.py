@@ -56,7 +56,9 @@ def sm_count(device: torch.device) -> int:
     return _sm_count(device.index or 0) if device.type == "cuda" else 1
 
 
-def pick_split_k(tiles: int, steps: int, sms: int, programs_per_sm: int = _PROGRAMS_PER_SM) -> int:
+def pick_split_k(
+    tiles: int, steps: int, sms: int, programs_per_sm: float = _PROGRAMS_PER_SM
+) -> int:
     """K splits for a grid of `tiles` output blocks a token over `steps` loop steps: the
     fewest that give about `programs_per_sm` programs per SM, among the divisors of `steps`
     (every program the same work), at most 16 and at least 2 steps a split."""

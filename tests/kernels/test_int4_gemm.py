@@ -111,14 +111,32 @@ def test_group_gemm_config_by_tokens() -> None:
     """Short prompts take one row of tiles; long ones and wide layers taller tiles; a step
     never spans two groups."""
     assert group_gemm_config(5, 4096, 128).block_m == 16
-    assert group_gemm_config(5, 4096, 128).block_n == 64
+    assert group_gemm_config(5, 4096, 128).block_n == 128
     assert group_gemm_config(5, 28672, 128).block_n == 128
+    assert group_gemm_config(17, 4096, 128).block_n == 64
     assert group_gemm_config(40, 4096, 128).block_m == 64
     assert group_gemm_config(128, 4096, 128).block_m == 64
     assert group_gemm_config(128, 28672, 128).block_m == 128
     assert group_gemm_config(4096, 4096, 128).block_m == 128
     assert group_gemm_config(128, 4096, 32).block_k == 32
     assert group_gemm_config(128, 4096, 256).block_k == 128
+
+
+def test_group_gemm_config_splits_k_to_fill_the_sms() -> None:
+    """K splits give the grid about 1.5 programs an SM (132 SMs: Llama-3-8B's layers at 16
+    and 128 tokens as swept); a grid that fills the GPU, or the CPU, keeps K whole."""
+
+    def splits(m: int, n: int, k: int, sms: int = 132) -> int:
+        return group_gemm_config(m, n, 128, k, sms).split_k
+
+    assert splits(16, 6144, 4096) == 8  # 48 tiles
+    assert splits(16, 4096, 4096) == 8
+    assert splits(16, 4096, 14336) == 7  # 112 steps: the fewest splits that divide them
+    assert splits(16, 28672, 4096) == 1  # 224 tiles already
+    assert splits(128, 4096, 4096) == 2
+    assert splits(128, 28672, 4096) == 1
+    assert splits(16, 4096, 4096, sms=1) == 1
+    assert splits(16, 4096, 4000) == 1  # K not in whole steps: the split layout needs them
 
 
 def test_int4_matmul_rejects_a_mismatched_weight(device: torch.device) -> None:
