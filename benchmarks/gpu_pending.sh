@@ -529,6 +529,45 @@ case $1 in
       if [ $t = new ]; then TAIL=1 step w2_${t}_$SECONDS 100 python3 $SBS --engine asyncserve --workloads w2 --model $L3-w4a16
       else PYTHONPATH=/tmp/site:/tmp/$t TAIL=1 step w2_${t}_$SECONDS 100 python3 /tmp/$t/$SBS --engine asyncserve --workloads w2 --model $L3-w4a16; fi
     done ;;
+  w2prof)  # carry .whl .smol/a: the decode fusions' CUDA tests, then W2 W4A16 on this tree with
+    # its kernels summed and the device's idle gaps (14)
+    mkdir -p /tmp/smol && cp .smol/a/part /tmp/smol/part_a  # for smoltests next
+    TAIL=4 step fusion_tests 200 python3 -m pytest -q -p no:cacheprovider -rfs tests/quantization/test_int4_decode_fusions.py tests/kernels/test_argmax.py
+    TAIL=1 step w2_w4a16 100 python3 $SBS --engine asyncserve --workloads w2 --model $L3-w4a16
+    TAIL=2 step w4a16_as_kernels 100 python3 $SBS --engine asyncserve --workloads w2 --model $L3-w4a16 --kernel-summary $OUT/w4a16_as_kernels.tsv
+    cat $OUT/w4a16_as_kernels.tsv ;;
+  w2trace)  # carry .whl: W2 W4A16 with its kernels traced (torch profiler, graph replays
+    # included): each kernel's share of a decode step, start to next start
+    # (benchmarks/step_trace.py) (14)
+    TAIL=2 step w2_kernels 100 python3 $SBS --engine asyncserve --workloads w2 --model $L3-w4a16 --kernel-summary $OUT/w2_kernels.tsv
+    python3 benchmarks/step_trace.py $OUT/w2_kernels.tsv.trace.csv > $OUT/w2_step_trace.txt 2>&1
+    gzip $OUT/w2_kernels.tsv.trace.csv
+    cat $OUT/w2_step_trace.txt ;;
+  w2splits)  # carry .whl: W2 W4A16 with decode attention's split-KV factor as chosen (8 at
+    # batch 1 in graphs captured for the model length) and forced to 1 and 2 (W2's contexts
+    # stay under 400 keys), alternating; then a host + device trace of 32 decode steps (14)
+    printf '%s\n' 'import runpy, sys' 'import asyncserve.kernels.attention as a' \
+      'n = int(sys.argv.pop(1)); a.choose_num_splits = lambda *args: n' \
+      'sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name="__main__")' > /tmp/force_splits.py
+    for r in 1 2; do
+      TAIL=1 step w2_chosen_$r 100 python3 $SBS --engine asyncserve --workloads w2 --model $L3-w4a16
+      for n in 1 2; do TAIL=1 step w2_split${n}_$r 100 python3 /tmp/force_splits.py $n $SBS --engine asyncserve --workloads w2 --model $L3-w4a16; done
+    done
+    grep -o '"ms_per_token": [0-9.]*' $OUT/w2_*.log
+    TAIL=3 step w2_host 150 python3 benchmarks/profile_step.py --model $L3-w4a16 --batch-size 1 --input-len 128 --output-len 32 --rows 30 --trace /tmp/w2_host.json
+    gzip -c /tmp/w2_host.json > $OUT/w2_host.json.gz; ls -la $OUT/w2_host.json.gz ;;
+  w2final)  # carry .whl: W2 W4A16 on this tree alternating with decode attention in 32-key
+    # tiles (the split factor then 16 at batch 1), and W2 FP8 (14)
+    printf '%s\n' 'import dataclasses, runpy, sys' 'import asyncserve.kernels.attention as a' \
+      'base = a.default_config' \
+      'a.default_config = lambda g, q, *r: dataclasses.replace(base(g, q, *r), tile_n=32) if q <= 8 else base(g, q, *r)' \
+      'sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name="__main__")' > /tmp/tile32.py
+    for r in 1 2; do
+      TAIL=1 step w2_w4a16_$r 100 python3 $SBS --engine asyncserve --workloads w2 --model $L3-w4a16
+      TAIL=1 step w2_tile32_$r 100 python3 /tmp/tile32.py $SBS --engine asyncserve --workloads w2 --model $L3-w4a16
+    done
+    TAIL=1 step w2_fp8 100 python3 $SBS --engine asyncserve --workloads w2 --model $L3 --quantization fp8
+    grep -o '"ms_per_token": [0-9.]*' $OUT/w2_*.log ;;
   dotsplit)  # carry .whl: the whole-group int4 GEMM with K splits at 1, 4, 16, 128 tokens (tests;
     # a sweep of narrow tiles, pipeline depths and splits beside the GEMV at 1 and 4) (14)
     TAIL=4 step int4_tests 150 python3 -m pytest -q -p no:cacheprovider -rfs tests/kernels/test_int4_gemm.py

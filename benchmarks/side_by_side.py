@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import csv
 import json
 import os
 import random
@@ -112,8 +113,10 @@ def kernel_profile(path, workload):
         yield wall
     per_name = {}
     spans = []
+    trace = []
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
+            trace.append((event.time_range.start, event.time_range.elapsed_us(), event.name))
             total, count = per_name.get(event.name, (0.0, 0))
             per_name[event.name] = (total + event.time_range.elapsed_us(), count + 1)
             spans.append((event.time_range.start, event.time_range.end))
@@ -128,6 +131,13 @@ def kernel_profile(path, workload):
             f.write(f"{total / 1e3:.1f}\t{100 * total / max(kernel_us, 1):.1f}\t{count}\t"
                     f"{total / count:.1f}\t{name[:150]}\n")  # fmt: skip
         f.write(device_timeline(spans))
+    # Every kernel in start order, as nsys's cuda_gpu_trace CSV names its columns, for
+    # benchmarks/step_trace.py (each kernel's share of a decode step).
+    with open(path + ".trace.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["Start (ns)", "Duration (ns)", "Name"])
+        for start, elapsed, name in sorted(trace):
+            writer.writerow([round(start * 1e3), round(elapsed * 1e3), name])
 
 
 def device_timeline(spans, parts=10):
@@ -222,7 +232,8 @@ def main():
         "--kernel-summary",
         default=None,
         metavar="PATH",
-        help="torch-profile the timed runs' CUDA kernels; write the time per kernel name here",
+        help="torch-profile the timed runs' CUDA kernels; write the time per kernel name here "
+        "and each kernel's start and length to PATH.trace.csv",
     )
     p.add_argument(
         "--quantization", default=None, help="e.g. fp8: the same scheme for both engines"
