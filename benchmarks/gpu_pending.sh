@@ -568,6 +568,15 @@ case $1 in
     done
     TAIL=1 step w2_fp8 100 python3 $SBS --engine asyncserve --workloads w2 --model $L3 --quantization fp8
     grep -o '"ms_per_token": [0-9.]*' $OUT/w2_*.log ;;
+  w2ablate)  # carry .whl: W2 W4A16 with decode kernels left out (benchmarks/w2_ablate.py: the most
+    # fusing each away could gain), alternating with the full step (14)
+    for r in 1 2; do
+      TAIL=1 step w2_full_$r 100 python3 $SBS --engine asyncserve --workloads w2 --model $L3-w4a16
+      for kinds in rope merge norm rope,merge; do
+        TAIL=1 step w2_no_${kinds/,/_}_$r 100 python3 benchmarks/w2_ablate.py $kinds $SBS --engine asyncserve --workloads w2 --model $L3-w4a16
+      done
+    done
+    grep -o '"ms_per_token": [0-9.]*' $OUT/w2_*.log ;;
   dotsplit)  # carry .whl: the whole-group int4 GEMM with K splits at 1, 4, 16, 128 tokens (tests;
     # a sweep of narrow tiles, pipeline depths and splits beside the GEMV at 1 and 4) (14)
     TAIL=4 step int4_tests 150 python3 -m pytest -q -p no:cacheprovider -rfs tests/kernels/test_int4_gemm.py
