@@ -577,6 +577,11 @@ case $1 in
       done
     done
     grep -o '"ms_per_token": [0-9.]*' $OUT/w2_*.log ;;
+  gemvtiles)  # carry .whl: the int4 GEMV's tiles around each shape's default, with half-height
+    # (8-row) tiles and 2048-column steps added (more bytes a load step) (14)
+    TAIL=2 step gemv_tests 150 python3 -m pytest -q -p no:cacheprovider -rfs tests/kernels/test_int4_gemv.py
+    TAIL=8 step int4_tiles 400 python3 benchmarks/int4_gemv_bench.py --sweep --narrow
+    grep best $OUT/int4_tiles.log ;;
   dotsplit)  # carry .whl: the whole-group int4 GEMM with K splits at 1, 4, 16, 128 tokens (tests;
     # a sweep of narrow tiles, pipeline depths and splits beside the GEMV at 1 and 4) (14)
     TAIL=4 step int4_tests 150 python3 -m pytest -q -p no:cacheprovider -rfs tests/kernels/test_int4_gemm.py

@@ -224,8 +224,10 @@ def sweep_grid(
         # several prefetch depths: the default tile only, so the sweep stays a few minutes
         several = len(prefetch) > 1
         grid = itertools.product(
-            (default.block_n,) if several else (default.block_n, 2 * default.block_n),
-            (default.block_k,) if several else (512, 1024),
+            (default.block_n,)
+            if several
+            else (max(8, default.block_n // 2), default.block_n, 2 * default.block_n),
+            (default.block_k,) if several else (512, 1024, 2048),
             sorted(splits),
             (4,),
             stages,
@@ -234,7 +236,13 @@ def sweep_grid(
         )
     else:
         grid = itertools.product(
-            (16, 32, 64), (256, 512, 1024), (1, 2, 4, 7, 8, 16), (4, 8), stages, regs, prefetch
+            (16, 32, 64),
+            (256, 512, 1024, 2048),
+            (1, 2, 4, 7, 8, 16),
+            (4, 8),
+            stages,
+            regs,
+            prefetch,
         )
     return [
         GemvConfig(block_n, block_k, split_k, warps, depth, nreg, lines)
