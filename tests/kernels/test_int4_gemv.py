@@ -67,6 +67,7 @@ def test_gemv_matches_reference(
         (96, 32, 64, 1),  # K not a multiple of the step (ragged tail)
         (512, 128, 64, 2),  # groups larger than a step: a step is half a group
         (2048, 128, 1024, 2),  # the default step on 8B shapes: eight groups a step
+        (4096, 128, 2048, 2),  # sixteen groups a step (the tile sweep's widest)
     ],
 )
 @pytest.mark.parametrize("num_stages", [1, 3])  # 3: the loop's loads pipelined (GPU)
