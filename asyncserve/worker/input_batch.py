@@ -161,7 +161,7 @@ def build_step_inputs(
     block_of_token = block_tables[req_index, positions // block_size].astype(np.int64)
     slot_mapping = block_of_token * block_size + positions % block_size
 
-    # Every integer array crosses to the device in one copy; int32 ones are cast there.
+    # Every integer array crosses to the device in one copy, the int32 ones as int32.
     parts: list[np.ndarray] = [
         np.asarray(token_ids, dtype=np.int64),
         positions,
@@ -169,25 +169,25 @@ def build_step_inputs(
         np.asarray(logits_indices, dtype=np.int64),
         cu_seqlens,
         seq_lens,
-        block_tables.ravel(),
+        block_tables.ravel().astype(np.int32, copy=False),
         np.asarray(placeholder_index, dtype=np.int64),
         np.asarray(placeholder_rows, dtype=np.int64),
     ]
     # A decode step's sequences longest first: attention's programs take them in that order.
     ordered = num_reqs > 1 and int(counts_np.max()) == 1
     if ordered:
-        parts.append(np.argsort(-seq_lens, kind="stable"))
+        parts.append(np.argsort(-seq_lens, kind="stable").astype(np.int32))
     staged = staging.to_device(parts)
     order_t = staged.pop() if ordered else None
     ids_t, positions_t, slots_t, logits_t, cu_t, lens_t, tables_t, ph_index_t, ph_rows_t = staged
     meta = AttentionMetadata(
         slot_mapping=slots_t,
-        cu_seqlens_q=cu_t.to(torch.int32),
-        seq_lens=lens_t.to(torch.int32),
-        block_tables=tables_t.to(torch.int32).view(num_reqs, max_blocks),
+        cu_seqlens_q=cu_t,
+        seq_lens=lens_t,
+        block_tables=tables_t.view(num_reqs, max_blocks),
         max_seqlen_q=max(counts) if counts else 0,
         max_seqlen_k=int(seq_lens.max()) if num_reqs else 0,
-        seq_order=order_t.to(torch.int32) if order_t is not None else None,
+        seq_order=order_t,
     )
     return StepInputs(
         input_ids=ids_t,
@@ -208,6 +208,12 @@ def build_step_inputs(
 class HostStaging:
     """A reusable host buffer (pinned on CUDA) that carries a step's arrays in one copy.
 
+    Each array arrives as int64, or as int32 when it is int32 on the host (cu_seqlens,
+    seq_lens, block tables): the kernels read int32 there, and a cast on the device would be
+    a kernel of its own each step. Arrays start at 16-byte offsets of the one buffer: each
+    device slice is viewed in its dtype, and is aligned as a tensor of its own would be (a
+    Triton kernel compiles a variant per pointer alignment).
+
     Before the buffer is rewritten, the copy that last read it must have finished: an
     event recorded after each copy is waited on first (it has almost always passed).
     """
@@ -215,21 +221,29 @@ class HostStaging:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.pin = device.type == "cuda"
-        self.buffer = torch.empty(0, dtype=torch.int64)
+        self.buffer = torch.empty(0, dtype=torch.uint8)
         self.copied: torch.cuda.Event | None = None
 
     def to_device(self, parts: list[np.ndarray]) -> list[torch.Tensor]:
-        """Concatenate `parts` as int64, copy them over at once, return device slices."""
-        sizes = [len(part) for part in parts]
-        total = sum(sizes)
+        """Copy `parts` over at once; return device tensors, int32 for int32 parts, int64
+        for the others (converted on the host)."""
+        dtypes = [np.dtype(np.int32 if part.dtype == np.int32 else np.int64) for part in parts]
+        offsets = []
+        total = 0
+        for part, dtype in zip(parts, dtypes, strict=True):
+            offsets.append(total)
+            total += -(-len(part) * dtype.itemsize // 16) * 16
         if self.copied is not None:
             self.copied.synchronize()
         if self.buffer.numel() < total:
-            self.buffer = torch.empty(max(total, 2 * self.buffer.numel()), dtype=torch.int64)
+            self.buffer = torch.empty(max(total, 2 * self.buffer.numel()), dtype=torch.uint8)
             if self.pin:
                 self.buffer = self.buffer.pin_memory()
         host = self.buffer[:total]
-        np.concatenate(parts, out=host.numpy(), casting="unsafe")
+        host_bytes = host.numpy()
+        for part, dtype, offset in zip(parts, dtypes, offsets, strict=True):
+            view = host_bytes[offset : offset + len(part) * dtype.itemsize].view(dtype)
+            np.copyto(view, part, casting="unsafe")
         if self.device.type == "cpu":
             flat = host.clone()
         else:
@@ -237,4 +251,10 @@ class HostStaging:
             if self.pin:
                 self.copied = self.copied or torch.cuda.Event()
                 self.copied.record()
-        return list(flat.split(sizes))
+        return [
+            flat[offset : offset + len(part) * dtype.itemsize].view(_TORCH_DTYPES[dtype.type])
+            for part, dtype, offset in zip(parts, dtypes, offsets, strict=True)
+        ]
+
+
+_TORCH_DTYPES = {np.int32: torch.int32, np.int64: torch.int64}

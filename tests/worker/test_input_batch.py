@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from asyncserve.core.step import StepPlan
@@ -97,3 +98,34 @@ def test_steps_with_a_prefill_or_one_request_keep_the_listed_order() -> None:
     assert build_step_inputs(mixed, states, BLOCK, staging).meta.seq_order is None
     lone = StepPlan(num_scheduled_tokens={"d": 1}, total_num_scheduled_tokens=1)
     assert build_step_inputs(lone, states, BLOCK, staging).meta.seq_order is None
+
+
+def test_staging_keeps_int32_parts_and_widens_the_others() -> None:
+    """One copy carries every part: int32 ones come back int32 (no cast on the device),
+    the others int64; each starts 16-byte aligned, as a tensor of its own would, empty
+    parts included; a second, larger call reuses or grows the buffer with the same values."""
+    staging = HostStaging(torch.device("cpu"))
+    for scale in (1, 50):
+        parts = [
+            np.arange(3 * scale, dtype=np.int64) - 5,
+            np.arange(5 * scale, dtype=np.int32) * 7,
+            np.array([], dtype=np.int32),
+            np.array([1, -1, 2], dtype=np.int16),
+            np.arange(7, dtype=np.int32) - 3,
+        ]
+        out = staging.to_device(parts)
+        assert [t.dtype for t in out] == [
+            torch.int64, torch.int32, torch.int32, torch.int64, torch.int32,
+        ]  # fmt: skip
+        for tensor, part in zip(out, parts, strict=True):
+            assert tensor.tolist() == part.tolist()
+            assert tensor.data_ptr() % 16 == 0
+
+
+def test_step_inputs_hold_int32_attention_metadata() -> None:
+    states = {"d": state("d", [1, 2, 3, 4, 5], [42, 43], [2, 5], 6)}
+    plan = StepPlan(num_scheduled_tokens={"d": 1}, total_num_scheduled_tokens=1)
+    meta = build_step_inputs(plan, states, BLOCK, HostStaging(torch.device("cpu"))).meta
+    assert meta.cu_seqlens_q.dtype == meta.seq_lens.dtype == meta.block_tables.dtype == torch.int32
+    assert meta.slot_mapping.dtype == torch.int64
+    assert meta.block_tables.tolist() == [[2, 5]]
