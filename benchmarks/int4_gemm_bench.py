@@ -36,6 +36,7 @@ from asyncserve.kernels.int4_gemm import (  # noqa: E402
     int4_group_gemm,
     int4_matmul,
 )
+from asyncserve.kernels.split_k import sm_count  # noqa: E402
 from benchmarks.graph_timing import time_ms  # noqa: E402
 from benchmarks.int4_gemv_bench import GROUP, ROTATE_BYTES, SHAPES, make_weight  # noqa: E402
 
@@ -84,7 +85,7 @@ def main() -> None:
         assert err < 1e-2, f"{n} x {k} at {m} tokens differs from the reference: {err:.3g}"
         flops = 2 * m * n * k
         row = {"n": n, "k": k, "m": m, "rel_err": round(err, 5)}
-        row["config"] = dataclasses.asdict(group_gemm_config(m, n, GROUP))
+        row["config"] = dataclasses.asdict(group_gemm_config(m, n, GROUP, k, sm_count(CUDA)))
         row["group_ms"] = time_ms(
             [lambda w=w, x=x: int4_matmul(x, *w, None, GROUP) for w in weights], args.reps
         )

@@ -227,12 +227,13 @@ class HostStaging:
     def to_device(self, parts: list[np.ndarray]) -> list[torch.Tensor]:
         """Copy `parts` over at once; return device tensors, int32 for int32 parts, int64
         for the others (converted on the host)."""
-        dtypes = [np.dtype(np.int32 if part.dtype == np.int32 else np.int64) for part in parts]
-        offsets = []
+        layout = []  # (byte offset, bytes, dtype) of each part
         total = 0
-        for part, dtype in zip(parts, dtypes, strict=True):
-            offsets.append(total)
-            total += -(-len(part) * dtype.itemsize // 16) * 16
+        for part in parts:
+            dtype = np.dtype(np.int32 if part.dtype == np.int32 else np.int64)
+            nbytes = len(part) * dtype.itemsize
+            layout.append((total, nbytes, dtype))
+            total += -(-nbytes // 16) * 16
         if self.copied is not None:
             self.copied.synchronize()
         if self.buffer.numel() < total:
@@ -241,9 +242,8 @@ class HostStaging:
                 self.buffer = self.buffer.pin_memory()
         host = self.buffer[:total]
         host_bytes = host.numpy()
-        for part, dtype, offset in zip(parts, dtypes, offsets, strict=True):
-            view = host_bytes[offset : offset + len(part) * dtype.itemsize].view(dtype)
-            np.copyto(view, part, casting="unsafe")
+        for part, (offset, nbytes, dtype) in zip(parts, layout, strict=True):
+            np.copyto(host_bytes[offset : offset + nbytes].view(dtype), part, casting="unsafe")
         if self.device.type == "cpu":
             flat = host.clone()
         else:
@@ -252,8 +252,8 @@ class HostStaging:
                 self.copied = self.copied or torch.cuda.Event()
                 self.copied.record()
         return [
-            flat[offset : offset + len(part) * dtype.itemsize].view(_TORCH_DTYPES[dtype.type])
-            for part, dtype, offset in zip(parts, dtypes, offsets, strict=True)
+            flat[offset : offset + nbytes].view(_TORCH_DTYPES[dtype.type])
+            for offset, nbytes, dtype in layout
         ]
 
 
