@@ -568,6 +568,35 @@ case $1 in
     done
     TAIL=1 step w2_fp8 100 python3 $SBS --engine asyncserve --workloads w2 --model $L3 --quantization fp8
     grep -o '"ms_per_token": [0-9.]*' $OUT/w2_*.log ;;
+  tried)  # carry .whl: W2 W4A16 on this tree alternating with it under each patch of
+    # benchmarks/tried/ (norm_fusion: o_proj's GEMV adds the residual and gate_up's applies the
+    # post-attention norm; nibble_unpack: the int4 GEMV without int-to-float conversions),
+    # after each patched tree's tests (14)
+    for name in norm_fusion nibble_unpack; do
+      rm -rf /tmp/$name && mkdir /tmp/$name && cp -r asyncserve benchmarks tests pyproject.toml /tmp/$name/
+      (cd /tmp/$name && patch -s -p1 < benchmarks/tried/$name.patch)
+    done
+    (cd /tmp/norm_fusion && PYTHONPATH=/tmp/site:/tmp/norm_fusion TAIL=2 step norm_fusion_tests 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_int4_gemv_norm_fusion.py tests/quantization/test_int4_decode_fusions.py)
+    for t in new norm_fusion nibble_unpack new; do
+      if [ $t = new ]; then TAIL=1 step w2_${t}_$SECONDS 100 python3 $SBS --engine asyncserve --workloads w2 --model $L3-w4a16
+      else PYTHONPATH=/tmp/site:/tmp/$t TAIL=1 step w2_${t}_$SECONDS 100 python3 /tmp/$t/$SBS --engine asyncserve --workloads w2 --model $L3-w4a16; fi
+    done
+    grep -o '"ms_per_token": [0-9.]*' $OUT/w2_*.log ;;
+  gemvwide)  # carry .whl: the int4 GEMV's narrow sweep with whole-K steps (4096 columns: all of a
+    # program's weight loads issued at once) and 8 warps beside the defaults (14)
+    TAIL=8 step gemv_wide 300 python3 benchmarks/int4_gemv_bench.py --sweep --narrow --block-k 1024,2048,4096 --warps 4,8 --reps 50
+    grep best $OUT/gemv_wide.log ;;
+  w2tiles)  # carry .whl: W2 W4A16 on this tree alternating with the sweeps' best standalone tiles
+    # (o_proj 8 x 2048 unsplit, gate_up 16 x 2048) (14)
+    printf '%s\n' 'import runpy, sys' 'import asyncserve.kernels.int4_gemv as g' 'base = g.gemv_config' \
+      'best = {(4096, 4096): g.GemvConfig(8, 2048, 1), (28672, 4096): g.GemvConfig(16, 2048, 1)}' \
+      'g.gemv_config = lambda n, k, *a: best.get((n, k)) or base(n, k, *a)' \
+      'sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name="__main__")' > /tmp/tiles.py
+    for t in new tiles tiles new; do
+      if [ $t = new ]; then TAIL=1 step w2_${t}_$SECONDS 100 python3 $SBS --engine asyncserve --workloads w2 --model $L3-w4a16
+      else TAIL=1 step w2_${t}_$SECONDS 100 python3 /tmp/tiles.py $SBS --engine asyncserve --workloads w2 --model $L3-w4a16; fi
+    done
+    grep -o '"ms_per_token": [0-9.]*' $OUT/w2_*.log ;;
   w2ablate)  # carry .whl: W2 W4A16 with decode kernels left out (benchmarks/w2_ablate.py: the most
     # fusing each away could gain), alternating with the full step (14)
     for r in 1 2; do

@@ -158,6 +158,13 @@ def main() -> None:
         help="registers a thread the sweep allows, e.g. 0,40,48 (0: the compiler's choice)",
     )
     parser.add_argument(
+        "--block-k",
+        default="512,1024,2048",
+        help="K columns a loop step the narrow sweep tries (4096: Llama-3-8B's whole K of "
+        "4096 in one step, every weight load of a program issued at once)",
+    )
+    parser.add_argument("--warps", default="4", help="warps a program the narrow sweep tries")
+    parser.add_argument(
         "--prefetch",
         default="",
         help="weight lines a row the sweep prefetches before the PDL wait, e.g. 0,4,16,64 "
@@ -167,6 +174,8 @@ def main() -> None:
     stages = tuple(int(s) for s in args.stages.split(","))
     regs = tuple(int(r) or None for r in args.maxnreg.split(","))
     prefetch = tuple(int(p) for p in args.prefetch.split(",")) if args.prefetch else (None,)
+    block_ks = tuple(int(b) for b in args.block_k.split(","))
+    warps = tuple(int(w) for w in args.warps.split(","))
     sms = torch.cuda.get_device_properties(CUDA).multi_processor_count
     print(json.dumps({"device": torch.cuda.get_device_name(CUDA), "sms": sms}), flush=True)
     results = []
@@ -202,7 +211,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         results.append(row)
         if args.sweep:
-            grid = sweep_grid(config, k, stages, args.narrow, regs, prefetch)
+            grid = sweep_grid(config, k, stages, args.narrow, regs, prefetch, block_ks, warps)
             results += sweep(n, k, args.m, nbytes, copies, args.reps, grid)
     out = Path(os.environ.get("OUT", "/tmp/out"))
     out.mkdir(parents=True, exist_ok=True)
@@ -216,9 +225,12 @@ def sweep_grid(
     narrow: bool,
     regs: tuple[int | None, ...] = (None,),
     prefetch: tuple[int | None, ...] = (None,),
+    block_ks: tuple[int, ...] = (512, 1024, 2048),
+    warps: tuple[int, ...] = (4,),
 ) -> list[GemvConfig]:
-    """Launch shapes to time: a wide grid, or (narrow) the default's neighbours, each at every
-    pipeline depth in `stages`, register cap in `regs` and prefetch depth in `prefetch`."""
+    """Launch shapes to time: a wide grid, or (narrow) the default's neighbours (K steps of
+    `block_ks`, `warps` a program), each at every pipeline depth in `stages`, register cap
+    in `regs` and prefetch depth in `prefetch`."""
     if narrow:
         splits = {default.split_k, max(1, default.split_k // 2), 2 * default.split_k}
         # several prefetch depths: the default tile only, so the sweep stays a few minutes
@@ -227,9 +239,9 @@ def sweep_grid(
             (default.block_n,)
             if several
             else (max(8, default.block_n // 2), default.block_n, 2 * default.block_n),
-            (default.block_k,) if several else (512, 1024, 2048),
+            (default.block_k,) if several else block_ks,
             sorted(splits),
-            (4,),
+            warps,
             stages,
             regs,
             prefetch,
