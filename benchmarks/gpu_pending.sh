@@ -484,6 +484,22 @@ case $1 in
       if [ $t = new ]; then TAIL=1 step w2_${t}_$SECONDS 100 python3 $SBS --engine asyncserve --workloads w2 --model $L3-w4a16
       else PYTHONPATH=/tmp/site:/tmp/$t TAIL=1 step w2_${t}_$SECONDS 100 python3 /tmp/$t/$SBS --engine asyncserve --workloads w2 --model $L3-w4a16; fi
     done ;;
+  w2sym)  # carry .whl .base (`git archive 7f9b7d5 asyncserve benchmarks | tar -x -C .base`, before
+    # symmetric int4 weights dropped their zeros): the int4 kernels' tests on the GPU; the GEMV
+    # on Llama-3-8B's shapes with zeros and without; gate_up's K at 1056 to 2112 programs (one
+    # and two full waves of 8 programs an SM on 132 SMs: does the 1.7-wave grid leave bandwidth
+    # unused?); W2 W4A16 alternating .base and this tree (14)
+    rm -rf /tmp/base && cp -r .base /tmp/base
+    TAIL=4 step int4_tests 250 python3 -m pytest -q -p no:cacheprovider -rfs tests/kernels/test_int4_gemv.py tests/kernels/test_int4_gemm.py tests/quantization/test_int4_decode_fusions.py tests/quantization/test_int4_checkpoints.py
+    TAIL=5 step gemv_zeros 150 python3 benchmarks/int4_gemv_bench.py --reps 100
+    TAIL=5 step gemv_sym 150 python3 benchmarks/int4_gemv_bench.py --reps 100 --symmetric
+    TAIL=5 step gemv_waves 150 python3 benchmarks/int4_gemv_bench.py --reps 100 --symmetric --shapes 16896x4096,22528x4096,28672x4096,33792x4096
+    for t in base new new base new base; do
+      if [ $t = new ]; then TAIL=1 step w2_${t}_$SECONDS 100 python3 $SBS --engine asyncserve --workloads w2 --model $L3-w4a16
+      else PYTHONPATH=/tmp/site:/tmp/$t TAIL=1 step w2_${t}_$SECONDS 100 python3 /tmp/$t/$SBS --engine asyncserve --workloads w2 --model $L3-w4a16; fi
+    done
+    grep -h '"new_ms"' $OUT/gemv_*.log
+    grep -o '"ms_per_token": [0-9.]*' $OUT/w2_*.log ;;
   w2check)  # carry .whl .smol/a: W2 W4A16 and FP8 on this tree (14)
     mkdir -p /tmp/smol && cp .smol/a/part /tmp/smol/part_a
     TAIL=1 step w2_w4a16 100 python3 $SBS --engine asyncserve --workloads w2 --model $L3-w4a16

@@ -7,8 +7,10 @@ call reads its weight from memory as a decode step does; and the bandwidth again
 the int4 kernels read (packed weight + scales + zeros). The new kernel's output is checked
 against quant_reference on the GPU first. --sweep also times a grid of launch shapes.
 Results as JSON lines on stdout and in $OUT/int4_gemv.json.
-Usage: OUT=/tmp/out python benchmarks/int4_gemv_bench.py [--m 1] [--sweep [--narrow]
-       [--stages 1,2,3,4] [--prefetch 0,4,16,64]]
+--symmetric times weights without zeros (every zero 8, as compressed-tensors stores them: the
+kernels read no zeros); --shapes times other N x K shapes than Llama-3-8B's.
+Usage: OUT=/tmp/out python benchmarks/int4_gemv_bench.py [--m 1] [--symmetric] [--early-words]
+       [--shapes 28672x4096,...] [--sweep [--narrow] [--stages 1,2,3,4] [--prefetch 0,4,16,64]]
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def _old_gemv_kernel(
         x = tl.load(x_ptr + row * stride_xm + ks, mask=ks < k, other=0.0).to(tl.float32)
         w = _dequant_tile(
             qw_ptr, s_ptr, z_ptr, s_ptr, offs_n, mask_n, k0, k, stride_qn, stride_sn, GROUP,
-            False, BLOCK_N, BLOCK_K,
+            False, BLOCK_N, BLOCK_K, True,
         )  # fmt: skip
         acc += tl.sum(w * x[None, :], axis=1)
     tl.store(out_ptr + row * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
@@ -79,13 +81,21 @@ def old_gemv(
     return out
 
 
-def make_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A random int4 weight (asymmetric zeros) in the layout of quant_reference, on the GPU."""
+def make_weight(
+    n: int, k: int, seed: int, symmetric: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A random int4 weight in the layout of quant_reference, on the GPU: asymmetric zeros,
+    or none (symmetric)."""
     g = torch.Generator(device=CUDA).manual_seed(seed)
     values = torch.randint(0, 16, (n, k), device=CUDA, generator=g)
     scales = (torch.rand(n, k // GROUP, device=CUDA, generator=g) * 0.02).bfloat16()
     zeros = torch.randint(0, 16, (n, k // GROUP), device=CUDA, generator=g).bfloat16()
-    return reference.pack_int4(values), scales, zeros
+    return reference.pack_int4(values), scales, None if symmetric else zeros
+
+
+def weight_bytes(n: int, k: int, symmetric: bool = False) -> int:
+    """What the int4 kernels read of an N x K weight: packed words, bf16 scales (and zeros)."""
+    return n * k // 2 + (1 if symmetric else 2) * n * (k // GROUP) * 2
 
 
 def rotated_weights(n: int, k: int) -> tuple[list[tuple[torch.Tensor, ...]], int]:
@@ -128,10 +138,10 @@ def experiment_cases(check: Callable[[torch.device], bool]) -> Iterator[OneToken
         yield OneTokenCase(n, k, weights, nbytes, x, ref, gemv_config(n, k, GROUP, False, sms), sms)
 
 
-def check(n: int, k: int, m: int) -> float:
+def check(n: int, k: int, m: int, symmetric: bool = False) -> float:
     """Max abs error of the new GEMV against quant_reference (bf16 x), relative to the
     reference's largest output; raises when it exceeds bf16 rounding."""
-    qweight, scales, zeros = make_weight(n, k, 0)
+    qweight, scales, zeros = make_weight(n, k, 0, symmetric)
     x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)
     out = int4_gemv(x, qweight, scales, zeros, None, GROUP).float()
     ref = reference.int4_matmul(x.float(), qweight, scales, zeros, None, GROUP)
@@ -144,6 +154,15 @@ def check(n: int, k: int, m: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--m", type=int, default=1, help="tokens (1 to 4)")
+    parser.add_argument("--symmetric", action="store_true", help="weights without zeros")
+    parser.add_argument(
+        "--early-words",
+        action="store_true",
+        help="also time each default with its first step's words loaded before the PDL wait",
+    )
+    parser.add_argument(
+        "--shapes", default="", help="N x K shapes, e.g. 28672x4096 (default: Llama-3-8B's)"
+    )
     parser.add_argument("--reps", type=int, default=100)
     parser.add_argument("--sweep", action="store_true", help="also time a grid of configs")
     parser.add_argument(
@@ -179,17 +198,31 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(CUDA).multi_processor_count
     print(json.dumps({"device": torch.cuda.get_device_name(CUDA), "sms": sms}), flush=True)
     results = []
-    for n, k in SHAPES:
-        err = check(n, k, args.m)
-        nbytes = n * k // 2 + 2 * n * (k // GROUP) * 2  # packed + bf16 scales + zeros
+    shapes = SHAPES
+    if args.shapes:
+        shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")]  # type: ignore[misc]
+    sym = args.symmetric
+    for n, k in shapes:
+        err = check(n, k, args.m, sym)
+        nbytes = weight_bytes(n, k, sym)
         copies = max(2, -(-ROTATE_BYTES // nbytes))
-        weights = [make_weight(n, k, seed) for seed in range(copies)]
+        weights = [make_weight(n, k, seed, sym) for seed in range(copies)]
         x = torch.randn(args.m, k, device=CUDA, dtype=torch.bfloat16)
         config = gemv_config(n, k, GROUP, False, sms)
         new_ms = time_ms(
             [lambda w=w, x=x: int4_gemv(x, *w, None, GROUP) for w in weights], args.reps
         )
-        old_ms = time_ms([lambda w=w, x=x: old_gemv(x, *w) for w in weights], args.reps)
+        early_ms = None
+        if args.early_words:
+            early = dataclasses.replace(config, early_words=True)
+            early_ms = time_ms(
+                [lambda w=w, x=x, c=early: int4_gemv(x, *w, None, GROUP, c) for w in weights],
+                args.reps,
+            )
+        # The previous GEMV reads zeros: given eights for symmetric weights.
+        olds = [(q, s, z if z is not None else torch.full_like(s, 8.0)) for q, s, z in weights]
+        old_ms = time_ms([lambda w=w, x=x: old_gemv(x, *w) for w in olds], args.reps)
+        del olds
         del weights
         bf16_copies = max(2, -(-ROTATE_BYTES // (2 * n * k)))
         dense = [torch.randn(n, k, device=CUDA, dtype=torch.bfloat16) for _ in range(bf16_copies)]
@@ -199,9 +232,11 @@ def main() -> None:
             "n": n,
             "k": k,
             "m": args.m,
+            "symmetric": sym,
             "config": dataclasses.asdict(config),
             "rel_err": err,
             "new_ms": round(new_ms, 4),
+            "early_words_ms": early_ms and round(early_ms, 4),
             "old_ms": round(old_ms, 4),
             "bf16_ms": round(bf16_ms, 4),
             "new_gb_s": round(nbytes / new_ms / 1e6, 1),
@@ -212,7 +247,7 @@ def main() -> None:
         results.append(row)
         if args.sweep:
             grid = sweep_grid(config, k, stages, args.narrow, regs, prefetch, block_ks, warps)
-            results += sweep(n, k, args.m, nbytes, copies, args.reps, grid)
+            results += sweep(n, k, args.m, nbytes, copies, args.reps, grid, sym)
     out = Path(os.environ.get("OUT", "/tmp/out"))
     out.mkdir(parents=True, exist_ok=True)
     (out / "int4_gemv.json").write_text(json.dumps(results, indent=1))
@@ -264,10 +299,17 @@ def sweep_grid(
 
 
 def sweep(
-    n: int, k: int, m: int, nbytes: int, copies: int, reps: int, grid: list[GemvConfig]
+    n: int,
+    k: int,
+    m: int,
+    nbytes: int,
+    copies: int,
+    reps: int,
+    grid: list[GemvConfig],
+    symmetric: bool = False,
 ) -> list[dict]:
     """The new GEMV under each launch shape of `grid`; prints each and the best."""
-    weights = [make_weight(n, k, seed) for seed in range(copies)]
+    weights = [make_weight(n, k, seed, symmetric) for seed in range(copies)]
     x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)
     rows = []
     for config in grid:

@@ -49,7 +49,7 @@ class _Compiled(Exception):
 def _cases() -> dict[str, Callable[[], object]]:
     from asyncserve.kernels import quant_reference as reference
     from asyncserve.kernels.argmax import argmax_rows
-    from asyncserve.kernels.int4_gemm import GroupGemmConfig, int4_group_gemm
+    from asyncserve.kernels.int4_gemm import GroupGemmConfig, int4_group_gemm, int4_matmul
     from asyncserve.kernels.int4_gemv import GemvConfig, int4_gemv
     from asyncserve.kernels.norm import add_parts_rms_norm
     from asyncserve.kernels.rope_store import rope_store_kv
@@ -62,6 +62,7 @@ def _cases() -> dict[str, Callable[[], object]]:
         torch.randint(0, 16, (n, k // 128)).bfloat16(),
     )
     x = torch.randn(1, k).bfloat16()
+    gidx = (torch.arange(k) // 128).to(torch.int32)
     qkv = torch.randn(2, 1, (heads + 2 * kv_heads) * dim)
     q, kk, v = (
         t.unflatten(-1, (-1, dim)) for t in qkv.split([heads * dim, *[kv_heads * dim] * 2], -1)
@@ -71,6 +72,23 @@ def _cases() -> dict[str, Callable[[], object]]:
     return {
         "int4_gemv": lambda: int4_gemv(x, *w, None, 128, GemvConfig(16, 1024, 2)),
         "int4_gemv silu": lambda: int4_gemv(x, *w, None, 128, activation="silu"),
+        "int4_gemv symmetric": lambda: int4_gemv(x, w[0], w[1], None, None, 128),
+        "int4_gemv symmetric early words": lambda: int4_gemv(
+            x, w[0], w[1], None, None, 128, GemvConfig(16, 1024, 2, early_words=True)
+        ),
+        "int4_gemv silu symmetric early words": lambda: int4_gemv(
+            x, w[0], w[1], None, None, 128, GemvConfig(16, 1024, 1, early_words=True), "silu"
+        ),
+        "int4_gemv silu symmetric": lambda: int4_gemv(
+            x, w[0], w[1], None, None, 128, activation="silu"
+        ),
+        "int4_gemv per-column symmetric": lambda: int4_gemv(x, w[0], w[1], None, gidx, 128),
+        "int4_group_gemm symmetric": lambda: int4_group_gemm(
+            torch.randn(16, k).bfloat16(), w[0], w[1], None, 128, torch.empty(16, n).bfloat16()
+        ),
+        "int4_matmul per-column symmetric": lambda: int4_matmul(
+            torch.randn(32, k).bfloat16(), w[0], w[1], None, gidx, 128
+        ),
         "int4_group_gemm split 4": lambda: int4_group_gemm(
             torch.randn(16, k).bfloat16(),
             *w,

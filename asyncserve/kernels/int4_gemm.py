@@ -8,6 +8,7 @@ Three kernels; int4_matmul picks one by the number of tokens and the group layou
   every checkpoint), `_int4_group_gemm_kernel`: a K step lies inside one group, so the dot
   takes the raw nibbles (0-15, exact in bf16) and the group's scale and zero apply to the
   step's [M, N] sums, `scale * (x @ q - zero * sum x)`; per weight element only an unpack.
+Symmetric weights (zeros None: every zero SYMMETRIC_ZERO) read no zeros in any of them.
 - Otherwise (act order, odd group sizes) `_int4_gemm_kernel`: each tile dequantized per
   element in fp32, a scale and zero looked up per column.
 References: quant_reference.int4_matmul.
@@ -23,6 +24,7 @@ import triton
 import triton.language as tl
 
 from asyncserve.kernels.int4_gemv import int4_gemv
+from asyncserve.kernels.quant_reference import SYMMETRIC_ZERO as _ZERO
 from asyncserve.kernels.split_k import (
     GEMV_MAX_TOKENS,
     pick_split_k,
@@ -31,6 +33,8 @@ from asyncserve.kernels.split_k import (
     sum_splits,
 )
 
+# Symmetric weights' zero point, as a constant the kernels can read.
+SYMMETRIC_ZERO = tl.constexpr(_ZERO)
 # The interpreter (CPU tests) mis-converts a computed fp32 tile to bf16 before a dot; there
 # the tiles are multiplied in fp32 instead (x widened), which the reference also does.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -102,6 +106,7 @@ def _dequant_tile(
     HAS_GIDX: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
 ):
     """fp32 (q - zero) * scale of outputs offs_n x inputs k0..k0+BLOCK_K: [BLOCK_N, BLOCK_K].
     Each packed word is read once, [BLOCK_N, BLOCK_K / 8] of them, and unpacked in registers
@@ -123,8 +128,12 @@ def _dequant_tile(
         group = (ks // GROUP)[None, :]
     mask = mask_n[:, None] & mask_k[None, :]
     scale = tl.load(s_ptr + offs_n[:, None] * stride_sn + group, mask=mask, other=0.0)
-    zero = tl.load(z_ptr + offs_n[:, None] * stride_sn + group, mask=mask, other=0.0)
-    return (q - zero.to(tl.float32)) * scale.to(tl.float32)
+    if HAS_ZEROS:
+        zero = tl.load(z_ptr + offs_n[:, None] * stride_sn + group, mask=mask, other=0.0)
+        zero = zero.to(tl.float32)
+    else:
+        zero = SYMMETRIC_ZERO
+    return (q - zero) * scale.to(tl.float32)
 
 
 @triton.jit(do_not_specialize=["m"])  # m (tokens) changes every step
@@ -148,6 +157,7 @@ def _int4_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -179,6 +189,7 @@ def _int4_gemm_kernel(
                 HAS_GIDX,
                 BLOCK_N,
                 BLOCK_K,
+                HAS_ZEROS,
             )
         )  # [BLOCK_K, BLOCK_N]
         if IEEE_DOT:
@@ -211,6 +222,7 @@ def _int4_group_gemm_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
 ):
     """out[split] tile = sum over the split's K steps of scale * (x @ q^T - zero * sum x):
     BLOCK_K divides GROUP, so a step's columns share one scale and zero per output row."""
@@ -246,7 +258,10 @@ def _int4_group_gemm_kernel(
             part = tl.dot(x, tl.trans(q.to(x.dtype)))
         group = rows * stride_sn + k0 // GROUP
         scale = tl.load(s_ptr + group).to(tl.float32)
-        zero = tl.load(z_ptr + group).to(tl.float32)
+        if HAS_ZEROS:
+            zero = tl.load(z_ptr + group).to(tl.float32)
+        else:
+            zero = SYMMETRIC_ZERO
         x_sum = tl.sum(xf, axis=1)
         acc += part * scale[None, :] - x_sum[:, None] * (zero * scale)[None, :]
     out = out_ptr + pid_k * stride_osplit + offs_m[:, None] * stride_om + offs_n[None, :]
@@ -257,7 +272,7 @@ def int4_matmul(
     x: torch.Tensor,
     qweight: torch.Tensor,
     scales: torch.Tensor,
-    zeros: torch.Tensor,
+    zeros: torch.Tensor | None,
     g_idx: torch.Tensor | None,
     group_size: int,
     config: GroupGemmConfig | None = None,
@@ -268,7 +283,7 @@ def int4_matmul(
     n = qweight.shape[0]
     if qweight.shape[1] * 8 != k or x.stride(1) != 1:
         raise ValueError(f"x {tuple(x.shape)} does not match an int4 weight of {n} x {k}")
-    if scales.stride() != zeros.stride() or scales.stride(1) != 1:
+    if (zeros is not None and scales.stride() != zeros.stride()) or scales.stride(1) != 1:
         raise ValueError("int4 scales and zeros must be contiguous [N, groups] matrices")
     if m <= GEMV_MAX_TOKENS:
         return int4_gemv(x, qweight, scales, zeros, g_idx, group_size)
@@ -277,7 +292,7 @@ def int4_matmul(
         int4_group_gemm(x, qweight, scales, zeros, group_size, out, config)
         return out
     gidx = g_idx if g_idx is not None else scales  # unused when HAS_GIDX is False
-    common = (qweight, scales, zeros, gidx, out)
+    common = (qweight, scales, zeros if zeros is not None else scales, gidx, out)
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     _int4_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, 64))](
         x,
@@ -295,6 +310,7 @@ def int4_matmul(
         BLOCK_N=64,
         BLOCK_K=64,
         IEEE_DOT=x.dtype == torch.float32 or _INTERPRET,
+        HAS_ZEROS=zeros is not None,
     )
     return out
 
@@ -303,7 +319,7 @@ def int4_group_gemm(
     x: torch.Tensor,
     qweight: torch.Tensor,
     scales: torch.Tensor,
-    zeros: torch.Tensor,
+    zeros: torch.Tensor | None,
     group_size: int,
     out: torch.Tensor,
     config: GroupGemmConfig | None = None,
@@ -327,7 +343,7 @@ def int4_group_gemm(
         x,
         qweight,
         scales,
-        zeros,
+        zeros if zeros is not None else scales,  # unused when HAS_ZEROS is False
         target,
         m,
         n,
@@ -344,6 +360,7 @@ def int4_group_gemm(
         BLOCK_K=config.block_k,
         EVEN_K=even_k,
         IEEE_DOT=x.dtype == torch.float32 or _INTERPRET,
+        HAS_ZEROS=zeros is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -5,7 +5,8 @@ to stream them:
 
 - Per element only unpack + multiply-add: the scale and zero are read once per (output row,
   group) as vectors, and a group adds `scale * (sum q * x - zero * sum x)`, which equals
-  sum (q - zero) * scale * x.
+  sum (q - zero) * scale * x. Symmetric weights (zeros None: every zero 8, as
+  compressed-tensors and symmetric GPTQ store them) read no zeros at all, 3% fewer bytes.
 - Split-K: programs take a slice of K each (grid: tokens x output blocks, splits), so even a
   4096 x 4096 layer runs several programs per SM; the splits' fp32 partial sums go to a
   [splits, M, N] buffer that a second small kernel adds in a fixed order (deterministic;
@@ -31,6 +32,7 @@ import triton.language as tl
 
 from asyncserve.kernels.activation import gated_activation
 from asyncserve.kernels.pdl import pdl_enabled, pdl_launch, pdl_prefetch_l2, pdl_wait
+from asyncserve.kernels.quant_reference import SYMMETRIC_ZERO as _ZERO
 from asyncserve.kernels.split_k import (
     GemvConfig,
     gemv_program,
@@ -43,6 +45,8 @@ from asyncserve.kernels.split_k import (
 
 __all__ = ["GATED_ACTIVATIONS", "GemvConfig", "gemv_config", "int4_gemv", "whole_group_step"]
 
+# Symmetric weights' zero point, as a constant the kernels can read.
+SYMMETRIC_ZERO = tl.constexpr(_ZERO)
 # The gated GEMV's activations (the kernel's GATED): none, SiLU, GELU (tanh approximation).
 GATED_ACTIVATIONS = {None: 0, "silu": 1, "gelu_pytorch_tanh": 2}
 
@@ -90,10 +94,12 @@ def whole_group_step(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SUB_K: tl.constexpr,
+    HAS_ZEROS: tl.constexpr = True,
 ):
     """One loop step of whole groups: wu [BLOCK_N, BLOCK_K / 8] packed words (uint32) of
     columns k0.. -> [BLOCK_N, BLOCK_K / SUB_K] sums scale * (sum q * x - zero * sum x), one
-    per row and group (or part of a group) of the step."""
+    per row and group (or part of a group) of the step; without HAS_ZEROS every zero is
+    SYMMETRIC_ZERO and z_ptr is not read."""
     WORDS: tl.constexpr = BLOCK_K // 8
     NSUB: tl.constexpr = BLOCK_K // SUB_K
     cols = k0 + tl.arange(0, WORDS) * 8  # first column of each word
@@ -122,12 +128,80 @@ def whole_group_step(
     s_off = rows[:, None] * stride_sn + (starts // GROUP)[None, :]
     if EVEN_K:
         scale = tl.load(s_ptr + s_off).to(tl.float32)
+    else:
+        scale = tl.load(s_ptr + s_off, mask=(starts < k_end)[None, :], other=0.0).to(tl.float32)
+    if not HAS_ZEROS:
+        zero = SYMMETRIC_ZERO
+    elif EVEN_K:
         zero = tl.load(z_ptr + s_off).to(tl.float32)
     else:
-        in_k = (starts < k_end)[None, :]
-        scale = tl.load(s_ptr + s_off, mask=in_k, other=0.0).to(tl.float32)
-        zero = tl.load(z_ptr + s_off, mask=in_k, other=0.0).to(tl.float32)
+        zero = tl.load(z_ptr + s_off, mask=(starts < k_end)[None, :], other=0.0).to(tl.float32)
     return scale * (qg - zero * xg)
+
+
+@triton.jit
+def _load_words(qw_rows, offs_w, k0, k_end, EVEN_K: tl.constexpr):
+    """A loop step's packed words [BLOCK_N, BLOCK_K / 8] from column k0 (uint32)."""
+    ptrs = qw_rows + (k0 // 8 + offs_w)[None, :]
+    if EVEN_K:
+        words = tl.load(ptrs)
+    else:
+        words = tl.load(ptrs, mask=((k0 + offs_w * 8) < k_end)[None, :], other=0)
+    return words.to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _step_sums(
+    wu,
+    x_row,
+    k0,
+    k_end,
+    rows,
+    s_ptr,
+    z_ptr,
+    gidx_ptr,
+    stride_sn,
+    GROUP: tl.constexpr,
+    PER_COLUMN: tl.constexpr,
+    HAS_GIDX: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SUB_K: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+):
+    """A loop step's sums [BLOCK_N, BLOCK_K / SUB_K] from its words `wu`: whole groups
+    (whole_group_step), or a scale and zero looked up per column (PER_COLUMN, SUB_K =
+    BLOCK_K)."""
+    if PER_COLUMN:
+        cols = k0 + tl.arange(0, BLOCK_K // 8) * 8  # first column of each word
+        qx = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
+        for i in tl.static_range(8):
+            # Nibble i of each word is column 8j + i; columns past K (a ragged tail) read
+            # group 0 and x 0.
+            if EVEN_K:
+                xi = tl.load(x_row + cols + i).to(tl.float32)
+            else:
+                xi = tl.load(x_row + cols + i, mask=cols < k_end, other=0.0).to(tl.float32)
+            if HAS_GIDX:
+                grp = tl.load(gidx_ptr + cols + i, mask=cols < k_end, other=0)
+            else:
+                grp = tl.where(cols < k_end, (cols + i) // GROUP, 0)
+            s_off = rows[:, None] * stride_sn + grp[None, :]
+            scale = tl.load(s_ptr + s_off).to(tl.float32)
+            if HAS_ZEROS:
+                zero = tl.load(z_ptr + s_off).to(tl.float32)
+            else:
+                zero = SYMMETRIC_ZERO
+            q = ((wu >> (4 * i)) & 0xF).to(tl.float32)
+            qx += (q - zero) * scale * xi[None, :]
+        sums = tl.sum(qx, axis=1)[:, None]
+    else:
+        sums = whole_group_step(
+            wu, x_row, k0, k_end, rows, s_ptr, z_ptr, stride_sn, GROUP, EVEN_K, BLOCK_N,
+            BLOCK_K, SUB_K, HAS_ZEROS,
+        )  # fmt: skip
+    return sums
 
 
 @triton.jit
@@ -158,6 +232,8 @@ def _int4_gemv_kernel(
     PREFETCH_LINES: tl.constexpr,
     PDL: tl.constexpr,
     GATED: tl.constexpr = 0,
+    HAS_ZEROS: tl.constexpr = True,
+    EARLY_WORDS: tl.constexpr = False,
 ):
     """out[split, row, n-block] = the split's K slice of x[row] @ W[n-block]^T (fp32 sums);
     the grid as split_k.gemv_program says. GATED (1 SiLU, 2 GELU-tanh; one split only): W is
@@ -170,50 +246,32 @@ def _int4_gemv_kernel(
         rows = tl.reshape(tl.join(half_rows, half_rows + n // 2), [BLOCK_N])
     else:
         row, offs_n, mask_n, rows, pid_k, k_start, k_end = gemv_program(m, n, k, k_split, BLOCK_N)
-    WORDS: tl.constexpr = BLOCK_K // 8
-    offs_w = tl.arange(0, WORDS)
+    offs_w = tl.arange(0, BLOCK_K // 8)
     qw_rows = qw_ptr + rows[:, None] * stride_qn
     x_row = x_ptr + row * stride_xm
     if PREFETCH_LINES > 0:
         # Packed words into L2 while the kernel before still runs (kernels/pdl.py): 32 a line.
         lines = tl.minimum(k_start // 8 + tl.arange(0, PREFETCH_LINES) * 32, (k_end - 1) // 8)
         pdl_prefetch_l2(qw_rows + lines[None, :], PDL)
+    loop_start = k_start
+    if EARLY_WORDS:
+        # The first step's words into registers while the kernel before still runs.
+        first = _load_words(qw_rows, offs_w, k_start, k_end, EVEN_K)
+        loop_start += BLOCK_K
     pdl_wait(PDL)
     NSUB: tl.constexpr = BLOCK_K // SUB_K
     acc = tl.zeros([BLOCK_N, NSUB], dtype=tl.float32)
-    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
-        cols = k0 + offs_w * 8  # first column of each word
-        if EVEN_K:
-            words = tl.load(qw_rows + (k0 // 8 + offs_w)[None, :])
-        else:
-            words = tl.load(
-                qw_rows + (k0 // 8 + offs_w)[None, :], mask=(cols < k_end)[None, :], other=0
-            )
-        wu = words.to(tl.uint32, bitcast=True)
-        if PER_COLUMN:
-            qx = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
-            for i in tl.static_range(8):
-                # Nibble i of each word is column 8j + i; columns past K (a ragged tail) read
-                # group 0 and x 0.
-                if EVEN_K:
-                    xi = tl.load(x_row + cols + i).to(tl.float32)
-                else:
-                    xi = tl.load(x_row + cols + i, mask=cols < k_end, other=0.0).to(tl.float32)
-                if HAS_GIDX:
-                    grp = tl.load(gidx_ptr + cols + i, mask=cols < k_end, other=0)
-                else:
-                    grp = tl.where(cols < k_end, (cols + i) // GROUP, 0)
-                s_off = rows[:, None] * stride_sn + grp[None, :]
-                scale = tl.load(s_ptr + s_off).to(tl.float32)
-                zero = tl.load(z_ptr + s_off).to(tl.float32)
-                q = ((wu >> (4 * i)) & 0xF).to(tl.float32)
-                qx += (q - zero) * scale * xi[None, :]
-            acc += tl.sum(qx, axis=1)[:, None]
-        else:
-            acc += whole_group_step(
-                wu, x_row, k0, k_end, rows, s_ptr, z_ptr, stride_sn, GROUP, EVEN_K, BLOCK_N,
-                BLOCK_K, SUB_K,
-            )  # fmt: skip
+    if EARLY_WORDS:
+        acc += _step_sums(
+            first, x_row, k_start, k_end, rows, s_ptr, z_ptr, gidx_ptr, stride_sn, GROUP,
+            PER_COLUMN, HAS_GIDX, EVEN_K, BLOCK_N, BLOCK_K, SUB_K, HAS_ZEROS,
+        )  # fmt: skip
+    for k0 in tl.range(loop_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
+        words = _load_words(qw_rows, offs_w, k0, k_end, EVEN_K)
+        acc += _step_sums(
+            words, x_row, k0, k_end, rows, s_ptr, z_ptr, gidx_ptr, stride_sn, GROUP,
+            PER_COLUMN, HAS_GIDX, EVEN_K, BLOCK_N, BLOCK_K, SUB_K, HAS_ZEROS,
+        )  # fmt: skip
     out = out_ptr + pid_k * stride_osplit + row * stride_om + offs_n
     total = tl.sum(acc, axis=1)
     if GATED:
@@ -231,7 +289,7 @@ def int4_gemv(
     x: torch.Tensor,
     qweight: torch.Tensor,
     scales: torch.Tensor,
-    zeros: torch.Tensor,
+    zeros: torch.Tensor | None,
     g_idx: torch.Tensor | None,
     group_size: int,
     config: GemvConfig | None = None,
@@ -275,7 +333,7 @@ def int4_gemv(
         x,
         qweight,
         scales,
-        zeros,
+        zeros if zeros is not None else scales,  # unused when HAS_ZEROS is False
         g_idx if g_idx is not None else scales,  # unused when HAS_GIDX is False
         partial,
         m,
@@ -298,6 +356,8 @@ def int4_gemv(
         PREFETCH_LINES=prefetch_lines(config, 0),
         PDL=pdl,
         GATED=gated,
+        HAS_ZEROS=zeros is not None,
+        EARLY_WORDS=config.early_words,
         num_warps=config.num_warps,
         maxnreg=config.maxnreg,
         **pdl_launch(pdl),

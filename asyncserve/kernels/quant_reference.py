@@ -161,8 +161,10 @@ def fused_moe_fp8(
 # --- 4-bit weight-only (W4A16): the references of kernels/int4_gemm.py and the CPU path.
 # One layout for every checkpoint format (quantization/int4.py converts to it): qweight
 # int32 [N, K / 8], nibble i of word j = the unsigned 4-bit value of column 8j + i;
-# scales and zeros [N, groups] (w = (q - zero) * scale); g_idx [K] int32, the group of each
-# input column (act-order checkpoints), or None for k // group_size.
+# scales and zeros [N, groups] (w = (q - zero) * scale), zeros None for symmetric weights
+# (every zero SYMMETRIC_ZERO: the kernels then read no zeros); g_idx [K] int32, the group of
+# each input column (act-order checkpoints), or None for k // group_size.
+SYMMETRIC_ZERO = 8
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
@@ -184,7 +186,7 @@ def pack_int4(values: torch.Tensor) -> torch.Tensor:
 def dequant_int4(
     qweight: torch.Tensor,
     scales: torch.Tensor,
-    zeros: torch.Tensor,
+    zeros: torch.Tensor | None,
     g_idx: torch.Tensor | None,
     group_size: int,
 ) -> torch.Tensor:
@@ -192,14 +194,15 @@ def dequant_int4(
     q = unpack_int4(qweight).float()
     k = q.shape[1]
     groups = g_idx.long() if g_idx is not None else torch.arange(k, device=q.device) // group_size
-    return (q - zeros.float()[:, groups]) * scales.float()[:, groups]
+    zero = SYMMETRIC_ZERO if zeros is None else zeros.float()[:, groups]
+    return (q - zero) * scales.float()[:, groups]
 
 
 def int4_matmul(
     x: torch.Tensor,
     qweight: torch.Tensor,
     scales: torch.Tensor,
-    zeros: torch.Tensor,
+    zeros: torch.Tensor | None,
     g_idx: torch.Tensor | None,
     group_size: int,
 ) -> torch.Tensor:

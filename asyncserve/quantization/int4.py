@@ -13,7 +13,9 @@ act-order checkpoints. The published layouts:
   the order 0 2 4 6 1 3 5 7 within a word; scales [groups, N]; zero points as stored.
 Act-order weights whose groups sorting makes contiguous again (a whole layer's g_idx) are
 stored with their input columns sorted by group, and x is permuted to match (one
-index_select a call), so the kernels read one scale and zero per group.
+index_select a call), so the kernels read one scale and zero per group. Symmetric weights
+(every zero 8: compressed-tensors' always, GPTQ's when quantized symmetric) keep no zeros,
+and the kernels read none.
 CUDA: Triton dequant-GEMM (prefill, kernels/int4_gemm.py) and GEMV (small batches,
 kernels/int4_gemv.py); CPU: the reference on a dequantized copy.
 """
@@ -24,7 +26,7 @@ import torch
 from torch import nn
 
 from asyncserve.kernels import quant_reference as reference
-from asyncserve.kernels.quant_reference import pack_int4, unpack_int4
+from asyncserve.kernels.quant_reference import SYMMETRIC_ZERO, pack_int4, unpack_int4
 from asyncserve.quantization.base import LinearMethod, set_weight_attrs
 
 # AWQ's order of the eight outputs packed in a word: nibble i holds output AWQ_ORDER[i].
@@ -94,7 +96,8 @@ class Int4LinearMethod(LinearMethod):
         g_idx: torch.Tensor | None,
         drop: tuple[str, ...],
     ) -> None:
-        """values [N, K] (0..15), scales / zeros [N, groups]: the layout apply() reads."""
+        """values [N, K] (0..15), scales / zeros [N, groups]: the layout apply() reads
+        (w4_zeros None when every zero is SYMMETRIC_ZERO)."""
         for name in drop:
             delattr(layer, name)
         perm = None
@@ -103,7 +106,10 @@ class Int4LinearMethod(LinearMethod):
         dtype = scales.dtype
         layer.w4_qweight = nn.Parameter(pack_int4(values).contiguous(), False)
         layer.w4_scales = nn.Parameter(scales.contiguous(), False)
-        layer.w4_zeros = nn.Parameter(zeros.to(dtype).contiguous(), False)
+        symmetric = bool((zeros == SYMMETRIC_ZERO).all())
+        layer.register_parameter(
+            "w4_zeros", None if symmetric else nn.Parameter(zeros.to(dtype).contiguous(), False)
+        )
         layer.register_parameter(
             "w4_g_idx", None if g_idx is None else nn.Parameter(g_idx.to(torch.int32), False)
         )
@@ -172,14 +178,10 @@ class Int4LinearMethod(LinearMethod):
     @staticmethod
     def _weights(
         layer: nn.Module,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         g_idx: torch.Tensor | None = getattr(layer, "w4_g_idx", None)
-        return (
-            _param(layer, "w4_qweight"),
-            _param(layer, "w4_scales"),
-            _param(layer, "w4_zeros"),
-            g_idx,
-        )
+        zeros: torch.Tensor | None = getattr(layer, "w4_zeros", None)
+        return _param(layer, "w4_qweight"), _param(layer, "w4_scales"), zeros, g_idx
 
 
 class PackQuantizedLinearMethod(Int4LinearMethod):
@@ -198,7 +200,7 @@ class PackQuantizedLinearMethod(Int4LinearMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         scales = _param(layer, "weight_scale")
         values = unpack_int4(_param(layer, "weight_packed"))
-        zeros = torch.full_like(scales, 8.0)
+        zeros = torch.full_like(scales, float(SYMMETRIC_ZERO))
         names: tuple[str, ...] = ("weight_packed", "weight_scale")
         g_idx = _param(layer, "weight_g_idx") if self.act_order else None
         if g_idx is not None:

@@ -161,3 +161,39 @@ def test_group_gemm_one_token_in_splits(device: torch.device, split_k: int) -> N
     )
     ref = reference.int4_matmul(x, qweight, scales, zeros, None, group)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("m", "group", "act_order"),
+    [
+        (1, 32, False),  # the GEMV's whole-group path
+        (3, 24, False),  # the GEMV's per-column path (odd group size)
+        (2, 32, True),  # the GEMV with a g_idx
+        (20, 32, False),  # the whole-group GEMM
+        (20, 32, True),  # the per-column dequant-GEMM
+    ],
+)
+def test_symmetric_weights_read_no_zeros(
+    device: torch.device, m: int, group: int, act_order: bool
+) -> None:
+    """zeros None (symmetric: every zero SYMMETRIC_ZERO) gives exactly what zeros of 8 give,
+    on every kernel; the reference agrees; the gated GEMV and kept splits likewise."""
+    from asyncserve.kernels.int4_gemv import GemvConfig, int4_gemv
+
+    n, k = 48, 96
+    qweight, scales, _, g_idx = _weight(n, k, group, act_order, device)
+    eights = torch.full_like(scales, float(reference.SYMMETRIC_ZERO))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(device)
+    out = int4_matmul(x, qweight, scales, None, g_idx, group)
+    torch.testing.assert_close(
+        out, int4_matmul(x, qweight, scales, eights, g_idx, group), rtol=0, atol=0
+    )
+    ref = reference.int4_matmul(x, qweight, scales, None, g_idx, group)
+    torch.testing.assert_close(ref, reference.int4_matmul(x, qweight, scales, eights, g_idx, group))
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    if m <= GEMV_MAX_TOKENS:
+        config = GemvConfig(block_n=16, block_k=32, split_k=3)
+        for kwargs in ({"activation": "silu"}, {"keep_splits": True}):
+            sym = int4_gemv(x, qweight, scales, None, g_idx, group, config, **kwargs)  # type: ignore[arg-type]
+            want = int4_gemv(x, qweight, scales, eights, g_idx, group, config, **kwargs)  # type: ignore[arg-type]
+            torch.testing.assert_close(sym, want, rtol=0, atol=0)
