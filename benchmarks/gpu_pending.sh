@@ -584,17 +584,21 @@ case $1 in
     done
     TAIL=1 step w2_fp8 100 python3 $SBS --engine asyncserve --workloads w2 --model $L3 --quantization fp8
     grep -o '"ms_per_token": [0-9.]*' $OUT/w2_*.log ;;
-  tried)  # carry .whl: W2 W4A16 on this tree alternating with it under each patch of
-    # benchmarks/tried/ (norm_fusion: o_proj's GEMV adds the residual and gate_up's applies the
-    # post-attention norm; nibble_unpack: the int4 GEMV without int-to-float conversions;
-    # step_ahead: the int4 GEMV loading its next step's words before each step's arithmetic),
-    # after the fusion's tests (14)
-    for name in norm_fusion nibble_unpack step_ahead; do
-      rm -rf /tmp/$name && mkdir /tmp/$name && cp -r asyncserve benchmarks tests pyproject.toml /tmp/$name/
-      (cd /tmp/$name && patch -s -p1 < benchmarks/tried/$name.patch)
+  tried)  # carry .whl .base (`git archive 7f9b7d5 asyncserve benchmarks tests pyproject.toml | tar
+    # -x -C .base`): W2 W4A16 under each patch of benchmarks/tried/, beside the tree it applies
+    # to: norm_fusion (o_proj's GEMV adds the residual and gate_up's applies the post-attention
+    # norm), nibble_unpack (the int4 GEMV without int-to-float conversions) and step_ahead (the
+    # int4 GEMV loading its next step's words before each step's arithmetic) apply to .base
+    # (7f9b7d5); early_words (the GEMV's first step's words loaded before its PDL wait) to this
+    # tree; after the norm fusion's tests (14)
+    rm -rf /tmp/base && cp -r .base /tmp/base
+    for name in norm_fusion nibble_unpack step_ahead early_words; do
+      src=/tmp/base; [ $name = early_words ] && src=.
+      rm -rf /tmp/$name && mkdir /tmp/$name && (cd $src && cp -r asyncserve benchmarks tests pyproject.toml /tmp/$name/)
+      patch -s -d /tmp/$name -p1 < benchmarks/tried/$name.patch
     done
     (cd /tmp/norm_fusion && PYTHONPATH=/tmp/site:/tmp/norm_fusion TAIL=2 step norm_fusion_tests 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_int4_gemv_norm_fusion.py tests/quantization/test_int4_decode_fusions.py)
-    for t in new norm_fusion nibble_unpack step_ahead new; do
+    for t in base norm_fusion nibble_unpack step_ahead base new early_words new; do
       if [ $t = new ]; then TAIL=1 step w2_${t}_$SECONDS 100 python3 $SBS --engine asyncserve --workloads w2 --model $L3-w4a16
       else PYTHONPATH=/tmp/site:/tmp/$t TAIL=1 step w2_${t}_$SECONDS 100 python3 /tmp/$t/$SBS --engine asyncserve --workloads w2 --model $L3-w4a16; fi
     done

@@ -9,7 +9,7 @@ against quant_reference on the GPU first. --sweep also times a grid of launch sh
 Results as JSON lines on stdout and in $OUT/int4_gemv.json.
 --symmetric times weights without zeros (every zero 8, as compressed-tensors stores them: the
 kernels read no zeros); --shapes times other N x K shapes than Llama-3-8B's.
-Usage: OUT=/tmp/out python benchmarks/int4_gemv_bench.py [--m 1] [--symmetric] [--early-words]
+Usage: OUT=/tmp/out python benchmarks/int4_gemv_bench.py [--m 1] [--symmetric]
        [--shapes 28672x4096,...] [--sweep [--narrow] [--stages 1,2,3,4] [--prefetch 0,4,16,64]]
 """
 
@@ -156,11 +156,6 @@ def main() -> None:
     parser.add_argument("--m", type=int, default=1, help="tokens (1 to 4)")
     parser.add_argument("--symmetric", action="store_true", help="weights without zeros")
     parser.add_argument(
-        "--early-words",
-        action="store_true",
-        help="also time each default with its first step's words loaded before the PDL wait",
-    )
-    parser.add_argument(
         "--shapes", default="", help="N x K shapes, e.g. 28672x4096 (default: Llama-3-8B's)"
     )
     parser.add_argument("--reps", type=int, default=100)
@@ -212,13 +207,6 @@ def main() -> None:
         new_ms = time_ms(
             [lambda w=w, x=x: int4_gemv(x, *w, None, GROUP) for w in weights], args.reps
         )
-        early_ms = None
-        if args.early_words:
-            early = dataclasses.replace(config, early_words=True)
-            early_ms = time_ms(
-                [lambda w=w, x=x, c=early: int4_gemv(x, *w, None, GROUP, c) for w in weights],
-                args.reps,
-            )
         # The previous GEMV reads zeros: given eights for symmetric weights.
         olds = [(q, s, z if z is not None else torch.full_like(s, 8.0)) for q, s, z in weights]
         old_ms = time_ms([lambda w=w, x=x: old_gemv(x, *w) for w in olds], args.reps)
@@ -236,7 +224,6 @@ def main() -> None:
             "config": dataclasses.asdict(config),
             "rel_err": err,
             "new_ms": round(new_ms, 4),
-            "early_words_ms": early_ms and round(early_ms, 4),
             "old_ms": round(old_ms, 4),
             "bf16_ms": round(bf16_ms, 4),
             "new_gb_s": round(nbytes / new_ms / 1e6, 1),

@@ -73,12 +73,6 @@ def _cases() -> dict[str, Callable[[], object]]:
         "int4_gemv": lambda: int4_gemv(x, *w, None, 128, GemvConfig(16, 1024, 2)),
         "int4_gemv silu": lambda: int4_gemv(x, *w, None, 128, activation="silu"),
         "int4_gemv symmetric": lambda: int4_gemv(x, w[0], w[1], None, None, 128),
-        "int4_gemv symmetric early words": lambda: int4_gemv(
-            x, w[0], w[1], None, None, 128, GemvConfig(16, 1024, 2, early_words=True)
-        ),
-        "int4_gemv silu symmetric early words": lambda: int4_gemv(
-            x, w[0], w[1], None, None, 128, GemvConfig(16, 1024, 1, early_words=True), "silu"
-        ),
         "int4_gemv silu symmetric": lambda: int4_gemv(
             x, w[0], w[1], None, None, 128, activation="silu"
         ),

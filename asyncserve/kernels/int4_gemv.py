@@ -233,7 +233,6 @@ def _int4_gemv_kernel(
     PDL: tl.constexpr,
     GATED: tl.constexpr = 0,
     HAS_ZEROS: tl.constexpr = True,
-    EARLY_WORDS: tl.constexpr = False,
 ):
     """out[split, row, n-block] = the split's K slice of x[row] @ W[n-block]^T (fp32 sums);
     the grid as split_k.gemv_program says. GATED (1 SiLU, 2 GELU-tanh; one split only): W is
@@ -253,20 +252,10 @@ def _int4_gemv_kernel(
         # Packed words into L2 while the kernel before still runs (kernels/pdl.py): 32 a line.
         lines = tl.minimum(k_start // 8 + tl.arange(0, PREFETCH_LINES) * 32, (k_end - 1) // 8)
         pdl_prefetch_l2(qw_rows + lines[None, :], PDL)
-    loop_start = k_start
-    if EARLY_WORDS:
-        # The first step's words into registers while the kernel before still runs.
-        first = _load_words(qw_rows, offs_w, k_start, k_end, EVEN_K)
-        loop_start += BLOCK_K
     pdl_wait(PDL)
     NSUB: tl.constexpr = BLOCK_K // SUB_K
     acc = tl.zeros([BLOCK_N, NSUB], dtype=tl.float32)
-    if EARLY_WORDS:
-        acc += _step_sums(
-            first, x_row, k_start, k_end, rows, s_ptr, z_ptr, gidx_ptr, stride_sn, GROUP,
-            PER_COLUMN, HAS_GIDX, EVEN_K, BLOCK_N, BLOCK_K, SUB_K, HAS_ZEROS,
-        )  # fmt: skip
-    for k0 in tl.range(loop_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
+    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
         words = _load_words(qw_rows, offs_w, k0, k_end, EVEN_K)
         acc += _step_sums(
             words, x_row, k0, k_end, rows, s_ptr, z_ptr, gidx_ptr, stride_sn, GROUP,
@@ -357,7 +346,6 @@ def int4_gemv(
         PDL=pdl,
         GATED=gated,
         HAS_ZEROS=zeros is not None,
-        EARLY_WORDS=config.early_words,
         num_warps=config.num_warps,
         maxnreg=config.maxnreg,
         **pdl_launch(pdl),

@@ -44,9 +44,6 @@ class GemvConfig:
     # its K slice; None: the kernel's default (the FP8 GEMV: its first loop step's; the
     # int4 GEMV: none); 0: none.
     prefetch_lines: int | None = None
-    # Load the first loop step's weight words into registers before that wait (the int4
-    # GEMV): a program launched while the kernel before still runs has them when it starts.
-    early_words: bool = False
 
 
 @functools.lru_cache(maxsize=8)

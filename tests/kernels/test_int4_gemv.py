@@ -252,37 +252,3 @@ def test_gemv_keeps_its_splits(device: torch.device, split_k: int) -> None:
     summed = torch.empty((2, 40), dtype=torch.bfloat16, device=device)
     sum_splits(parts, summed)
     assert torch.equal(summed, int4_gemv(x, qweight, scales, zeros, None, 32, config))
-
-
-@pytest.mark.parametrize(
-    ("k", "group", "block_k", "split_k", "g_idx"),
-    [
-        (64, 64, 64, 1, False),  # one step: the early one only
-        (320, 32, 64, 3, False),  # splits of two steps, the last one short
-        (96, 32, 64, 1, False),  # a ragged tail
-        (96, 32, 32, 2, True),  # per-column groups
-    ],
-)
-def test_gemv_early_words_give_the_same_result(
-    device: torch.device, k: int, group: int, block_k: int, split_k: int, g_idx: bool
-) -> None:
-    """The first step's words loaded before the PDL wait (GemvConfig.early_words) change no
-    value: plain, gated and with the splits kept."""
-    n = 32
-    _, qweight, scales, zeros = _weight(n, k, group, device)
-    gidx = None
-    if g_idx:
-        gidx = (torch.randperm(k, generator=torch.Generator().manual_seed(7)) // group).to(
-            device, torch.int32
-        )
-    x = _x(2, k, torch.float32, device)
-    base = GemvConfig(block_n=16, block_k=block_k, split_k=split_k)
-    early = GemvConfig(block_n=16, block_k=block_k, split_k=split_k, early_words=True)
-    for kwargs in ({}, {"activation": "silu"}, {"keep_splits": True}):
-        want = int4_gemv(x, qweight, scales, zeros, gidx, group, base, **kwargs)  # type: ignore[arg-type]
-        out = int4_gemv(x, qweight, scales, zeros, gidx, group, early, **kwargs)  # type: ignore[arg-type]
-        torch.testing.assert_close(out, want, rtol=0, atol=0)
-    _check(
-        int4_gemv(x, qweight, scales, zeros, gidx, group, early),
-        reference.int4_matmul(x, qweight, scales, zeros, gidx, group),
-    )
