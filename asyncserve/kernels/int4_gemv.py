@@ -140,71 +140,6 @@ def whole_group_step(
 
 
 @triton.jit
-def _load_words(qw_rows, offs_w, k0, k_end, EVEN_K: tl.constexpr):
-    """A loop step's packed words [BLOCK_N, BLOCK_K / 8] from column k0 (uint32)."""
-    ptrs = qw_rows + (k0 // 8 + offs_w)[None, :]
-    if EVEN_K:
-        words = tl.load(ptrs)
-    else:
-        words = tl.load(ptrs, mask=((k0 + offs_w * 8) < k_end)[None, :], other=0)
-    return words.to(tl.uint32, bitcast=True)
-
-
-@triton.jit
-def _step_sums(
-    wu,
-    x_row,
-    k0,
-    k_end,
-    rows,
-    s_ptr,
-    z_ptr,
-    gidx_ptr,
-    stride_sn,
-    GROUP: tl.constexpr,
-    PER_COLUMN: tl.constexpr,
-    HAS_GIDX: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    SUB_K: tl.constexpr,
-    HAS_ZEROS: tl.constexpr,
-):
-    """A loop step's sums [BLOCK_N, BLOCK_K / SUB_K] from its words `wu`: whole groups
-    (whole_group_step), or a scale and zero looked up per column (PER_COLUMN, SUB_K =
-    BLOCK_K)."""
-    if PER_COLUMN:
-        cols = k0 + tl.arange(0, BLOCK_K // 8) * 8  # first column of each word
-        qx = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
-        for i in tl.static_range(8):
-            # Nibble i of each word is column 8j + i; columns past K (a ragged tail) read
-            # group 0 and x 0.
-            if EVEN_K:
-                xi = tl.load(x_row + cols + i).to(tl.float32)
-            else:
-                xi = tl.load(x_row + cols + i, mask=cols < k_end, other=0.0).to(tl.float32)
-            if HAS_GIDX:
-                grp = tl.load(gidx_ptr + cols + i, mask=cols < k_end, other=0)
-            else:
-                grp = tl.where(cols < k_end, (cols + i) // GROUP, 0)
-            s_off = rows[:, None] * stride_sn + grp[None, :]
-            scale = tl.load(s_ptr + s_off).to(tl.float32)
-            if HAS_ZEROS:
-                zero = tl.load(z_ptr + s_off).to(tl.float32)
-            else:
-                zero = SYMMETRIC_ZERO
-            q = ((wu >> (4 * i)) & 0xF).to(tl.float32)
-            qx += (q - zero) * scale * xi[None, :]
-        sums = tl.sum(qx, axis=1)[:, None]
-    else:
-        sums = whole_group_step(
-            wu, x_row, k0, k_end, rows, s_ptr, z_ptr, stride_sn, GROUP, EVEN_K, BLOCK_N,
-            BLOCK_K, SUB_K, HAS_ZEROS,
-        )  # fmt: skip
-    return sums
-
-
-@triton.jit
 def _int4_gemv_kernel(
     x_ptr,
     qw_ptr,
@@ -245,7 +180,8 @@ def _int4_gemv_kernel(
         rows = tl.reshape(tl.join(half_rows, half_rows + n // 2), [BLOCK_N])
     else:
         row, offs_n, mask_n, rows, pid_k, k_start, k_end = gemv_program(m, n, k, k_split, BLOCK_N)
-    offs_w = tl.arange(0, BLOCK_K // 8)
+    WORDS: tl.constexpr = BLOCK_K // 8
+    offs_w = tl.arange(0, WORDS)
     qw_rows = qw_ptr + rows[:, None] * stride_qn
     x_row = x_ptr + row * stride_xm
     if PREFETCH_LINES > 0:
@@ -256,11 +192,41 @@ def _int4_gemv_kernel(
     NSUB: tl.constexpr = BLOCK_K // SUB_K
     acc = tl.zeros([BLOCK_N, NSUB], dtype=tl.float32)
     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
-        words = _load_words(qw_rows, offs_w, k0, k_end, EVEN_K)
-        acc += _step_sums(
-            words, x_row, k0, k_end, rows, s_ptr, z_ptr, gidx_ptr, stride_sn, GROUP,
-            PER_COLUMN, HAS_GIDX, EVEN_K, BLOCK_N, BLOCK_K, SUB_K, HAS_ZEROS,
-        )  # fmt: skip
+        cols = k0 + offs_w * 8  # first column of each word
+        if EVEN_K:
+            words = tl.load(qw_rows + (k0 // 8 + offs_w)[None, :])
+        else:
+            words = tl.load(
+                qw_rows + (k0 // 8 + offs_w)[None, :], mask=(cols < k_end)[None, :], other=0
+            )
+        wu = words.to(tl.uint32, bitcast=True)
+        if PER_COLUMN:
+            qx = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
+            for i in tl.static_range(8):
+                # Nibble i of each word is column 8j + i; columns past K (a ragged tail) read
+                # group 0 and x 0.
+                if EVEN_K:
+                    xi = tl.load(x_row + cols + i).to(tl.float32)
+                else:
+                    xi = tl.load(x_row + cols + i, mask=cols < k_end, other=0.0).to(tl.float32)
+                if HAS_GIDX:
+                    grp = tl.load(gidx_ptr + cols + i, mask=cols < k_end, other=0)
+                else:
+                    grp = tl.where(cols < k_end, (cols + i) // GROUP, 0)
+                s_off = rows[:, None] * stride_sn + grp[None, :]
+                scale = tl.load(s_ptr + s_off).to(tl.float32)
+                if HAS_ZEROS:
+                    zero = tl.load(z_ptr + s_off).to(tl.float32)
+                else:
+                    zero = SYMMETRIC_ZERO
+                q = ((wu >> (4 * i)) & 0xF).to(tl.float32)
+                qx += (q - zero) * scale * xi[None, :]
+            acc += tl.sum(qx, axis=1)[:, None]
+        else:
+            acc += whole_group_step(
+                wu, x_row, k0, k_end, rows, s_ptr, z_ptr, stride_sn, GROUP, EVEN_K, BLOCK_N,
+                BLOCK_K, SUB_K, HAS_ZEROS,
+            )  # fmt: skip
     out = out_ptr + pid_k * stride_osplit + row * stride_om + offs_n
     total = tl.sum(acc, axis=1)
     if GATED:
