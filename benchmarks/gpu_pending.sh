@@ -643,6 +643,26 @@ case $1 in
     TAIL=2 step tma_check 120 python3 benchmarks/int4_gemv_tma.py --check
     TAIL=12 step tma_sweep 400 python3 benchmarks/int4_gemv_tma.py
     grep -h -e int4_gemv_ms -e best $OUT/tma_sweep.log ;;
+  w2attn)  # carry .whl: W2 W4A16 with decode attention left out, and with the rotary + KV
+    # store too, alternating with the full step: what attention costs a token in place (14)
+    for r in 1 2; do
+      TAIL=1 step w2_full_$r 100 python3 $SBS --engine asyncserve --workloads w2 --model $L3-w4a16
+      for kinds in attn rope,attn; do
+        TAIL=1 step w2_no_${kinds/,/_}_$r 100 python3 benchmarks/w2_ablate.py $kinds $SBS --engine asyncserve --workloads w2 --model $L3-w4a16
+      done
+    done
+    grep -o '"ms_per_token": [0-9.]*' $OUT/w2_*.log ;;
+  w2pre)  # carry .whl .base (`git archive HEAD asyncserve benchmarks | tar -x -C .base`, the tree
+    # before): decode attention and the rotary + KV store reading the batch's layout (and
+    # attention prefetching its first key tile into L2) before their PDL waits: their tests on
+    # the GPU, then W2 W4A16 alternating .base and this tree (14)
+    rm -rf /tmp/base && cp -r .base /tmp/base
+    TAIL=3 step pre_tests 250 python3 -m pytest -q -p no:cacheprovider -rfs tests/kernels/test_attention.py tests/kernels/test_rope_store.py tests/kernels/test_pdl.py tests/quantization/test_int4_decode_fusions.py
+    for t in base new new base new base; do
+      if [ $t = new ]; then TAIL=1 step w2_${t}_$SECONDS 100 python3 $SBS --engine asyncserve --workloads w2 --model $L3-w4a16
+      else PYTHONPATH=/tmp/site:/tmp/$t TAIL=1 step w2_${t}_$SECONDS 100 python3 /tmp/$t/$SBS --engine asyncserve --workloads w2 --model $L3-w4a16; fi
+    done
+    grep -o '"ms_per_token": [0-9.]*' $OUT/w2_*.log ;;
   w4a16)  # carry .peer/p1 after stage: the W4A16 batch-1 pair (14)
     bash .peer/p1/install.sh | tail -1
     j_w4a16_pair ;;

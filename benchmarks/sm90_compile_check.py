@@ -47,6 +47,7 @@ class _Compiled(Exception):
 
 
 def _cases() -> dict[str, Callable[[], object]]:
+    from asyncserve.kernels import attention, rope_store
     from asyncserve.kernels import quant_reference as reference
     from asyncserve.kernels.argmax import argmax_rows
     from asyncserve.kernels.int4_gemm import GroupGemmConfig, int4_group_gemm, int4_matmul
@@ -54,6 +55,10 @@ def _cases() -> dict[str, Callable[[], object]]:
     from asyncserve.kernels.norm import add_parts_rms_norm
     from asyncserve.kernels.rope_store import rope_store_kv
     from benchmarks.int4_gemv_tma import tma_gemv
+
+    # The decode path's kernels as the GPU launches them: with PDL (kernels/pdl.py), so the
+    # work placed before their waits compiles too.
+    attention.pdl_enabled = rope_store.pdl_enabled = lambda device: True
 
     n, k, heads, kv_heads, dim = 256, 4096, 32, 8, 128
     w = (
@@ -107,6 +112,17 @@ def _cases() -> dict[str, Callable[[], object]]:
             slot,
             dtype=torch.bfloat16,
         ),  # fmt: skip
+        "unified_attention decode, 8 splits": lambda: attention.paged_attention(
+            q[0].bfloat16(),
+            cache,
+            cache.clone(),
+            torch.tensor([0, 1], dtype=torch.int32),
+            torch.tensor([40], dtype=torch.int32),
+            torch.zeros(1, 4, dtype=torch.int32),
+            dim**-0.5,
+            attention.default_config(heads // kv_heads, 1),
+            8,
+        ),
         "argmax_rows": lambda: argmax_rows(torch.randn(1, 128256)),
         "tma_gemv 1024 x 2 stages": lambda: tma_gemv(x, *w, GemvConfig(16, 1024, 2, 4, 2)),
         "tma_gemv 256 x 4 stages": lambda: tma_gemv(x, *w, GemvConfig(16, 256, 2, 4, 4)),

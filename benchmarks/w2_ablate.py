@@ -9,6 +9,7 @@ it). Leaves out any of:
     rope   the rotary + KV-store kernel (a fusion into attention would replace it)
     merge  split-KV attention's merge kernel
     norm   the residual add + RMSNorm kernels
+    attn   decode attention (its kernel and split-KV merge; the bound on making it faster)
 
     python benchmarks/w2_ablate.py rope,merge benchmarks/side_by_side.py --engine asyncserve \
         --workloads w2 --model benchmarks/configs/llama3-8b-w4a16
@@ -26,7 +27,7 @@ import torch
 import asyncserve.kernels.attention as attention
 import asyncserve.kernels.triton_ops as triton_ops
 
-KINDS = {"rope", "merge", "norm"}
+KINDS = {"rope", "merge", "norm", "attn"}
 
 
 def no_rope_store(
@@ -44,6 +45,10 @@ def no_add_norm(
     return torch.empty_like(residual), residual
 
 
+def no_attention(query: torch.Tensor, *rest: Any, **kw: Any) -> torch.Tensor:
+    return torch.empty_like(query)
+
+
 def no_norm(x: torch.Tensor, *rest: Any) -> torch.Tensor:
     return torch.empty_like(x)
 
@@ -59,6 +64,8 @@ def main() -> None:
         ops = dataclasses.replace(
             ops, rms_norm=no_norm, fused_add_rms_norm=no_add_norm, add_parts_rms_norm=no_add_norm
         )
+    if "attn" in kinds:
+        ops = dataclasses.replace(ops, unified_attention=no_attention)
     if "merge" in kinds:
         attention.merge_splits = lambda *args: None  # type: ignore[assignment]
     triton_ops.TRITON_OPS = ops  # ops.select_ops reads it when the model is built

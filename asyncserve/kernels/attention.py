@@ -39,7 +39,7 @@ from asyncserve.kernels.attention_config import (
     large_shared_memory,
 )
 from asyncserve.kernels.attention_config import block_q as query_tokens_per_program
-from asyncserve.kernels.pdl import pdl_enabled, pdl_launch, pdl_wait
+from asyncserve.kernels.pdl import pdl_enabled, pdl_launch, pdl_prefetch_l2, pdl_wait
 from asyncserve.kernels.split_kv_merge import merge_splits
 
 __all__ = ["AttentionConfig", "choose_num_splits", "default_config", "paged_attention",
@@ -114,8 +114,13 @@ def _unified_attention_kernel(
     PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py)
     HEADS_FIRST: tl.constexpr,  # grid (KV heads, q-blocks, splits) instead of (q-blocks, ...)
     ORDERED: tl.constexpr,  # one q-block a sequence, q-block i serving seq_order[i]
+    PREFETCH_LINES: tl.constexpr = 0,  # 128-byte lines a key row (PDL's prefetch; 0: none)
 ):
-    pdl_wait(PDL)
+    # Before the wait (kernels/pdl.py) only what no kernel of this step writes: the batch's
+    # layout (sequence lengths, block tables) and the cache lines of this program's first
+    # key tile, prefetched into L2 (the kernel before may still be writing this step's keys
+    # there: L2 is where its writes land, so the loads after the wait see them). The query
+    # is that kernel's output: read after the wait.
     if HEADS_FIRST:
         kv_head = tl.program_id(0)
         q_block = tl.program_id(1)
@@ -152,14 +157,6 @@ def _unified_attention_kernel(
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_valid = offs_d < HEAD_DIM
 
-    q = tl.load(
-        query_ptr + tok[:, None] * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :],
-        mask=row_valid[:, None] & d_valid[None, :],
-        other=0.0,
-    )
-    if UPCAST:
-        q = q.to(tl.float32)
-
     # Keys this q-block can see: up to its last query token (causal), at most seq_len.
     kv_end = tl.minimum(seq_len, ctx_len + (q_block_local + 1) * BLOCK_Q)
     num_tiles = tl.cdiv(kv_end, TILE_N)
@@ -176,14 +173,35 @@ def _unified_attention_kernel(
         tile_lo = first_tile + split * per_split
         tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     k_head_off = kv_head.to(tl.int64) * stride_k_head
     v_head_off = kv_head.to(tl.int64) * stride_v_head
     offs_n = tl.arange(0, TILE_N)
+    if PDL and PREFETCH_LINES > 0:  # noqa: SIM102 (a constexpr test: compiled out when off)
+        if tile_lo < tile_hi:
+            # Each key's K and V rows, PREFETCH_LINES lines of 128 bytes each; keys past the
+            # end read the last key's lines.
+            k_pos = tl.minimum(tile_lo * TILE_N + offs_n, kv_end - 1)
+            block_id = tl.load(block_table_row + k_pos // BLOCK_SIZE).to(tl.int64)
+            slot = (k_pos % BLOCK_SIZE).to(tl.int64)
+            lines = (tl.arange(0, PREFETCH_LINES) * (HEAD_DIM_PAD // PREFETCH_LINES))[None, :]
+            k_rows = block_id * stride_k_block + slot * stride_k_slot + k_head_off
+            v_rows = block_id * stride_v_block + slot * stride_v_slot + v_head_off
+            pdl_prefetch_l2(key_cache_ptr + k_rows[:, None] + lines, PDL)
+            pdl_prefetch_l2(value_cache_ptr + v_rows[:, None] + lines, PDL)
+    pdl_wait(PDL)
+
+    q = tl.load(
+        query_ptr + tok[:, None] * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :],
+        mask=row_valid[:, None] & d_valid[None, :],
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     for tile in range(tile_lo, tile_hi):
         k_pos = tile * TILE_N + offs_n
         k_valid = k_pos < kv_end
@@ -373,6 +391,7 @@ def paged_attention(
         PDL=pdl,
         HEADS_FIRST=heads_first,
         ORDERED=seq_order is not None,
+        PREFETCH_LINES=max(1, head_dim_pad * key_cache.element_size() // 128),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **pdl_launch(pdl),

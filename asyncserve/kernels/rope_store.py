@@ -142,7 +142,8 @@ def _rope_store_kernel(
     PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py)
     NUM_PARTS: tl.constexpr = 0,  # query, key and value are fp32 split-K partial sums
 ):
-    pdl_wait(PDL)
+    # Before the wait (kernels/pdl.py): the token's position, rotary row and slot, which no
+    # kernel of this step writes; the projections come from the kernel before, after it.
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + tok).to(tl.int64)
     dims = tl.arange(0, BLOCK_HALF)
@@ -151,7 +152,9 @@ def _rope_store_kernel(
     cs_row = cos_sin_ptr + pos * stride_cs_pos
     cos = tl.load(cs_row + dims, mask=dims < HALF, other=0.0).to(tl.float32)
     sin = tl.load(cs_row + HALF + dims, mask=dims < HALF, other=0.0).to(tl.float32)
+    slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
     dtype = q_out_ptr.dtype.element_ty
+    pdl_wait(PDL)
 
     # Query: normed and rotated (in place, or from partial sums into q_out).
     q_ptr = query_ptr + tok * stride_q_tok + heads[:, None] * stride_q_head
@@ -167,7 +170,6 @@ def _rope_store_kernel(
     if HAS_REST and (HAS_NORM or NUM_PARTS > 0):
         tl.store(qo_ptr + 2 * HALF + rest[None, :], q3.to(dtype), mask=q_rest_mask)
 
-    slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
     if slot >= 0:
         # Key: normed, rotated, then into the cache (rounded to the activations' dtype first,
         # as the unfused rotary leaves it, then to the cache's).
@@ -343,6 +345,9 @@ def rope_store_kv(
         PDL=pdl,
         NUM_PARTS=num_parts,
         num_warps=4 if block_h * block_half >= 1024 else 1,
+        # No multiply-adds contracted: every build of the kernel (from partial sums or not,
+        # PDL or not) rounds each product, so split sums give the same values as their sum.
+        enable_fp_fusion=False,
         **pdl_launch(pdl),
     )
     return q_out
