@@ -663,6 +663,22 @@ case $1 in
       else PYTHONPATH=/tmp/site:/tmp/$t TAIL=1 step w2_${t}_$SECONDS 100 python3 /tmp/$t/$SBS --engine asyncserve --workloads w2 --model $L3-w4a16; fi
     done
     grep -o '"ms_per_token": [0-9.]*' $OUT/w2_*.log ;;
+  pretests)  # carry .whl: decode attention's and the rotary + KV store's tests on the GPU, with
+    # the int4 decode fusions' (rotary + store from split sums, exact) (14)
+    TAIL=3 step pre_tests 250 python3 -m pytest -q -p no:cacheprovider -rfs tests/kernels/test_attention.py tests/kernels/test_rope_store.py tests/kernels/test_pdl.py tests/quantization/test_int4_decode_fusions.py ;;
+  ropecheck)  # carry .whl .base (`git archive 7e3818c~1 asyncserve benchmarks`): the rotary + KV
+    # store's split-sums test in fp32 on .base's kernels, this tree's, and this tree's without PDL
+    rm -rf /tmp/base && cp -r .base /tmp/base
+    T="tests/kernels/test_rope_store.py -k split_sums"
+    (export PYTHONPATH=/tmp/site:/tmp/base:$PWD; cd /tmp/base && cp -r $OLDPWD/tests $OLDPWD/pyproject.toml . && TAIL=2 step rope_base 150 python3 -m pytest -q -p no:cacheprovider $T)
+    TAIL=2 step rope_new 150 python3 -m pytest -q -p no:cacheprovider $T
+    ASYNCSERVE_PDL=0 TAIL=2 step rope_nopdl 150 python3 -m pytest -q -p no:cacheprovider $T ;;
+  w2pairs)  # carry .peer/p1 after pretests and stage: the W2 pairs, W4A16 and FP8 (14)
+    bash .peer/p1/install.sh | tail -1
+    j_w4a16_pair
+    pair fp8 150 250 --workloads w2 --model $L3 --quantization fp8
+    TAIL=1 step w2_w4a16_again 100 python3 $SBS --engine asyncserve --workloads w2 --model $L3-w4a16
+    grep -h -o '"ms_per_token": [0-9.]*' $OUT/w4a16_*.log $OUT/fp8_*.log $OUT/w2_*.log ;;
   w4a16)  # carry .peer/p1 after stage: the W4A16 batch-1 pair (14)
     bash .peer/p1/install.sh | tail -1
     j_w4a16_pair ;;

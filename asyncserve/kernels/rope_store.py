@@ -345,9 +345,6 @@ def rope_store_kv(
         PDL=pdl,
         NUM_PARTS=num_parts,
         num_warps=4 if block_h * block_half >= 1024 else 1,
-        # No multiply-adds contracted: every build of the kernel (from partial sums or not,
-        # PDL or not) rounds each product, so split sums give the same values as their sum.
-        enable_fp_fusion=False,
         **pdl_launch(pdl),
     )
     return q_out
