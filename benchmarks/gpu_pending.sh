@@ -673,6 +673,20 @@ case $1 in
     (export PYTHONPATH=/tmp/site:/tmp/base:$PWD; cd /tmp/base && cp -r $OLDPWD/tests $OLDPWD/pyproject.toml . && TAIL=2 step rope_base 150 python3 -m pytest -q -p no:cacheprovider $T)
     TAIL=2 step rope_new 150 python3 -m pytest -q -p no:cacheprovider $T
     ASYNCSERVE_PDL=0 TAIL=2 step rope_nopdl 150 python3 -m pytest -q -p no:cacheprovider $T ;;
+  w2normw)  # carry .whl .base (`git archive HEAD asyncserve benchmarks`, the tree before): the
+    # RMSNorm kernels loading their weight before the PDL wait; norm tests on the GPU, W2 W4A16
+    # alternating .base and this tree, then this tree's decode step traced (14)
+    rm -rf /tmp/base && cp -r .base /tmp/base
+    TAIL=2 step norm_tests 150 python3 -m pytest -q -p no:cacheprovider -rfs tests/kernels -k norm
+    for t in base new new base new base; do
+      if [ $t = new ]; then TAIL=1 step w2_${t}_$SECONDS 100 python3 $SBS --engine asyncserve --workloads w2 --model $L3-w4a16
+      else PYTHONPATH=/tmp/site:/tmp/$t TAIL=1 step w2_${t}_$SECONDS 100 python3 /tmp/$t/$SBS --engine asyncserve --workloads w2 --model $L3-w4a16; fi
+    done
+    grep -o '"ms_per_token": [0-9.]*' $OUT/w2_*.log
+    TAIL=2 step w2_kernels 100 python3 $SBS --engine asyncserve --workloads w2 --model $L3-w4a16 --kernel-summary $OUT/w2_kernels.tsv
+    python3 benchmarks/step_trace.py $OUT/w2_kernels.tsv.trace.csv > $OUT/w2_step_trace.txt 2>&1
+    gzip $OUT/w2_kernels.tsv.trace.csv
+    cat $OUT/w2_step_trace.txt ;;
   w2pairs)  # carry .peer/p1 after pretests and stage: the W2 pairs, W4A16 and FP8 (14)
     bash .peer/p1/install.sh | tail -1
     j_w4a16_pair

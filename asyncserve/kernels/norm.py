@@ -35,10 +35,13 @@ def _rms_norm_kernel(
     PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py)
     NUM_PARTS: tl.constexpr = 0,  # x is this many partial sums (HAS_RESIDUAL only)
 ):
-    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
+    # The weight before the wait (kernels/pdl.py; no kernel writes it): after the reduction
+    # it would cost a round trip of its own.
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    pdl_wait(PDL)
     x_row = (row // heads) * stride_x_outer + (row % heads) * stride_x_head
     if NUM_PARTS > 0:
         # A split-K projection's output: its parts added in order and rounded to the
@@ -57,7 +60,6 @@ def _rms_norm_kernel(
     xf = x.to(tl.float32)
     mean_sq = tl.sum(xf * xf, 0) / hidden
     normed = (xf * tl.rsqrt(mean_sq + eps)).to(x.dtype)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     out = w.to(tl.float32) * normed.to(tl.float32)
     tl.store(out_ptr + row * stride_out_row + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
