@@ -687,6 +687,52 @@ case $1 in
     python3 benchmarks/step_trace.py $OUT/w2_kernels.tsv.trace.csv > $OUT/w2_step_trace.txt 2>&1
     gzip $OUT/w2_kernels.tsv.trace.csv
     cat $OUT/w2_step_trace.txt ;;
+  w2prefill)  # carry .whl .base (`git archive HEAD asyncserve benchmarks`, the tree before): lone
+    # prompts' graphs at 64 and 128 rows as well (W2's 128-token prompt ran padded to 256 rows);
+    # their test on the GPU, W2 W4A16 alternating .base and this tree, lone 64- and 128-token
+    # prompts (bf16) on each; then the int4 prompt GEMM with its operands swapped (14)
+    rm -rf /tmp/base && cp -r .base /tmp/base
+    TAIL=2 step prefill_tests 150 python3 -m pytest -q -p no:cacheprovider -rfs tests/worker/test_prefill_graphs.py
+    for t in base new new base; do
+      if [ $t = new ]; then TAIL=1 step w2_${t}_$SECONDS 100 python3 $SBS --engine asyncserve --workloads w2 --model $L3-w4a16
+      else PYTHONPATH=/tmp/site:/tmp/$t TAIL=1 step w2_${t}_$SECONDS 100 python3 /tmp/$t/$SBS --engine asyncserve --workloads w2 --model $L3-w4a16; fi
+    done
+    grep -o '"ms_per_token": [0-9.]*' $OUT/w2_*.log
+    for len in 64 128; do
+      TAIL=1 step lone_${len}_new 120 python3 benchmarks/lone_prefill.py --input-len $len
+      PYTHONPATH=/tmp/site:/tmp/base TAIL=1 step lone_${len}_base 120 python3 /tmp/base/benchmarks/lone_prefill.py --input-len $len
+    done
+    TAIL=2 step gemm_variants 200 python3 benchmarks/int4_gemm_bench.py --variants --which 0 3 --m 128 --reps 30
+    grep -h '"variant"' $OUT/gemm_variants.log | python3 -c "
+import json, sys
+rows = [r for r in (json.loads(l) for l in sys.stdin if l.startswith('{')) if 'ms' in r]
+best = {}
+for r in rows:
+    key = (r['n'], r['k'], r['m'], r['variant'])
+    if key not in best or r['ms'] < best[key]['ms']:
+        best[key] = r
+for key in sorted(best):
+    r = best[key]
+    print(key, r['ms'], r['config']['block_m'], r['config']['block_n'], r['config']['num_warps'], r['config']['num_stages'], r['rel_err'])
+" ;;
+  w2host)  # carry .whl: W2 W4A16's host steps under async scheduling, the slowest periods with
+    # their calls (the device idled ~1-1.5 ms every ~63 steps in the last trace); the int4
+    # prompt GEMM with its operands swapped (VARIANT 3) beside this one at 128 and 512 tokens (14)
+    TAIL=40 step w2_host 200 python3 benchmarks/step_phases.py --model $L3-w4a16 --load-format dummy \
+      --input-len 128 --output-len 256 --no-detokenize --async-scheduling --slowest 10
+    TAIL=2 step gemm_variants 300 python3 benchmarks/int4_gemm_bench.py --variants --which 0 3 --m 128 512 --reps 30
+    grep -h '"variant"' $OUT/gemm_variants.log | python3 -c "
+import json, sys
+rows = [r for r in (json.loads(l) for l in sys.stdin if l.startswith('{')) if 'ms' in r]
+best = {}
+for r in rows:
+    key = (r['n'], r['k'], r['m'], r['variant'])
+    if key not in best or r['ms'] < best[key]['ms']:
+        best[key] = r
+for key in sorted(best):
+    r = best[key]
+    print(key, r['ms'], r['config']['block_m'], r['config']['block_n'], r['config']['num_warps'], r['config']['num_stages'], r['rel_err'])
+" ;;
   w2pairs)  # carry .peer/p1 after pretests and stage: the W2 pairs, W4A16 and FP8 (14)
     bash .peer/p1/install.sh | tail -1
     j_w4a16_pair

@@ -68,9 +68,12 @@ def main() -> None:
     )
     parser.add_argument("--no-per-column", action="store_true", help="skip the old kernel")
     parser.add_argument("--variants", action="store_true", help="the layout experiments only")
+    parser.add_argument(
+        "--which", type=int, nargs="+", default=[0, 1, 2, 3], help="variants (0: this kernel)"
+    )
     args = parser.parse_args()
     if args.variants:
-        variants(args.m, args.reps)
+        variants(args.m, args.reps, tuple(args.which))
         return
     print(json.dumps({"device": torch.cuda.get_device_name(CUDA)}), flush=True)
     results = []
@@ -177,8 +180,23 @@ def _variant_kernel(
     W: tl.constexpr = BLOCK_K // 8
     offs_w = tl.arange(0, W)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    shifts = tl.arange(0, 8) * 4
     for k0 in range(0, k, BLOCK_K):
-        if VARIANT == 1:
+        if VARIANT == 3:
+            words = tl.load(qw_ptr + rows[:, None] * stride_qn + (k0 // 8 + offs_w)[None, :])
+            q = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 0xF, [BLOCK_N, BLOCK_K])
+            ks = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(
+                x_ptr + offs_m[:, None] * stride_xm + ks[None, :], mask=mask_m[:, None], other=0.0
+            )
+            part_t = tl.dot(q.to(x.dtype), tl.trans(x))
+            x_sum = tl.sum(x.to(tl.float32), axis=1)
+            group = rows * stride_sn + k0 // GROUP
+            scale = tl.load(s_ptr + group).to(tl.float32)
+            zero = tl.load(z_ptr + group).to(tl.float32)
+            acc_t += part_t * scale[:, None] - (zero * scale)[:, None] * x_sum[None, :]
+        elif VARIANT == 1:
             words = tl.load(qw_ptr + rows[:, None] * stride_qn + (k0 // 8 + offs_w)[None, :])
             part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             x_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -205,12 +223,19 @@ def _variant_kernel(
             )
             part = tl.dot(x, tl.trans(q.to(x.dtype)))
             x_sum = tl.sum(x.to(tl.float32), axis=1)
-        group = rows * stride_sn + k0 // GROUP
-        scale = tl.load(s_ptr + group).to(tl.float32)
-        zero = tl.load(z_ptr + group).to(tl.float32)
-        acc += part * scale[None, :] - x_sum[:, None] * (zero * scale)[None, :]
-    out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & (offs_n < n)[None, :])
+        if VARIANT != 3:
+            group = rows * stride_sn + k0 // GROUP
+            scale = tl.load(s_ptr + group).to(tl.float32)
+            zero = tl.load(z_ptr + group).to(tl.float32)
+            acc += part * scale[None, :] - x_sum[:, None] * (zero * scale)[None, :]
+    if VARIANT == 3:
+        out_t = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+        mask_t = mask_m[None, :] & (offs_n < n)[:, None]
+        tl.store(out_t, acc_t.to(out_ptr.dtype.element_ty), mask=mask_t)
+    else:
+        out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        mask = mask_m[:, None] & (offs_n < n)[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def variant_gemm(x, qweight, s, z, variant: int, config: GroupGemmConfig):  # type: ignore[no-untyped-def]
@@ -226,17 +251,24 @@ def variant_gemm(x, qweight, s, z, variant: int, config: GroupGemmConfig):  # ty
     return out
 
 
-def variants(ms: list[int], reps: int) -> None:
+def variants(ms: list[int], reps: int, which: tuple[int, ...] = (0, 1, 2, 3)) -> None:
     """Each variant against the reshape kernel, a few tiles each, on every shape."""
     for (n, k), m in itertools.product(SHAPES, ms):
         nbytes = n * k // 2 + 2 * n * (k // GROUP) * 2
         weights = [make_weight(n, k, seed) for seed in range(max(2, -(-ROTATE_BYTES // nbytes)))]
         x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)
         ref = int4_matmul(x, *weights[0], None, GROUP).float()
-        bm = min(128, max(16, triton.next_power_of_2(m)))
-        for variant, (block_n, warps, stages) in itertools.product(
-            (0, 1, 2), ((64, 4, 3), (128, 4, 3), (64, 8, 4), (128, 8, 3))
+        bms = sorted(
+            {
+                min(64, max(16, triton.next_power_of_2(m))),
+                min(128, max(16, triton.next_power_of_2(m))),
+            }
+        )
+        for variant, bm, (block_n, warps, stages) in itertools.product(
+            which, bms, ((64, 4, 3), (128, 4, 3), (64, 8, 4), (128, 8, 3), (128, 4, 4), (256, 8, 3))
         ):
+            if variant != 3 and block_n == 256:
+                continue
             config = GroupGemmConfig(bm, block_n, 128, warps, stages)
             if variant == 0:
                 fn = lambda w, c=config, x=x: int4_matmul(x, *w, None, GROUP, c)  # noqa: E731

@@ -15,6 +15,10 @@ replay alone (the device's share of the step).
         [--batch-size 1] [--input-len 128] [--output-len 128] [--max-num-seqs N] \
         [--no-detokenize]
 
+--async-scheduling: the engine's CUDA default (a step launched before the last one's tokens
+are back), where a slow host step shows only when it outlasts the device's; --slowest N
+then lists the N longest step periods with every timed call that started in each.
+
 --no-detokenize: token ids only (SamplingParams(detokenize=False)), as the side-by-side
 comparison runs vLLM. "publish, whole run" adds up every publish of the timed run: work a
 request defers to its end (offline outputs are read only then) leaves the median step but
@@ -65,6 +69,8 @@ def _parse() -> argparse.Namespace:
     parser.add_argument(
         "--switch-interval", type=float, default=None, help="sys.setswitchinterval (seconds)"
     )
+    parser.add_argument("--async-scheduling", action="store_true", help="as the engine on CUDA")
+    parser.add_argument("--slowest", type=int, default=0, help="list the N longest periods")
     parser.add_argument(
         "--sync-debug",
         action="store_true",
@@ -78,15 +84,15 @@ def main() -> None:
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     batch = args.batch_size
-    # One step at a time: the phases below are those the device would wait for without
-    # async scheduling (with it, they run while the step before computes).
+    # By default one step at a time: the phases below are those the device would wait for
+    # without async scheduling (with it, they run while the step before computes).
     llm = LLM(
         model=args.model,
         load_format=args.load_format,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs or max(batch, 1),
         max_num_batched_tokens=args.max_num_batched_tokens or max(8192, batch),
-        async_scheduling=False,
+        async_scheduling=args.async_scheduling,
     )
     engine = llm.engine
     runner = engine.runner
@@ -170,6 +176,8 @@ def main() -> None:
         model_runner.SamplingMetadata.build = meta_build  # type: ignore[method-assign]
         model_runner.apply_plan = timers["  apply_plan"].fn  # type: ignore[attr-defined]
     _report(args, engine, timers, marks, schedule_end, full_decode)
+    if args.slowest:
+        _slowest(args.slowest, timers, marks["update_start"])
     if syncs is not None:
         print(f"synchronizing CUDA calls in the timed run: {sum(syncs.values())}")
         for where, count in syncs.most_common(12):
@@ -194,6 +202,26 @@ def _watch_syncs() -> collections.Counter[str]:
     warnings.showwarning = record
     torch.cuda.set_sync_debug_mode("warn")
     return counts
+
+
+def _slowest(count: int, timers: dict[str, Timer], updates: list[float]) -> None:
+    """The `count` longest step periods (update to update) of the timed run, each with the
+    timed calls that started inside it: where a host stall between steps went."""
+    calls = sorted(
+        (start, name.strip(), took)
+        for name, timer in timers.items()
+        for start, took in zip(timer.starts, timer.times, strict=False)
+    )
+    periods = sorted(range(len(updates) - 1), key=lambda i: updates[i] - updates[i + 1])
+    median = statistics.median(b - a for a, b in zip(updates, updates[1:], strict=False))
+    print(f"slowest step periods (median {1e6 * median:.0f} us):")
+    for i in sorted(periods[:count]):
+        begin, end = updates[i], updates[i + 1]
+        print(f"  step {i}: {1e6 * (end - begin):.0f} us")
+        lo = bisect.bisect_left(calls, (begin,))
+        hi = bisect.bisect_left(calls, (end,))
+        for start, name, took in calls[lo:hi]:
+            print(f"    +{1e6 * (start - begin):7.0f} us  {name:<14} {1e6 * took:7.0f} us")
 
 
 def _report(

@@ -15,9 +15,11 @@ class Timer:
         self.fn = fn
         self.times: list[float] = []
         self.cpu_times: list[float] = []
+        self.starts: list[float] = []  # time.perf_counter() at each call's start
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
+        self.starts.append(start)
         cpu_start = time.thread_time()
         try:
             return self.fn(*args, **kwargs)

@@ -12,6 +12,9 @@ and their outputs are dropped). Measured (benchmarks/lone_prefill.py, same call)
 8.5 ms against 18.2 eager, 300 tokens 13.4 against 22.8, 500 tokens 13.5 against 27.4, 641
 tokens padded to a graph of 768 rows 19.8 against 18.3. So prompts past 512 tokens run
 eagerly: their GPU time covers most of their launches, and padding costs about what it saves.
+Below 256 rows padding costs more than launches: a 128-token prompt padded to 256 rows ran
+the 4-bit model's GEMMs at twice its rows (W2 W4A16's prompt: ~22 ms of its 646), hence
+the 64- and 128-row graphs.
 
 Only plain steps replay them: one rank (a graph cannot hold a tensor-parallel all-reduce of
 a whole prompt's rows), no pipeline stages, LoRA, speculative decoding or images.
@@ -31,7 +34,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-PREFILL_GRAPH_ROWS = (256, 512)
+PREFILL_GRAPH_ROWS = (64, 128, 256, 512)
 
 
 def plain_steps(runner: ModelRunner) -> bool:

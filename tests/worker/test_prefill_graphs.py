@@ -103,9 +103,9 @@ def test_lone_prefills_replay_and_equal_eager(tmp_path: Path) -> None:
     root = write_config(tmp_path / "llama", max_position_embeddings=2048)
     save_file(random_state(seed=6), str(root / "model.safetensors"))
     gen = torch.Generator().manual_seed(0)
-    lengths = (2, 9, 255, 256, 300, 700, 768, 1500)
+    lengths = (2, 9, 100, 255, 256, 300, 700, 768, 1500)
     prompts = [torch.randint(3, 250, (n,), generator=gen).tolist() for n in lengths]
-    prompts.append(prompts[4][:200] + prompts[5][:50])  # a cached 192-token prefix, then 58
+    prompts.append(prompts[5][:200] + prompts[6][:50])  # a cached 192-token prefix, then 58
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=0)
     tokens: dict[bool, list[list[int]]] = {}
     prompt_logprobs: dict[bool, list[list[float]]] = {}
