@@ -739,6 +739,13 @@ for key in sorted(best):
     pair fp8 150 250 --workloads w2 --model $L3 --quantization fp8
     TAIL=1 step w2_w4a16_again 100 python3 $SBS --engine asyncserve --workloads w2 --model $L3-w4a16
     grep -h -o '"ms_per_token": [0-9.]*' $OUT/w4a16_*.log $OUT/fp8_*.log $OUT/w2_*.log ;;
+  w1bfp8)  # carry .peer/p1 after stage: W1b with FP8 weights beside vLLM's, and asyncserve's
+    # bf16 W1b in the same call (the issue: FP8 >= 1.3x bf16 and >= vLLM FP8), then vLLM's bf16 (14)
+    bash .peer/p1/install.sh | tail -1
+    pair w1b_fp8 150 250 --workloads w1b --model $L3 --quantization fp8
+    TAIL=2 step w1b_bf16_as 150 python3 $SBS --engine asyncserve --workloads w1b --model $L3
+    TAIL=2 step w1b_bf16_vllm 200 env $VENV python3 $SBS --engine vllm --workloads w1b --model $L3
+    grep -h -o '"engine": "[a-z]*", "workload": "w1b".*"total_tok_s": [0-9.]*' $OUT/w1b_*.log ;;
   w4a16)  # carry .peer/p1 after stage: the W4A16 batch-1 pair (14)
     bash .peer/p1/install.sh | tail -1
     j_w4a16_pair ;;
