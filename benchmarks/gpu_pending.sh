@@ -175,6 +175,23 @@ torch_bytecode() {
   export PYTHONPYCACHEPREFIX=/tmp/pyc
 }
 
+# variants_best: each shape's best tile per variant in $OUT/gemm_variants.log (int4_gemm_bench.py
+# --variants): (n, k, m, variant) ms block_m block_n warps stages rel_err.
+variants_best() {
+  grep -h '"variant"' $OUT/gemm_variants.log | python3 -c "
+import json, sys
+rows = [r for r in (json.loads(l) for l in sys.stdin if l.startswith('{')) if 'ms' in r]
+best = {}
+for r in rows:
+    key = (r['n'], r['k'], r['m'], r['variant'])
+    if key not in best or r['ms'] < best[key]['ms']:
+        best[key] = r
+for key in sorted(best):
+    c = best[key]['config']
+    print(key, best[key]['ms'], c['block_m'], c['block_n'], c['num_warps'], c['num_stages'], best[key]['rel_err'])
+"
+}
+
 case $1 in
   prep)
     [ -d .smol/a ] && mkdir -p /tmp/smol && cp .smol/a/part /tmp/smol/part_a
@@ -703,36 +720,14 @@ case $1 in
       PYTHONPATH=/tmp/site:/tmp/base TAIL=1 step lone_${len}_base 120 python3 /tmp/base/benchmarks/lone_prefill.py --input-len $len
     done
     TAIL=2 step gemm_variants 200 python3 benchmarks/int4_gemm_bench.py --variants --which 0 3 --m 128 --reps 30
-    grep -h '"variant"' $OUT/gemm_variants.log | python3 -c "
-import json, sys
-rows = [r for r in (json.loads(l) for l in sys.stdin if l.startswith('{')) if 'ms' in r]
-best = {}
-for r in rows:
-    key = (r['n'], r['k'], r['m'], r['variant'])
-    if key not in best or r['ms'] < best[key]['ms']:
-        best[key] = r
-for key in sorted(best):
-    r = best[key]
-    print(key, r['ms'], r['config']['block_m'], r['config']['block_n'], r['config']['num_warps'], r['config']['num_stages'], r['rel_err'])
-" ;;
+    variants_best ;;
   w2host)  # carry .whl: W2 W4A16's host steps under async scheduling, the slowest periods with
     # their calls (the device idled ~1-1.5 ms every ~63 steps in the last trace); the int4
     # prompt GEMM with its operands swapped (VARIANT 3) beside this one at 128 and 512 tokens (14)
     TAIL=40 step w2_host 200 python3 benchmarks/step_phases.py --model $L3-w4a16 --load-format dummy \
       --input-len 128 --output-len 256 --no-detokenize --async-scheduling --slowest 10
     TAIL=2 step gemm_variants 300 python3 benchmarks/int4_gemm_bench.py --variants --which 0 3 --m 128 512 --reps 30
-    grep -h '"variant"' $OUT/gemm_variants.log | python3 -c "
-import json, sys
-rows = [r for r in (json.loads(l) for l in sys.stdin if l.startswith('{')) if 'ms' in r]
-best = {}
-for r in rows:
-    key = (r['n'], r['k'], r['m'], r['variant'])
-    if key not in best or r['ms'] < best[key]['ms']:
-        best[key] = r
-for key in sorted(best):
-    r = best[key]
-    print(key, r['ms'], r['config']['block_m'], r['config']['block_n'], r['config']['num_warps'], r['config']['num_stages'], r['rel_err'])
-" ;;
+    variants_best ;;
   w2pairs)  # carry .peer/p1 after pretests and stage: the W2 pairs, W4A16 and FP8 (14)
     bash .peer/p1/install.sh | tail -1
     j_w4a16_pair
