@@ -192,6 +192,18 @@ for key in sorted(best):
 "
 }
 
+# w3_kv NAME KV: W3 at 16 req/s on a server with --kv-cache-dtype KV (100 warm-up requests
+# first; 1024 sequences, so that max_num_seqs x max_model_len does not cap an fp8 pool), its
+# TTFT / TPOT / ITL figures printed on one line (14).
+w3_kv() {
+  local run=$1 kv=$2
+  serve_as 8720 w3_server_$run --kv-cache-dtype $kv --max-num-seqs 1024
+  step w3_warm_$run 150 $SERVE_BENCH --base-url http://127.0.0.1:8720 --request-rate 16 --num-prompts 100
+  TAIL=1 step w3_kv_$run 150 $SERVE_BENCH --base-url http://127.0.0.1:8720 --request-rate 16 --output-json $OUT/w3_kv_$run.json
+  stop_server
+  python3 -c "import json; d = json.load(open('$OUT/w3_kv_$run.json')); print('$run', *(f'{k} {d[k]:.2f}' for k in ('median_ttft_ms', 'p99_ttft_ms', 'median_tpot_ms', 'p99_tpot_ms', 'median_itl_ms')))"
+}
+
 case $1 in
   prep)
     [ -d .smol/a ] && mkdir -p /tmp/smol && cp .smol/a/part /tmp/smol/part_a
@@ -742,34 +754,15 @@ case $1 in
     TAIL=2 step w1b_bf16_vllm 200 env $VENV python3 $SBS --engine vllm --workloads w1b --model $L3
     grep -h -o '"engine": "[a-z]*", "workload": "w1b".*"total_tok_s": [0-9.]*' $OUT/w1b_*.log ;;
   w3kv)  # carry .whl: W3 at 16 req/s with bf16 and fp8 KV caches, one server after the other,
-    # and each pool's size (the issue: TPOT within 5% while the pool holds twice the tokens;
-    # 1024 sequences, so that max_num_seqs x max_model_len does not cap the fp8 pool) (14)
-    for kv in auto fp8; do
-      serve_as 8720 w3_server_$kv --kv-cache-dtype $kv --max-num-seqs 1024
-      step w3_warm_$kv 150 $SERVE_BENCH --base-url http://127.0.0.1:8720 --request-rate 16 --num-prompts 100
-      TAIL=12 step w3_kv_$kv 150 $SERVE_BENCH --base-url http://127.0.0.1:8720 --request-rate 16 --output-json $OUT/w3_kv_$kv.json
-      stop_server; grep -i -E "KV cache|blocks" $OUT/w3_server_$kv.log | head -3
-    done ;;
+    # and each pool's size (the issue: TPOT within 5% while the pool holds twice the tokens) (14)
+    for kv in auto fp8; do w3_kv $kv $kv; grep -i "KV blocks" $OUT/w3_server_$kv.log; done ;;
   fp8kv)  # carry .whl: a mixed step's attention and K/V store over bf16 and fp8 caches
     # (benchmarks/attention_fp8_kv.py); then W3 at 16 req/s again, fp8 KV first this time (14)
     TAIL=20 step attn_fp8_kv 200 python3 benchmarks/attention_fp8_kv.py
-    for kv in fp8 auto; do
-      serve_as 8720 w3_server_$kv --kv-cache-dtype $kv --max-num-seqs 1024
-      step w3_warm_$kv 150 $SERVE_BENCH --base-url http://127.0.0.1:8720 --request-rate 16 --num-prompts 100
-      TAIL=1 step w3_kv_$kv 150 $SERVE_BENCH --base-url http://127.0.0.1:8720 --request-rate 16 --output-json $OUT/w3_kv_$kv.json
-      stop_server
-      python3 -c "import json; d = json.load(open('$OUT/w3_kv_$kv.json')); print('$kv', *(f'{k} {d[k]:.2f}' for k in ('median_ttft_ms', 'p99_ttft_ms', 'median_tpot_ms', 'p99_tpot_ms', 'median_itl_ms')))"
-    done ;;
+    for kv in fp8 auto; do w3_kv $kv $kv; done ;;
   w3kvalt)  # carry .whl: W3 at 16 req/s, bf16 and fp8 KV alternating over four servers (the
     # second server of a call ran 8-13% slower in fp8kv and w3kv, whichever its dtype) (14)
-    for run in auto1 fp81 auto2 fp82; do
-      kv=${run%[12]}
-      serve_as 8720 w3_server_$run --kv-cache-dtype $kv --max-num-seqs 1024
-      step w3_warm_$run 150 $SERVE_BENCH --base-url http://127.0.0.1:8720 --request-rate 16 --num-prompts 100
-      TAIL=1 step w3_kv_$run 150 $SERVE_BENCH --base-url http://127.0.0.1:8720 --request-rate 16 --output-json $OUT/w3_kv_$run.json
-      stop_server
-      python3 -c "import json; d = json.load(open('$OUT/w3_kv_$run.json')); print('$run', *(f'{k} {d[k]:.2f}' for k in ('median_ttft_ms', 'p99_ttft_ms', 'median_tpot_ms', 'p99_tpot_ms', 'median_itl_ms')))"
-    done ;;
+    for run in auto1 fp81 auto2 fp82; do w3_kv $run ${run%[12]}; done ;;
   w4a16)  # carry .peer/p1 after stage: the W4A16 batch-1 pair (14)
     bash .peer/p1/install.sh | tail -1
     j_w4a16_pair ;;

@@ -1,4 +1,4 @@
-"""Launch shapes of the unified paged attention kernel (kernels/attention.py): tile sizes,
+"""Launch shapes of the unified paged attention kernel (kernels/attention_kernel.py): tile sizes,
 the split-KV factor and whether a decode batch's programs take their sequences longest
 first, chosen from the step's shapes alone (no device read)."""
 

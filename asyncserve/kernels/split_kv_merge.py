@@ -1,4 +1,4 @@
-"""The second pass of split-KV attention (kernels/attention.py): each query row's NUM_SPLITS
+"""The second pass of split-KV attention (kernels/attention_kernel.py): each query row's NUM_SPLITS
 unnormalised partial results (accumulator, running max in the log2 domain, running sum; fp32)
 merged into its output row."""
 

@@ -57,7 +57,7 @@ def _allowed(value: object) -> bool:
 def test_the_kernels_are_found() -> None:
     names = [name for name, _ in _kernels()]
     assert "activation._act_and_mul_kernel" in names
-    assert "attention._unified_attention_kernel" in names
+    assert "attention_kernel._unified_attention_kernel" in names
     assert len(names) >= 20
 
 
