@@ -192,10 +192,6 @@ def _variant_kernel(
             )
             part_t = tl.dot(q.to(x.dtype), tl.trans(x))
             x_sum = tl.sum(x.to(tl.float32), axis=1)
-            group = rows * stride_sn + k0 // GROUP
-            scale = tl.load(s_ptr + group).to(tl.float32)
-            zero = tl.load(z_ptr + group).to(tl.float32)
-            acc_t += part_t * scale[:, None] - (zero * scale)[:, None] * x_sum[None, :]
         elif VARIANT == 1:
             words = tl.load(qw_ptr + rows[:, None] * stride_qn + (k0 // 8 + offs_w)[None, :])
             part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -223,10 +219,12 @@ def _variant_kernel(
             )
             part = tl.dot(x, tl.trans(q.to(x.dtype)))
             x_sum = tl.sum(x.to(tl.float32), axis=1)
-        if VARIANT != 3:
-            group = rows * stride_sn + k0 // GROUP
-            scale = tl.load(s_ptr + group).to(tl.float32)
-            zero = tl.load(z_ptr + group).to(tl.float32)
+        group = rows * stride_sn + k0 // GROUP
+        scale = tl.load(s_ptr + group).to(tl.float32)
+        zero = tl.load(z_ptr + group).to(tl.float32)
+        if VARIANT == 3:
+            acc_t += part_t * scale[:, None] - (zero * scale)[:, None] * x_sum[None, :]
+        else:
             acc += part * scale[None, :] - x_sum[:, None] * (zero * scale)[None, :]
     if VARIANT == 3:
         out_t = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]

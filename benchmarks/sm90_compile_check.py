@@ -54,7 +54,6 @@ def _cases() -> dict[str, Callable[[], object]]:
     from asyncserve.kernels.int4_gemv import GemvConfig, int4_gemv
     from asyncserve.kernels.norm import add_parts_rms_norm
     from asyncserve.kernels.rope_store import rope_store_kv
-    from benchmarks.int4_gemm_bench import variant_gemm
     from benchmarks.int4_gemv_tma import tma_gemv
 
     # The decode path's kernels as the GPU launches them: with PDL (kernels/pdl.py), so the
@@ -123,9 +122,6 @@ def _cases() -> dict[str, Callable[[], object]]:
             dim**-0.5,
             attention.default_config(heads // kv_heads, 1),
             8,
-        ),
-        "int4 prompt GEMM, operands swapped (variant 3)": lambda: variant_gemm(
-            torch.randn(128, k).bfloat16(), *w, 3, GroupGemmConfig(128, 128, 128, 4, 3)
         ),
         "argmax_rows": lambda: argmax_rows(torch.randn(1, 128256)),
         "tma_gemv 1024 x 2 stages": lambda: tma_gemv(x, *w, GemvConfig(16, 1024, 2, 4, 2)),

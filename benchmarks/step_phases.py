@@ -212,7 +212,7 @@ def _slowest(count: int, timers: dict[str, Timer], updates: list[float]) -> None
         for name, timer in timers.items()
         for start, took in zip(timer.starts, timer.times, strict=False)
     )
-    periods = sorted(range(len(updates) - 1), key=lambda i: updates[i] - updates[i + 1])
+    periods = sorted(range(len(updates) - 1), key=lambda i: updates[i + 1] - updates[i])[::-1]
     median = statistics.median(b - a for a, b in zip(updates, updates[1:], strict=False))
     print(f"slowest step periods (median {1e6 * median:.0f} us):")
     for i in sorted(periods[:count]):
